@@ -1,0 +1,114 @@
+"""Configuration of the [`AgenticGRPOTrainer`]: TRL's `GRPOConfig` plus the agent-side knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+
+@dataclass
+class AgenticGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for the [`AgenticGRPOTrainer`].
+
+    Everything of [`trl.GRPOConfig`] keeps its meaning (loss, KL `beta`, clipping, `num_generations` = episodes per
+    task, `temperature`/`top_p`/`top_k` = how the policy samples, whatever the agent asks for). One generation slot is
+    one *episode* of the agent; `max_completion_length` caps the tokens of one model call.
+
+    Parameters:
+        > Parameters that control the episodes
+
+        max_concurrent_episodes (`int`, *optional*, defaults to `64`):
+            Most episodes running at once on this process.
+        max_turns (`int`, *optional*, defaults to `16`):
+            Most model calls in one episode. The call past the limit is answered with an error and the episode ends
+            with status `limit_exceeded`.
+        max_episode_tokens (`int` or `None`, *optional*, defaults to `None`):
+            Most sampled tokens in one episode (over all its calls). `None`: no limit beyond `max_turns`.
+        episode_timeout (`float`, *optional*, defaults to `300.0`):
+            Wall-clock seconds an episode may run; then the agent is cancelled (a command agent's process group is
+            killed) and the episode ends with status `timeout`.
+
+        > Parameters that control the endpoint the agents talk to
+
+        endpoint_host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            Address the in-process OpenAI-compatible endpoint binds. Keep the loopback unless agents run elsewhere.
+        endpoint_port (`int`, *optional*, defaults to `0`):
+            Port of the endpoint; `0` picks a free one (each process of a multi-process run gets its own).
+        generation_batch_wait_ms (`float`, *optional*, defaults to `5.0`):
+            How long the embedded engine waits for concurrent requests to join a batch.
+        max_generation_batch_size (`int`, *optional*, defaults to `64`):
+            Most requests the embedded engine samples together.
+
+        > Parameters that control how episodes become training rows
+
+        max_rows_per_episode (`int`, *optional*, defaults to `8`):
+            Most rows one episode may produce (a fork starts a row). Turns past the cap are not trained and are
+            counted in `episodes/rows_capped`.
+        side_calls (`str`, *optional*, defaults to `"train"`):
+            How a call that is not part of the episode's main line (it does not continue the previous call, e.g. a
+            title or summary request) is trained: `"train"` as a row of its own, `"skip"` not at all.
+        forks (`str`, *optional*, defaults to `"train"`):
+            How the continuation after a history rewrite is trained: `"train"` as a new row, `"skip"` only the main
+            line up to the fork is trained.
+        row_weighting (`str`, *optional*, defaults to `"episode"`):
+            `"episode"`: the rows of an episode split its weight (each row's advantage is divided by the number of
+            rows), so an episode cut into many rows does not outweigh a single-row one under sequence-level losses.
+            `"row"`: every row counts fully.
+
+        > Parameters that control logging
+
+        log_episodes (`bool`, *optional*, defaults to `False`):
+            Write every episode (turns, messages, rewards, advantage, rows with their masks) as JSONL under
+            `output_dir/episodes/`.
+    """
+
+    max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})
+    max_turns: int = field(default=16, metadata={"help": "Most model calls in one episode."})
+    max_episode_tokens: int | None = field(
+        default=None, metadata={"help": "Most sampled tokens in one episode; None = no limit beyond max_turns."}
+    )
+    episode_timeout: float = field(default=300.0, metadata={"help": "Wall-clock seconds an episode may run."})
+    endpoint_host: str = field(default="127.0.0.1", metadata={"help": "Address the agent endpoint binds."})
+    endpoint_port: int = field(default=0, metadata={"help": "Port of the agent endpoint; 0 picks a free one."})
+    generation_batch_wait_ms: float = field(
+        default=5.0, metadata={"help": "How long the embedded engine waits for requests to join a batch."}
+    )
+    max_generation_batch_size: int = field(
+        default=64, metadata={"help": "Most requests the embedded engine samples together."}
+    )
+    max_rows_per_episode: int = field(default=8, metadata={"help": "Most training rows one episode may produce."})
+    side_calls: str = field(
+        default="train", metadata={"help": "How side calls are trained.", "choices": ["train", "skip"]}
+    )
+    forks: str = field(
+        default="train", metadata={"help": "How continuations after a fork are trained.", "choices": ["train", "skip"]}
+    )
+    row_weighting: str = field(
+        default="episode", metadata={"help": "Split an episode's weight over its rows.", "choices": ["episode", "row"]}
+    )
+    log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_concurrent_episodes < 1:
+            raise ValueError(f"max_concurrent_episodes must be >= 1, got {self.max_concurrent_episodes}.")
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1 (one model call at least), got {self.max_turns}.")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ValueError(
+                f"max_episode_tokens must be >= 1 or None (no limit), got {self.max_episode_tokens}."
+            )
+        if self.episode_timeout <= 0:
+            raise ValueError(f"episode_timeout must be > 0 seconds, got {self.episode_timeout}.")
+        if self.max_rows_per_episode < 1:
+            raise ValueError(f"max_rows_per_episode must be >= 1, got {self.max_rows_per_episode}.")
+        for name, allowed in (("side_calls", ("train", "skip")), ("forks", ("train", "skip")),
+                              ("row_weighting", ("episode", "row"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if not 0 <= self.endpoint_port < 65536:
+            raise ValueError(f"endpoint_port must be in [0, 65535] (0 = pick a free port), got {self.endpoint_port}.")
+        if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
+            raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
