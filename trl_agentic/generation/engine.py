@@ -20,6 +20,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: int = 0  # also report this many most likely (id, logprob) pairs per position
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,6 +37,7 @@ class GenerationOutput:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @runtime_checkable

@@ -146,6 +146,7 @@ class TransformersEngine:
 
         tokens: list[list[int]] = [[] for _ in range(batch_size)]
         logprobs: list[list[float]] = [[] for _ in range(batch_size)]
+        tops: list[list | None] = [[] if s.top_logprobs else None for s in samplings]
         finish: list[str | None] = [None if m > 0 else "length" for m in max_new]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         cache = None
@@ -170,6 +171,9 @@ class TransformersEngine:
                 next_ids[i] = token
                 tokens[i].append(token)
                 logprobs[i].append(logps[i, token].item())
+                if tops[i] is not None:
+                    values, ids = torch.topk(logps[i], samplings[i].top_logprobs)
+                    tops[i].append(list(zip(ids.tolist(), values.tolist())))
                 if token in stop_ids[i]:
                     finish[i] = "stop"
                 elif len(tokens[i]) >= max_new[i]:
@@ -177,7 +181,7 @@ class TransformersEngine:
             step_ids = next_ids.unsqueeze(1)
             attention_mask = torch.cat([attention_mask, torch.ones((batch_size, 1), dtype=torch.long, device=device)], 1)
             position_ids = position_ids[:, -1:] + 1
-        return [GenerationOutput(t, lp, f) for t, lp, f in zip(tokens, logprobs, finish, strict=True)]
+        return [GenerationOutput(*row) for row in zip(tokens, logprobs, finish, tops, strict=True)]
 
 
 def _sample_row(logps: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:

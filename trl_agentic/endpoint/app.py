@@ -1,0 +1,386 @@
+"""The OpenAI-compatible endpoint that records every token: `create_app(...) -> FastAPI`.
+
+Routes:
+- `POST /v1/chat/completions`, `GET /v1/models` (episode by `Authorization: Bearer <episode key>`), and the same under
+  `/episodes/{episode_id}/v1/...` (episode by path).
+- `GET /health`.
+- `POST /admin/episodes`, `GET /admin/episodes/{id}`, `POST /admin/episodes/{id}/close`, guarded by the admin token
+  (the agent only ever holds its episode key or id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from pydantic import ValidationError
+
+from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
+from ..rollout.trace import Turn
+from .chat import ChatRenderer
+from .protocol import ChatCompletionRequest, error_body, template_message
+from .sessions import EpisodeLimits, EpisodeRegistry, EpisodeSession
+
+
+@dataclass
+class SamplingOverrides:
+    """Sampling set by the server (the trainer), whatever the agent asks for. `None` = use the request's value."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None  # cap on tokens per call (the request may ask for fewer)
+
+
+@dataclass
+class EndpointSettings:
+    served_model_names: list[str] = field(default_factory=lambda: ["policy"])
+    admin_token: str = field(default_factory=lambda: f"sk-admin-{secrets.token_urlsafe(32)}")
+    default_max_tokens: int = 512
+    max_body_bytes: int = 4 * 1024 * 1024
+    overrides: SamplingOverrides = field(default_factory=SamplingOverrides)
+    default_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+
+def create_app(
+    engine: GenerationEngine,
+    renderer: ChatRenderer,
+    settings: EndpointSettings | None = None,
+    registry: EpisodeRegistry | None = None,
+) -> FastAPI:
+    """Build the endpoint app.
+
+    Example:
+
+    ```python
+    >>> app = create_app(TransformersEngine(model, tokenizer.pad_token_id), ChatRenderer(tokenizer))
+    >>> uvicorn.run(app, host="127.0.0.1", port=8000)
+    ```
+    """
+    settings = settings or EndpointSettings()
+    registry = registry or EpisodeRegistry()
+    app = FastAPI(title="trl-agentic endpoint")
+    app.state.engine, app.state.renderer, app.state.settings, app.state.registry = engine, renderer, settings, registry
+    tokenizer = renderer.tokenizer
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError):
+        return JSONResponse(error_body(error.message, error.type, error.param, error.code), status_code=error.status)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, _):
+        return JSONResponse(error_body(f"Unknown route {request.url.path}", code="not_found"), status_code=404)
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, _):
+        return JSONResponse(error_body(f"Method {request.method} not allowed on {request.url.path}"), status_code=405)
+
+    # Episodes
+
+    def episode_from_key(request: Request) -> EpisodeSession:
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer ") or not header[7:].strip():
+            raise APIError(401, "Missing API key: send the episode key as 'Authorization: Bearer <key>'.",
+                           "authentication_error", "missing_api_key")
+        session = registry.by_key(header[7:].strip())
+        if session is None:
+            raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
+        return session
+
+    def episode_from_path(episode_id: str) -> EpisodeSession:
+        session = registry.by_id(episode_id)
+        if session is None:
+            raise APIError(404, f"Unknown or closed episode {episode_id!r}.", "invalid_request_error",
+                           "episode_not_found")
+        return session
+
+    def check_admin(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), settings.admin_token.encode()):
+            raise APIError(401, "Admin routes need the admin token.", "authentication_error", "invalid_admin_token")
+
+    # Routes
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "open_episodes": len(registry)}
+
+    def models_body():
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "trl-agentic"}
+            for name in settings.served_model_names
+        ]}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        episode_from_key(request)
+        return models_body()
+
+    @app.get("/episodes/{episode_id}/v1/models")
+    async def models_by_path(episode_id: str):
+        episode_from_path(episode_id)
+        return models_body()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        session = episode_from_key(request)
+        return await serve_chat(session, await read_body(request))
+
+    @app.post("/episodes/{episode_id}/v1/chat/completions")
+    async def chat_completions_by_path(episode_id: str, request: Request):
+        session = episode_from_path(episode_id)
+        return await serve_chat(session, await read_body(request))
+
+    @app.post("/admin/episodes")
+    async def open_episode(request: Request):
+        check_admin(request)
+        body = await read_json(request, required=False) or {}
+        limits = EpisodeLimits(
+            max_turns=body.get("max_turns", settings.default_limits.max_turns),
+            max_episode_tokens=body.get("max_episode_tokens", settings.default_limits.max_episode_tokens),
+        )
+        session = registry.open(body.get("task_index", 0), body.get("group_index", 0), body.get("metadata"), limits)
+        base = str(request.base_url).rstrip("/")
+        return {"id": session.episode.id, "key": session.key, "base_url": f"{base}/v1",
+                "path_base_url": f"{base}/episodes/{session.episode.id}/v1"}
+
+    @app.get("/admin/episodes/{episode_id}")
+    async def get_episode(episode_id: str, request: Request):
+        check_admin(request)
+        return episode_from_path(episode_id).episode.to_dict()
+
+    @app.post("/admin/episodes/{episode_id}/close")
+    async def close_episode(episode_id: str, request: Request):
+        check_admin(request)
+        body = await read_json(request, required=False) or {}
+        try:
+            episode = registry.close(episode_id, body.get("status"), body.get("result"), body.get("error"))
+        except KeyError:
+            raise APIError(404, f"Unknown or closed episode {episode_id!r}.", code="episode_not_found") from None
+        return episode.to_dict()
+
+    # Request handling
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+            raise APIError(413, f"Request body of {declared} bytes is over the limit of {settings.max_body_bytes}.",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise APIError(413, f"Request body is over the limit of {settings.max_body_bytes} bytes.",
+                               code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def read_json(request: Request, required: bool = True) -> Any:
+        raw = await read_body(request)
+        if not raw.strip() and not required:
+            return None
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
+
+    async def serve_chat(session: EpisodeSession, raw: bytes):
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(400, f"Invalid request: {param}: {first.get('msg')}", param=param or None,
+                           code="invalid_request") from None
+        if req.model not in settings.served_model_names:
+            raise APIError(404, f"The model {req.model!r} does not exist; this endpoint serves "
+                                f"{settings.served_model_names}.", code="model_not_found", param="model")
+
+        limits = session.limits
+        if limits.max_turns is not None and len(session.episode.turns) + session.in_flight >= limits.max_turns:
+            session.flags.add("limit_exceeded")
+            raise APIError(400, f"Episode limit reached: at most {limits.max_turns} model calls.",
+                           code="episode_limit_exceeded")
+        budget = None
+        if limits.max_episode_tokens is not None:
+            budget = limits.max_episode_tokens - session.episode.num_sampled_tokens
+            if budget <= 0:
+                session.flags.add("limit_exceeded")
+                raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
+                               code="episode_limit_exceeded")
+
+        raw_messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = [template_message(m) for m in raw_messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            plan = session.plan_prompt(renderer, messages, tools)
+        except (TemplateError, TypeError, ValueError) as error:
+            raise APIError(400, f"The chat template rejected these messages: {error}",
+                           code="template_error") from None
+        context = engine.max_context_length
+        if len(plan.prompt_ids) >= context:
+            session.flags.add("context_overflow")
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the messages take "
+                                f"{len(plan.prompt_ids)}.", code="context_length_exceeded", param="messages")
+
+        overrides = settings.overrides
+        asked = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
+        caps = [asked, context - len(plan.prompt_ids)]
+        caps += [c for c in (overrides.max_tokens, budget) if c is not None]
+        sampling = SamplingParams(
+            max_tokens=min(caps),
+            temperature=_first(overrides.temperature, req.temperature, 1.0),
+            top_p=_first(overrides.top_p, req.top_p, 1.0),
+            top_k=_first(overrides.top_k, 0),
+            seed=req.seed,
+            stop_token_ids=sorted(renderer.end_of_turn_ids),
+            top_logprobs=req.top_logprobs or 0,
+        )
+        requested = {k: v for k, v in req.model_dump(exclude_none=True).items() if k not in ("messages", "tools")}
+
+        session.in_flight += req.n
+        started = time.monotonic()
+        try:
+            outputs = await asyncio.gather(*[
+                engine.generate(plan.prompt_ids, _with_seed(sampling, req.seed, i)) for i in range(req.n)
+            ])
+        finally:
+            session.in_flight -= req.n
+
+        choices, turns = [], []
+        for i, out in enumerate(outputs):
+            out, stopped_text = _apply_stop_strings(tokenizer, out, req.stop_sequences)
+            message, malformed = renderer.parse(out.token_ids, plan.prompt_ids, tools, parse_tools=req.tool_choice != "none")
+            if stopped_text is not None:
+                message = {"role": "assistant", "content": stopped_text}
+            finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
+            turn = Turn(
+                index=0, prompt_ids=plan.prompt_ids, completion_ids=out.token_ids, logprobs=out.logprobs,
+                finish_reason=finish, policy_version=engine.policy_version, request_messages=raw_messages,
+                request_tools=tools, response_message=message, prompt_source=plan.source,
+                parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
+                malformed_tool_call=malformed, sampling=sampling.to_dict(), requested_sampling=requested,
+                wall_time=time.monotonic() - started,
+            )
+            session.record(turn, messages, tools)
+            turns.append(turn)
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": _logprobs_body(tokenizer, out) if req.logprobs else None})
+
+        completion_tokens = sum(len(o.token_ids) for o in outputs)
+        usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": completion_tokens,
+                 "total_tokens": len(plan.prompt_ids) + completion_tokens}
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if not req.stream:
+            return {"id": response_id, "object": "chat.completion", "created": created, "model": req.model,
+                    "choices": choices, "usage": usage, "system_fingerprint": f"policy-v{engine.policy_version}"}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(_stream_chunks(tokenizer, response_id, created, req.model, choices, outputs, usage, include_usage)),
+            media_type="text/event-stream",
+        )
+
+    return app
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def _with_seed(sampling: SamplingParams, seed: int | None, i: int) -> SamplingParams:
+    if seed is None or i == 0:
+        return sampling
+    return SamplingParams(**{**sampling.to_dict(), "seed": seed + i})
+
+
+def _apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]) -> tuple[GenerationOutput, str | None]:
+    """Cut the sampled ids after the token that completes the first stop string (those tokens were sampled and are
+    kept); the returned content ends before the stop string, as OpenAI does."""
+    if not stops:
+        return out, None
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return out, None
+    position, stop = min(hits)
+    for k in range(1, len(out.token_ids) + 1):
+        if len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)) >= position + len(stop):
+            top = out.top_logprobs[:k] if out.top_logprobs is not None else None
+            return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top), text[:position]
+    return out, text[:position]
+
+
+def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    token = tokenizer.decode([token_id])
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def _logprobs_body(tokenizer, out: GenerationOutput) -> dict:
+    content = []
+    for k, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
+        entry = _token_entry(tokenizer, token_id, logprob)
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in out.top_logprobs[k]] if out.top_logprobs else []
+        content.append(entry)
+    return {"content": content}
+
+
+def _content_pieces(tokenizer, token_ids: list[int], content: str) -> list[str]:
+    """Split `content` into per-token pieces (incremental decode); one piece when they don't add up to it."""
+    pieces, previous = [], ""
+    for k in range(1, len(token_ids) + 1):
+        text = tokenizer.decode(token_ids[:k], skip_special_tokens=True)
+        if text.startswith(previous) and len(text) > len(previous):
+            pieces.append(text[len(previous) :])
+            previous = text
+    return pieces if "".join(pieces) == content else ([content] if content else [])
+
+
+def _stream_chunks(tokenizer, response_id, created, model, choices, outputs, usage, include_usage):
+    def chunk(choice_index, delta, finish=None, logprobs=None):
+        return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": choice_index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+
+    for choice, out in zip(choices, outputs):
+        index, message = choice["index"], choice["message"]
+        yield chunk(index, {"role": "assistant", "content": ""})
+        content = message.get("content") or ""
+        if content:
+            pieces = _content_pieces(tokenizer, out.token_ids, content)
+            for piece in pieces:
+                yield chunk(index, {"content": piece})
+        for j, call in enumerate(message.get("tool_calls") or []):
+            yield chunk(index, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
+                                                "function": {"name": call["function"]["name"], "arguments": ""}}]})
+            yield chunk(index, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]})
+        yield chunk(index, {}, choice["finish_reason"], choice["logprobs"])
+    if include_usage:
+        yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [], "usage": usage}
+
+
+async def _sse(chunks):
+    for item in chunks:
+        yield f"data: {json.dumps(item)}\n\n"
+    yield "data: [DONE]\n\n"

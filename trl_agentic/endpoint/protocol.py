@@ -1,0 +1,156 @@
+"""Pydantic models of the subset of the OpenAI chat-completions schema that agents actually send."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A chat message. Content may be a string, a list of text parts (several frameworks send lists) or `null`."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _check_role_fields(self) -> Message:
+        if self.role == "tool" and self.content is None:
+            raise ValueError("a 'tool' message needs 'content'")
+        if self.role in ("system", "developer", "user") and self.content is None:
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an 'assistant' message needs 'content' or 'tool_calls'")
+        return self
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """The request body of `POST /v1/chat/completions`. Unknown fields are accepted and ignored (recorded)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        if isinstance(self.tool_choice, dict):
+            name = (self.tool_choice.get("function") or {}).get("name")
+            if self.tool_choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError("tool_choice object must be {'type': 'function', 'function': {'name': ...}}")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in 'tools'")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs 'tools'")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    """OpenAI's error format."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def content_text(content: str | list | None) -> str:
+    """Join a message's content into one string (list-of-parts content is concatenated)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] if isinstance(part, dict) else part.text for part in content)
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """Normalize an OpenAI message (as a dict) into what chat templates read.
+
+    Content becomes a string, tool-call arguments become objects (transformers' convention: templates `tojson`
+    them), `null` fields and ids templates never read are dropped. Two messages that normalize equal render equal,
+    which is what the continuation check compares.
+    """
+    role = "system" if message["role"] == "developer" else message["role"]  # templates know no 'developer'
+    out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = call["function"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    pass  # keep the raw string: the template renders it as the agent sent it
+            calls.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+        out["tool_calls"] = calls
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out

@@ -1,0 +1,106 @@
+"""Run the endpoint app with uvicorn on a loopback port in a background thread (in-process use and tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from .sessions import EpisodeLimits, EpisodeSession
+
+
+class EndpointServer:
+    """A real uvicorn server for `app`, bound before `start()` returns (port 0 picks a free port).
+
+    Example:
+
+    ```python
+    >>> server = EndpointServer(app).start()
+    >>> session = server.open_episode()
+    >>> client = openai.OpenAI(base_url=server.base_url, api_key=session.key)
+    >>> episode = server.close_episode(session.episode.id)
+    >>> server.stop()
+    ```
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = app
+        self.host = host
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port = self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=30, access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def registry(self):
+        return self.app.state.registry
+
+    @property
+    def admin_token(self) -> str:
+        return self.app.state.settings.admin_token
+
+    def start(self, timeout: float = 30.0) -> EndpointServer:
+        def run():
+            self.loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self._server.serve(sockets=[self._socket]))
+
+        self._thread = threading.Thread(target=run, name="trl-agentic-endpoint", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("The endpoint server exited during startup; see the log above.")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.02)
+        raise TimeoutError(f"The endpoint did not answer /health within {timeout}s.")
+
+    def call(self, coroutine, timeout: float | None = None):
+        """Run a coroutine on the server's event loop from another thread and wait for it."""
+        future: Future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        return future.result(timeout)
+
+    def open_episode(self, task_index=0, group_index=0, metadata=None, limits: EpisodeLimits | None = None
+                     ) -> EpisodeSession:
+        return self.registry.open(task_index, group_index, metadata, limits or self.app.state.settings.default_limits)
+
+    def episode_base_url(self, session: EpisodeSession) -> str:
+        return f"{self.url}/episodes/{session.episode.id}/v1"
+
+    def close_episode(self, episode_id: str, status=None, result=None, error=None):
+        return self.registry.close(episode_id, status, result, error)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._socket.close()
+
+    def __enter__(self) -> EndpointServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
