@@ -1,0 +1,440 @@
+"""`AgenticGRPOTrainer`: TRL's GRPO on black-box agent episodes.
+
+TRL's `GRPOTrainer` does everything it already does (rewards, group advantages, loss types, clipping, KL to the
+reference, importance sampling, entropy, logging); we replace its single-turn generation with a rollout of G agent
+episodes per task against an in-process OpenAI-compatible endpoint serving the live policy, through TRL's documented
+`rollout_func` hook. Each episode's main row goes through TRL's pipeline; extra rows (forks, side calls) are appended
+with their episode's advantage, and the generation batch is split into `steps_per_generation` micro-batches without
+dropping any row (REFERENCES: ROLL#409).
+
+TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
+`_generate_and_score_completions` (extra rows, episode metrics), `_prepare_inputs` (row-count-agnostic split).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import shuffle_sequence_dict
+
+from .agentic_grpo_config import AgenticGRPOConfig
+from .endpoint.app import EndpointSettings, SamplingOverrides, create_app
+from .endpoint.chat import ChatRenderer
+from .endpoint.server import EndpointServer
+from .endpoint.sessions import EpisodeLimits
+from .generation.engine import GenerationEngine
+from .generation.transformers_engine import TransformersEngine
+from .rollout.agents import resolve_agent
+from .rollout.rows import Row, episode_to_rows
+from .rollout.runner import run_episodes
+from .rollout.trace import EPISODE_STATUSES, Episode
+
+
+SERVED_MODEL_NAME = "policy"  # the model name agents send; anything else is answered with 404
+
+
+def unscorable_unless_ok(reward_func):
+    """Wrap a reward function so that episodes whose status is not `ok` get `None` (unscorable), unless the function
+    declares `scores_failed_episodes = True` (it scores crashes/timeouts itself, e.g. a penalty)."""
+    if not callable(reward_func) or isinstance(reward_func, torch.nn.Module):
+        return reward_func
+    if getattr(reward_func, "scores_failed_episodes", False):
+        return reward_func
+
+    def mask(rewards, episodes):
+        return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
+
+    if inspect.iscoroutinefunction(reward_func):
+
+        @functools.wraps(reward_func)
+        async def wrapped(*args, episodes=None, **kwargs):
+            rewards = await reward_func(*args, episodes=episodes, **kwargs)
+            return mask(rewards, episodes) if episodes is not None else rewards
+
+    else:
+
+        @functools.wraps(reward_func)
+        def wrapped(*args, episodes=None, **kwargs):
+            rewards = reward_func(*args, episodes=episodes, **kwargs)
+            return mask(rewards, episodes) if episodes is not None else rewards
+
+    return wrapped
+
+
+def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """Split a batch of R rows into `num_chunks` micro-batches of near-equal size, dropping none (TRL's
+    `split_tensor_dict` floor-divides, which would drop rows when R is not a multiple of `num_chunks`)."""
+    num_rows = len(batch["prompt_ids"])
+    if num_rows < num_chunks:
+        raise ValueError(f"Cannot split {num_rows} rows into {num_chunks} micro-batches.")
+    bounds = [round(i * num_rows / num_chunks) for i in range(num_chunks + 1)]
+    chunks = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        chunk = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0 or isinstance(value, list):
+                chunk[key] = value[start:end]
+            else:
+                chunk[key] = value
+        chunks.append(chunk)
+    return chunks
+
+
+class AgenticGRPOTrainer(GRPOTrainer):
+    """GRPO on episodes of a black-box agent that talks to the policy through an OpenAI-compatible endpoint.
+
+    Args:
+        model: model id/path or a `PreTrainedModel` (as for `trl.GRPOTrainer`).
+        agent: `async def agent(client, task)`, a plain `def agent(client, task)`, or a `CommandAgent`. `client` is an
+            `openai` client already pointed at the episode (model name `"policy"`); `task` is the dataset row.
+        reward_funcs: TRL reward functions. They receive `completions` (each episode's messages after the prompt),
+            `episodes` (the `Episode` objects; `episode.result` is the agent's return value) and the dataset
+            columns. Return `None` for an episode that cannot be scored. Episodes that crashed, timed out, overflowed
+            the context or hit a limit are unscorable unless the function sets `scores_failed_episodes = True`.
+        args: an `AgenticGRPOConfig`.
+        engine: a `GenerationEngine`; defaults to the embedded `TransformersEngine` over the live policy.
+
+    Example:
+
+    ```python
+    >>> from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+    >>> from trl_agentic.tasks import get_task
+    >>> task = get_task("calculator")
+    >>> trainer = AgenticGRPOTrainer(
+    ...     "Qwen/Qwen2.5-0.5B-Instruct", agent=task.agent, reward_funcs=task.reward_funcs,
+    ...     args=AgenticGRPOConfig(output_dir="out", num_generations=8), train_dataset=task.build_dataset("train"),
+    ... )
+    >>> trainer.train()
+    ```
+    """
+
+    _tag_names = ["trl", "grpo", "trl-agentic"]
+    _name = "AgenticGRPO"
+
+    def __init__(
+        self,
+        model,
+        agent,
+        reward_funcs,
+        args: AgenticGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        engine: GenerationEngine | None = None,
+    ):
+        # Args
+        if args is None:
+            raise ValueError("Pass `args=AgenticGRPOConfig(output_dir=...)`: the agent knobs live there.")
+        if not isinstance(args, AgenticGRPOConfig):
+            raise TypeError(
+                f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}; build it with "
+                "AgenticGRPOConfig(**grpo_config.to_dict()) to keep your GRPO settings."
+            )
+
+        # Agent
+        self.agent = resolve_agent(agent)
+
+        # Reward functions: failed episodes are unscorable (NaN-excluded from the group baseline), never zero
+        if not isinstance(reward_funcs, list):
+            reward_funcs = [reward_funcs]
+        reward_funcs = [unscorable_unless_ok(f) for f in reward_funcs]
+
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        # TRL's hook for custom rollouts; set after __init__ so TRL's "experimental" warning does not fire for a
+        # use the package owns.
+        self.rollout_func = self._rollout_episodes
+
+        # Endpoint serving the live policy
+        renderer = ChatRenderer(self._tokenizer, self.chat_template_kwargs)
+        self.engine = engine or TransformersEngine(
+            self.accelerator.unwrap_model(self.model),
+            pad_token_id=self._tokenizer.pad_token_id,
+            max_batch_size=args.max_generation_batch_size,
+            batch_wait_s=args.generation_batch_wait_ms / 1000,
+        )
+        settings = EndpointSettings(
+            served_model_names=[SERVED_MODEL_NAME],
+            default_max_tokens=args.max_completion_length,
+            overrides=SamplingOverrides(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k or None,
+                max_tokens=args.max_completion_length,
+            ),
+            default_limits=EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens),
+        )
+        self.endpoint = EndpointServer(
+            create_app(self.engine, renderer, settings), host=args.endpoint_host, port=args.endpoint_port
+        ).start()
+        self._pending_inputs: list[dict] | None = None
+        self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
+
+    # Rollout
+
+    def _rollout_episodes(self, prompts: list, trainer=None) -> dict[str, list]:
+        """TRL's `rollout_func`: run one episode per generation slot and return its main row (plus the episodes)."""
+        inputs = self._pending_inputs
+        num_generations = self.num_generations if self.model.training else self.num_generations_eval
+        tasks = [{k: v for k, v in example.items()} for example in inputs]
+        with unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+        ) as unwrapped_model:
+            # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
+            # nothing collective may happen per call.
+            if isinstance(self.engine, TransformersEngine):
+                self.engine.model = unwrapped_model
+            self.engine.policy_version = self.state.global_step
+            episodes = asyncio.run(
+                run_episodes(
+                    self.endpoint,
+                    self.agent,
+                    tasks,
+                    group_indices=[i % num_generations for i in range(len(tasks))],
+                    max_concurrent=self.args.max_concurrent_episodes,
+                    timeout=self.args.episode_timeout,
+                    model=SERVED_MODEL_NAME,
+                )
+            )
+        rows_results = [
+            episode_to_rows(
+                ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls
+            )
+            for ep in episodes
+        ]
+        main_rows = []
+        for prompt, result in zip(prompts, rows_results, strict=True):
+            if result.rows:
+                main_rows.append(result.rows[0])
+            else:  # the agent never called the model: a placeholder row with nothing to train
+                prompt_ids = self.processing_class.apply_chat_template(
+                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False, **self.chat_template_kwargs
+                )
+                main_rows.append(Row(list(prompt_ids), [self._tokenizer.pad_token_id], [0], [0.0], [], "empty"))
+        self._pending_rows = rows_results
+        return {
+            "prompt_ids": [row.prompt_ids for row in main_rows],
+            "completion_ids": [row.completion_ids for row in main_rows],
+            "logprobs": [row.logprobs for row in main_rows],
+            "env_mask": [row.env_mask for row in main_rows],
+            "episodes": episodes,
+        }
+
+    def _generate(self, prompts: list):
+        prompt_ids, completion_ids, tool_mask, _, logprobs, extra_fields, images, tool_images = super()._generate(
+            prompts
+        )
+        # Reward functions see what the agent saw: the episode's messages after the prompt, not a re-parse of ids.
+        completions = [
+            episode.messages[len(prompt) :] if episode.messages else []
+            for episode, prompt in zip(extra_fields["episodes"], prompts, strict=True)
+        ]
+        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+
+    def _generate_and_score_completions(self, inputs):
+        self._pending_inputs = inputs
+        output = super()._generate_and_score_completions(inputs)
+        episodes = [example["episodes"] for example in inputs]
+        rows_results = self._pending_rows
+        self._pending_inputs = self._pending_rows = None
+
+        # Every row of an episode carries its advantage; with "episode" weighting, k rows share it.
+        advantages = output["advantages"]
+        num_rows = torch.tensor([max(len(r.rows), 1) for r in rows_results], device=advantages.device)
+        if self.args.row_weighting == "episode":
+            advantages = advantages / num_rows
+        output["advantages"] = advantages
+        extra_rows, extra_advantages = [], []
+        for i, result in enumerate(rows_results):
+            for row in result.rows[1:]:
+                extra_rows.append(row)
+                extra_advantages.append(advantages[i])
+        if extra_rows:
+            output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
+
+        self._log_episodes(episodes, rows_results, output["advantages"][: len(episodes)])
+        return output
+
+    def _append_rows(self, output: dict, rows: list[Row], advantages: torch.Tensor) -> dict:
+        """Append rows to TRL's padded generation batch, with the per-token logps TRL computed for the others."""
+        device = self.accelerator.device
+        pad_id = self._tokenizer.pad_token_id
+        prompt_width = max(output["prompt_ids"].size(1), max(len(r.prompt_ids) for r in rows))
+        completion_width = max(output["completion_ids"].size(1), max(len(r.completion_ids) for r in rows))
+
+        def left(values: list[list], fill) -> torch.Tensor:
+            return torch.tensor([[fill] * (prompt_width - len(v)) + v for v in values], device=device)
+
+        def right(values: list[list], fill, dtype=None) -> torch.Tensor:
+            return torch.tensor([v + [fill] * (completion_width - len(v)) for v in values], device=device, dtype=dtype)
+
+        def widen(tensor: torch.Tensor, width: int, fill, side: str) -> torch.Tensor:
+            missing = width - tensor.size(1)
+            if missing == 0:
+                return tensor
+            padding = torch.full((tensor.size(0), missing), fill, dtype=tensor.dtype, device=tensor.device)
+            return torch.cat([padding, tensor] if side == "left" else [tensor, padding], dim=1)
+
+        new = {
+            "prompt_ids": left([r.prompt_ids for r in rows], pad_id),
+            "prompt_mask": left([[1] * len(r.prompt_ids) for r in rows], 0),
+            "completion_ids": right([r.completion_ids for r in rows], pad_id),
+            "completion_mask": right([[1] * len(r.completion_ids) for r in rows], 0),
+            "tool_mask": right([r.env_mask for r in rows], 1),
+            "sampling_per_token_logps": right([r.logprobs for r in rows], 0.0, torch.float32),
+        }
+        if "old_per_token_logps" in output or "ref_per_token_logps" in output:
+            input_ids = torch.cat([new["prompt_ids"], new["completion_ids"]], dim=1)
+            attention_mask = torch.cat([new["prompt_mask"], new["completion_mask"]], dim=1)
+            batch_size = self.args.per_device_train_batch_size
+            with torch.no_grad():
+                if "old_per_token_logps" in output:
+                    new["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, input_ids, attention_mask, completion_width, batch_size=batch_size
+                    )
+                if "ref_per_token_logps" in output:
+                    new["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, completion_width)
+        if "importance_sampling_ratio" in output:
+            # Token-level truncated IS (TRL's default mode) for the appended rows.
+            delta = (new["old_per_token_logps"] - new["sampling_per_token_logps"]).clamp(max=50.0)
+            ratio = torch.exp(delta) * new["completion_mask"] * new["tool_mask"]
+            new["importance_sampling_ratio"] = ratio.clamp(max=self.args.vllm_importance_sampling_cap or 3.0)
+
+        merged = dict(output)
+        for key, tensor in new.items():
+            if key not in output and key not in ("tool_mask", "sampling_per_token_logps"):
+                continue
+            current = output.get(key)
+            if current is None:  # e.g. no tool_mask in TRL's output: ones
+                current = torch.ones_like(output["completion_mask"]) if key == "tool_mask" else None
+                if current is None:
+                    continue
+            side = "left" if key.startswith("prompt") else "right"
+            width = prompt_width if side == "left" else completion_width
+            fill = {"prompt_ids": pad_id, "completion_ids": pad_id, "tool_mask": 1}.get(key, 0)
+            merged[key] = torch.cat([widen(current, width, fill, side), widen(tensor, width, fill, side)], dim=0)
+        merged["advantages"] = torch.cat([output["advantages"], advantages])
+        loss_mask = merged["completion_mask"] * merged["tool_mask"]
+        merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return merged
+
+    def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
+        if self.ref_model is not None:
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
+            )
+            return logps
+        from trl.models.utils import use_adapter
+
+        model = self.accelerator.unwrap_model(self.model)
+        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
+            )
+        return logps
+
+    def _prepare_inputs(self, generation_batch):
+        # TRL's schedule (generate every steps_per_generation * num_iterations micro-steps), with a split that keeps
+        # every row: the number of micro-steps never depends on the row count, so ranks always agree.
+        mode = "train" if self.model.training else "eval"
+        if mode == "eval":
+            return self._generate_and_score_completions(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            generation_batch = self._generate_and_score_completions(generation_batch)
+            generation_batch = shuffle_sequence_dict(generation_batch)
+            self._buffered_inputs = split_rows(generation_batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # Metrics and episode logs
+
+    def _log_episodes(self, episodes: list[Episode], rows_results, advantages: torch.Tensor) -> None:
+        mode = "train" if self.model.training else "eval"
+        device = self.accelerator.device
+        per_episode = {
+            "turns": [len(ep.turns) for ep in episodes],
+            "tool_calls": [ep.num_tool_calls for ep in episodes],
+            "malformed_tool_calls": [ep.num_malformed_tool_calls for ep in episodes],
+            "rows": [len(r.rows) for r in rows_results],
+            "forks": [ep.num_forks for ep in episodes],
+            "drift": [ep.total_drift for ep in episodes],
+            "wall_time": [ep.wall_time for ep in episodes],
+            "sampled_tokens": [ep.num_sampled_tokens for ep in episodes],
+            "untrained_turns": [len(r.skipped_turns) + len(r.capped_turns) for r in rows_results],
+        }
+        for name, values in per_episode.items():
+            gathered = self.accelerator.gather(torch.tensor(values, dtype=torch.float32, device=device))
+            self._metrics[mode][f"episodes/{name}_mean"].append(gathered.mean().item())
+            if name in ("turns", "sampled_tokens"):
+                self._metrics[mode][f"episodes/{name}_max"].append(gathered.max().item())
+        status_ids = torch.tensor(
+            [EPISODE_STATUSES.index(ep.status) for ep in episodes], device=device, dtype=torch.long
+        )
+        all_status = Counter(self.accelerator.gather(status_ids).tolist())
+        total = sum(all_status.values())
+        for index, status in enumerate(EPISODE_STATUSES):
+            if status != "running":
+                self._metrics[mode][f"episodes/status_{status}"].append(all_status.get(index, 0) / total)
+
+        if self._episode_log_dir is not None:
+            self._episode_log_dir.mkdir(parents=True, exist_ok=True)
+            path = self._episode_log_dir / f"episodes-rank{self.accelerator.process_index}.jsonl"
+            with path.open("a") as f:
+                for i, (ep, result) in enumerate(zip(episodes, rows_results, strict=True)):
+                    record = {
+                        "step": self.state.global_step,
+                        "mode": mode,
+                        "advantage": advantages[i].item(),
+                        "episode": ep.to_dict(),
+                        "rows": [row.to_dict() for row in result.rows],
+                        "skipped_turns": result.skipped_turns,
+                        "capped_turns": result.capped_turns,
+                    }
+                    f.write(json.dumps(record, default=str) + "\n")
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # Keep the local slice per episode for the episode log (TRL gathers across processes).
+        start = self.accelerator.process_index * len(prompts)
+        local = rewards_per_func[start : start + len(prompts)]
+        for example, values in zip(inputs, local.tolist(), strict=True):
+            example["episodes"].metadata["rewards"] = {
+                name: None if value != value else value  # NaN = unscorable
+                for name, value in zip(self.reward_func_names, values, strict=True)
+            }
+        return rewards_per_func
+
+    def __del__(self):
+        endpoint = getattr(self, "endpoint", None)
+        if endpoint is not None:
+            try:
+                endpoint.stop()
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def close(self) -> None:
+        """Stop the endpoint server."""
+        self.endpoint.stop()

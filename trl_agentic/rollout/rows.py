@@ -1,0 +1,141 @@
+"""Turns → training rows: exact-prefix merge, forks, side calls, env_mask. Pure functions over int lists.
+
+A row is one linear segment of an episode. Consecutive turns merge into one row while each turn's prompt starts with
+the previous turn's prompt + completion ids (guaranteed by the endpoint's token-in continuation); the tokens in
+between (tool output, user turns, template glue) get `env_mask` 0, sampled tokens get 1. A turn that does not extend
+the tail of an existing row (a fork after a history rewrite, a side call, a second choice of `n>1`) starts a row of its
+own. All rows of an episode share the episode's advantage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .trace import Turn
+
+
+ROW_KINDS = ("main", "fork", "side_call", "branch")
+
+
+@dataclass
+class Row:
+    """One training row.
+
+    Args:
+        prompt_ids: the first turn's prompt.
+        completion_ids: everything after it (sampled tokens and, between turns, the context the model was shown).
+        env_mask: 1 on sampled tokens, 0 elsewhere; same length as `completion_ids`.
+        logprobs: sampling logprob of each sampled token, 0.0 where `env_mask` is 0.
+        turns: indices of the turns merged into this row.
+        kind: `"main"` (starts at the episode's first call), `"fork"` (after a history rewrite or a template that is not
+            append-only), `"side_call"` (unrelated to the episode's history), `"branch"` (a second continuation of
+            the same turn, e.g. `n>1` or a retry).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    kind: str = "main"
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.env_mask)
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "completion_ids": self.completion_ids,
+            "env_mask": self.env_mask,
+            "logprobs": self.logprobs,
+            "turns": self.turns,
+            "kind": self.kind,
+        }
+
+
+@dataclass
+class RowsResult:
+    rows: list[Row]
+    skipped_turns: list[int]  # turns not trained because of `forks="skip"` / `side_calls="skip"`
+    capped_turns: list[int]  # turns not trained because of `max_rows`
+
+
+def _turn_kind(turn: Turn, first: bool) -> str:
+    if first:
+        return "main"
+    if turn.prompt_source == "continued":
+        return "branch"
+    return "side_call" if turn.fork_reason == "side_call" else "fork"
+
+
+def episode_to_rows(
+    turns: list[Turn], max_rows: int | None = None, forks: str = "train", side_calls: str = "train"
+) -> RowsResult:
+    """Merge an episode's turns into rows.
+
+    Args:
+        turns: the episode's turns in call order (`Turn.parent_turn` links continuations).
+        max_rows: most rows; turns that would start a further row (and their continuations) are not trained.
+        forks: `"train"` or `"skip"` rows that start with a fork or a branch.
+        side_calls: `"train"` or `"skip"` rows that start with a side call.
+
+    Example:
+
+    ```python
+    >>> t0 = Turn(0, prompt_ids=[1, 2, 3], completion_ids=[10, 11], logprobs=[-0.1, -0.2], finish_reason="stop")
+    >>> t1 = Turn(1, prompt_ids=[1, 2, 3, 10, 11, 4, 5], completion_ids=[12], logprobs=[-0.3], finish_reason="stop",
+    ...           prompt_source="continued", parent_turn=0)
+    >>> episode_to_rows([t0, t1]).rows[0].env_mask
+    [1, 1, 0, 0, 1]
+    ```
+    """
+    rows: list[Row] = []
+    row_of_turn: dict[int, int | None] = {}  # turn index -> row index (None = not trained)
+    tail_of_row: dict[int, int] = {}  # row index -> index of its last turn
+    skipped, capped = [], []
+    by_index = {turn.index: turn for turn in turns}
+
+    for position, turn in enumerate(turns):
+        parent_row = row_of_turn.get(turn.parent_turn) if turn.prompt_source == "continued" else None
+        if turn.prompt_source == "continued" and turn.parent_turn in row_of_turn and parent_row is None:
+            # The parent was not trained (skipped or capped): its continuation is not trained either.
+            row_of_turn[turn.index] = None
+            (capped if turn.parent_turn in capped else skipped).append(turn.index)
+            continue
+        if parent_row is not None and tail_of_row[parent_row] == turn.parent_turn:
+            row = rows[parent_row]
+            parent = by_index[turn.parent_turn]
+            exact = parent.prompt_ids + parent.completion_ids
+            # The row ends with exactly the parent's prompt + completion; the endpoint guarantees the turn extends it.
+            if len(row.prompt_ids) + len(row.completion_ids) == len(exact) and turn.prompt_ids[: len(exact)] == exact:
+                context = turn.prompt_ids[len(exact) :]
+                row.completion_ids += context + turn.completion_ids
+                row.env_mask += [0] * len(context) + [1] * len(turn.completion_ids)
+                row.logprobs += [0.0] * len(context) + list(turn.logprobs)
+                row.turns.append(turn.index)
+                tail_of_row[parent_row] = turn.index
+                row_of_turn[turn.index] = parent_row
+                continue
+        kind = _turn_kind(turn, first=position == 0)
+        if (kind in ("fork", "branch") and forks == "skip") or (kind == "side_call" and side_calls == "skip"):
+            row_of_turn[turn.index] = None
+            skipped.append(turn.index)
+            continue
+        if max_rows is not None and len(rows) >= max_rows:
+            row_of_turn[turn.index] = None
+            capped.append(turn.index)
+            continue
+        rows.append(
+            Row(
+                prompt_ids=list(turn.prompt_ids),
+                completion_ids=list(turn.completion_ids),
+                env_mask=[1] * len(turn.completion_ids),
+                logprobs=list(turn.logprobs),
+                turns=[turn.index],
+                kind=kind,
+            )
+        )
+        tail_of_row[len(rows) - 1] = turn.index
+        row_of_turn[turn.index] = len(rows) - 1
+    return RowsResult(rows=rows, skipped_turns=skipped, capped_turns=capped)
