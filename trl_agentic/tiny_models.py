@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,13 @@ TEMPLATE_FAMILIES: dict[str, TemplateFamily] = {
 }
 
 
-def _training_corpus(seed: int = 0) -> list[str]:
+def _template_literals(template: str) -> list[str]:
+    # The prose a chat template writes (system boilerplate, tool instructions): merging it keeps prompts short.
+    literals = re.findall(r"'((?:[^'\\\n]|\\.){4,})'|\"((?:[^\"\\\n]|\\.){4,})\"", template)
+    return [(a or b).encode().decode("unicode_escape") for a, b in literals]
+
+
+def _training_corpus(seed: int = 0, template: str = "") -> list[str]:
     # Enough varied text for the BPE merges to cover English, JSON tool calls and the template's own prose.
     rng = random.Random(seed)
     words = (
@@ -112,10 +119,11 @@ def _training_corpus(seed: int = 0) -> list[str]:
         },
     }
     corpus.extend([json.dumps(schema), json.dumps(schema, indent=4)] * 20)
+    corpus.extend(_template_literals(template) * 30)
     return corpus
 
 
-def build_tiny_tokenizer(family: str = "qwen2_5", vocab_size: int = 1000, seed: int = 0) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(family: str = "qwen2_5", vocab_size: int = 1500, seed: int = 0) -> PreTrainedTokenizerFast:
     """Build a byte-level BPE tokenizer carrying the chat template of `family` (see `TEMPLATE_FAMILIES`).
 
     Args:
@@ -126,6 +134,7 @@ def build_tiny_tokenizer(family: str = "qwen2_5", vocab_size: int = 1000, seed: 
     if family not in TEMPLATE_FAMILIES:
         raise ValueError(f"Unknown template family {family!r}; choose one of {sorted(TEMPLATE_FAMILIES)}.")
     spec = TEMPLATE_FAMILIES[family]
+    template = (_TEMPLATES_DIR / spec.template_file).read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -137,7 +146,7 @@ def build_tiny_tokenizer(family: str = "qwen2_5", vocab_size: int = 1000, seed: 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    tokenizer.train_from_iterator(_training_corpus(seed, template), trainer=trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.text_tokens])
 
     hf_tokenizer = PreTrainedTokenizerFast(
@@ -147,7 +156,7 @@ def build_tiny_tokenizer(family: str = "qwen2_5", vocab_size: int = 1000, seed: 
         bos_token=spec.bos_token,
         clean_up_tokenization_spaces=False,
     )
-    hf_tokenizer.chat_template = (_TEMPLATES_DIR / spec.template_file).read_text(encoding="utf-8")
+    hf_tokenizer.chat_template = template
     add_response_schema(hf_tokenizer)
     return hf_tokenizer
 

@@ -1,0 +1,289 @@
+"""AgenticGRPOTrainer end to end on a tiny model: rows, masks, advantages, failures, KL, LoRA."""
+
+import asyncio
+import json
+import sys
+import textwrap
+
+import httpx
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer, CommandAgent
+from trl_agentic.agentic_grpo_trainer import split_rows
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}]
+
+
+async def tool_agent(client, task):
+    """A multi-turn tool-using agent: executes tool calls, otherwise nudges the model, three model calls."""
+    messages = list(task["prompt"])
+    for _ in range(3):
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=6)
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if message.tool_calls:
+            for call in message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+        else:
+            messages.append({"role": "user", "content": "Use the add tool."})
+    return messages[-2].get("content")
+
+
+def length_reward(prompts, completions, completion_ids=None, **kwargs):
+    # Deterministic and varied: depends on what the model sampled.
+    return [float(sum(len(m.get("content") or "") for m in c) % 5) for c in completions]
+
+
+def dataset(n=4):
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "a": i}
+                              for i in range(n)])
+
+
+def config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 2 episodes per task
+        max_steps=2, max_completion_length=6,  # short calls keep the test fast
+        use_cpu=True, bf16=False, report_to="none", logging_steps=1, learning_rate=1e-2,  # big lr: params must move
+        save_strategy="no", log_episodes=True, episode_timeout=30, seed=0,
+    )
+    values.update(overrides)
+    return AgenticGRPOConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+def read_episode_log(tmp_path):
+    lines = (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_multi_turn_tool_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
+    model = build_tiny_model(tokenizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = AgenticGRPOTrainer(model, agent=tool_agent, reward_funcs=length_reward, args=config(tmp_path),
+                                 train_dataset=dataset(), processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "parameters did not change"
+
+    records = read_episode_log(tmp_path)
+    assert len(records) == 4  # 2 steps x (1 task x 2 episodes)
+    for record in records:
+        turns = record["episode"]["turns"]
+        assert record["episode"]["status"] == "ok" and len(turns) == 3
+        sampled = [(t, tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
+        in_rows = []
+        for row in record["rows"]:
+            assert len(row["completion_ids"]) == len(row["env_mask"]) == len(row["logprobs"])
+            for tok, mask, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]):
+                if mask:
+                    in_rows.append((tok, lp))
+                else:
+                    assert lp == 0.0
+        # Every mask-1 token is a sampled token with its recorded logprob, and every sampled token is in one row.
+        assert in_rows == [(tok, lp) for _, tok, lp in sampled]
+        # Continuations: one row holding all three turns, whose prompt is the first call's prompt.
+        assert [t["prompt_source"] for t in turns] == ["rendered", "continued", "continued"]
+        assert len(record["rows"]) == 1 and record["rows"][0]["prompt_ids"] == turns[0]["prompt_ids"]
+        row = record["rows"][0]
+        assert row["prompt_ids"] + row["completion_ids"] == turns[2]["prompt_ids"] + turns[2]["completion_ids"]
+    metrics = trainer.state.log_history[0]
+    assert metrics["episodes/turns_mean"] == 3.0 and metrics["episodes/status_ok"] == 1.0
+    assert metrics["episodes/rows_mean"] == 1.0 and metrics["episodes/forks_mean"] == 0.0
+    # TRL's length metric counts sampled tokens only (env_mask), and equals the episodes' sampled tokens.
+    assert metrics["completions/mean_length"] == metrics["episodes/sampled_tokens_mean"]
+
+
+def test_single_turn_parity_with_vanilla_grpo(tmp_path, tokenizer):
+    """A one-call agent yields the rows, masks and advantages vanilla GRPOTrainer builds for the same completions."""
+    model = build_tiny_model(tokenizer)
+
+    async def one_call_agent(client, task):
+        response = await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=6)
+        return response.choices[0].message.content
+
+    def ids_reward(prompts, completions, completion_ids, **kwargs):
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    train = dataset(2)
+    agentic = AgenticGRPOTrainer(model, agent=one_call_agent, reward_funcs=ids_reward,
+                                 args=config(tmp_path / "a", log_episodes=False), train_dataset=train,
+                                 processing_class=tokenizer)
+    inputs = [dict(train[i]) for i in (0, 0, 1, 1)]  # RepeatSampler order: each task num_generations times
+    agentic.model.train()
+    try:
+        ours = agentic._generate_and_score_completions([dict(x) for x in inputs])
+    finally:
+        agentic.close()
+    width = ours["completion_mask"].size(1)
+    completions = [ids[: int(m.sum())].tolist() for ids, m in zip(ours["completion_ids"], ours["completion_mask"])]
+    logprobs = [lp[: len(c)].tolist() for lp, c in zip(ours["sampling_per_token_logps"], completions)]
+
+    replay = iter(range(len(completions)))
+
+    def replay_rollout(prompts, trainer):
+        prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+                      for p in prompts]
+        order = [next(replay) for _ in prompts]
+        return {"prompt_ids": prompt_ids, "completion_ids": [completions[i] for i in order],
+                "logprobs": [logprobs[i] for i in order]}
+
+    vanilla = GRPOTrainer(model, reward_funcs=ids_reward, train_dataset=train, processing_class=tokenizer,
+                          rollout_func=replay_rollout,
+                          args=GRPOConfig(output_dir=str(tmp_path / "v"), num_generations=2,
+                                          per_device_train_batch_size=2, max_completion_length=6, use_cpu=True,
+                                          bf16=False, report_to="none"))
+    vanilla.model.train()
+    theirs = vanilla._generate_and_score_completions([dict(x) for x in inputs])
+    # Our first-turn prompt is exactly TRL's own tokenization of the dataset prompt.
+    vanilla_prompts = vanilla._tokenize_prompts([x["prompt"] for x in inputs])[0]
+    assert [ids[m.bool()].tolist() for ids, m in zip(ours["prompt_ids"], ours["prompt_mask"])] == vanilla_prompts
+    assert torch.equal(ours["prompt_ids"], theirs["prompt_ids"])
+    assert torch.equal(ours["completion_ids"], theirs["completion_ids"][:, :width])
+    assert torch.equal(ours["completion_mask"] * ours["tool_mask"], theirs["completion_mask"][:, :width])
+    assert torch.allclose(ours["advantages"], theirs["advantages"])
+    assert ours["advantages"].abs().sum() > 0  # the rewards did split
+
+
+def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, tokenizer):
+    model = build_tiny_model(tokenizer)
+    calls = {"n": 0}
+
+    async def flaky_agent(client, task):
+        calls["n"] += 1
+        if task["a"] == 0 and calls["n"] % 2 == 1:
+            raise RuntimeError("agent bug")
+        if task["a"] == 0:
+            await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=4)
+            await asyncio.sleep(60)  # hangs: the episode times out
+        return await tool_agent(client, task)
+
+    def constant_reward(prompts, completions, **kwargs):
+        return [1.0] * len(prompts)
+
+    trainer = AgenticGRPOTrainer(model, agent=flaky_agent, reward_funcs=constant_reward,
+                                 args=config(tmp_path, max_steps=1, episode_timeout=3, steps_per_generation=2),  # 2 tasks
+                                 train_dataset=dataset(2), processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = read_episode_log(tmp_path)
+    by_status = sorted(r["episode"]["status"] for r in records)
+    assert by_status == ["agent_error", "ok", "ok", "timeout"]
+    for record in records:
+        if record["episode"]["status"] != "ok":
+            assert record["episode"]["metadata"]["rewards"] == {"constant_reward": None}  # unscorable, not 0
+            assert record["advantage"] == 0.0
+    crashed = next(r for r in records if r["episode"]["status"] == "agent_error")
+    assert "agent bug" in crashed["episode"]["error"]
+    timed_out = next(r for r in records if r["episode"]["status"] == "timeout")
+    assert len(timed_out["episode"]["turns"]) == 1  # the call it made before hanging is kept
+    metrics = trainer.state.log_history[0]
+    assert metrics["episodes/status_agent_error"] == 0.25 and metrics["episodes/status_timeout"] == 0.25
+
+
+@pytest.mark.parametrize("kind", ["kl", "lora"])
+def test_kl_and_lora_runs(tmp_path, tokenizer, kind):
+    model = build_tiny_model(tokenizer)
+    peft_config = None
+    overrides = {"max_steps": 1}
+    if kind == "kl":
+        # TRL loads the reference model from the policy's path, as a user's run would.
+        model.save_pretrained(tmp_path / "policy")
+        model = str(tmp_path / "policy")
+        overrides["beta"] = 0.1
+    else:
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        overrides["beta"] = 0.1  # reference = the base model with the adapter disabled
+    trainer = AgenticGRPOTrainer(model, agent=tool_agent, reward_funcs=length_reward, args=config(tmp_path, **overrides),
+                                 train_dataset=dataset(2), processing_class=tokenizer, peft_config=peft_config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    metrics = trainer.state.log_history[0]
+    assert "kl" in metrics and metrics["kl"] == metrics["kl"]  # logged, not NaN
+    if kind == "lora":
+        assert any("lora" in name for name, _ in trainer.model.named_parameters())
+
+
+def test_episode_key_cannot_reach_admin_routes(tmp_path, tokenizer):
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
+                                 args=config(tmp_path), train_dataset=dataset(2), processing_class=tokenizer)
+    try:
+        session = trainer.endpoint.open_episode()
+        headers = {"Authorization": f"Bearer {session.key}"}
+        url = trainer.endpoint.url
+        assert httpx.post(f"{url}/admin/episodes", headers=headers, json={}).status_code == 401
+        assert httpx.get(f"{url}/admin/episodes/{session.episode.id}", headers=headers).status_code == 401
+        closed = httpx.post(f"{url}/admin/episodes/{session.episode.id}/close", headers=headers,
+                            json={"status": "ok", "result": {"reward": 1.0}})
+        assert closed.status_code == 401
+        assert trainer.endpoint.registry.by_id(session.episode.id) is not None  # still open, untouched
+        # There is no route that accepts a reward at all.
+        assert httpx.post(f"{url}/v1/rewards", headers=headers, json={"reward": 1}).status_code == 404
+    finally:
+        trainer.close()
+
+
+def test_sync_and_command_agents(tmp_path, tokenizer):
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        from openai import OpenAI
+        task = json.load(sys.stdin)
+        client = OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
+        messages = task["prompt"]
+        for _ in range(2):
+            reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages, max_tokens=4)
+            messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
+                                   {"role": "user", "content": "more"}]
+        print(json.dumps({"turns": 2}))
+    """))
+
+    def sync_agent(client, task):
+        return client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=4).id
+
+    for name, agent in (("sync", sync_agent), ("command", CommandAgent(f"{sys.executable} {script}"))):
+        trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=agent, reward_funcs=length_reward,
+                                     args=config(tmp_path / name, max_steps=1, steps_per_generation=2), train_dataset=dataset(2),
+                                     processing_class=tokenizer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        records = read_episode_log(tmp_path / name)
+        assert [r["episode"]["status"] for r in records] == ["ok"] * 4, [r["episode"]["error"] for r in records]
+        if name == "command":
+            assert all(r["episode"]["result"]["result"] == {"turns": 2} for r in records)
+            assert all(len(r["episode"]["turns"]) == 2 for r in records)
+            assert all(r["episode"]["turns"][1]["prompt_source"] == "continued" for r in records)
+
+
+def test_split_rows_keeps_every_row():
+    batch = {"prompt_ids": torch.arange(7).unsqueeze(1), "advantages": torch.arange(7.0), "num_items_in_batch": torch.tensor(3)}
+    chunks = split_rows(batch, 3)
+    assert [c["prompt_ids"].flatten().tolist() for c in chunks] == [[0, 1], [2, 3, 4], [5, 6]]
+    assert all(c["num_items_in_batch"].item() == 3 for c in chunks)
+
+
+def test_config_errors_say_how_to_fix(tmp_path):
+    with pytest.raises(ValueError, match="max_turns must be >= 1"):
+        config(tmp_path, max_turns=0)
+    with pytest.raises(ValueError, match="forks must be one of"):
+        config(tmp_path, forks="sometimes")

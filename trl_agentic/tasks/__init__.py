@@ -1,0 +1,101 @@
+"""Bundled task suites: what to ask (dataset), how a reference agent works on it, and how a checker scores it.
+
+A [`TaskSuite`] bundles everything a training run on one task needs. The agent talks to the policy only through the
+OpenAI-compatible client it is handed; the checker (`reward_funcs`) runs on the trainer side with columns of the
+dataset (e.g. `answer`, `expected`) that the agent never puts in front of the model.
+
+Example:
+
+```python
+>>> from trl_agentic.tasks import get_task
+>>> suite = get_task("calculator")
+>>> dataset = suite.build_dataset(split="train", size=64, seed=0)
+>>> dataset[0]["prompt"][-1]["content"]
+'What is 96 - 48?'
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+
+
+@dataclass
+class TaskSuite:
+    """One task: dataset builder, reference agent, checker and SFT demonstrations.
+
+    Args:
+        name: short name, used in logs and recipe file names.
+        tools: OpenAI tool schemas (`{"type": "function", "function": {...}}`) the reference agent sends.
+        system_prompt: the system message of every dataset prompt.
+        build_dataset: `build_dataset(split="train", size=256, seed=0, **knobs) -> datasets.Dataset`. Rows have a
+            conversational `prompt` (system + user message) and the checker's columns. `"train"` and `"eval"` are
+            disjoint whatever `size` and `seed`.
+        agent: `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`, where `task` is one dataset row. The
+            model name sent is `task.get("model") or "policy"`. The return value reaches the reward functions as
+            `Episode.result`.
+        reward_funcs: TRL-signature checkers `f(prompts, completions, **kwargs) -> list[float | None]`; they read
+            `kwargs["episodes"]` and the dataset columns, and return `None` for episodes that did not end `"ok"`.
+        demonstrations: `demonstrations(n, seed=0) -> [{"messages": [...], "tools": [...]}]`: full successful
+            conversations (train split only) for an SFT warm start; tool-call arguments are dicts, as chat templates
+            expect.
+    """
+
+    name: str
+    tools: list[dict[str, Any]]
+    system_prompt: str
+    build_dataset: Callable[..., datasets.Dataset]
+    agent: Callable
+    reward_funcs: list[Callable]
+    demonstrations: Callable[..., list[dict[str, Any]]]
+
+
+# Name -> "module:attribute", imported on first use so that `import trl_agentic.tasks` stays cheap.
+BUNDLED_TASKS: dict[str, str] = {
+    "calculator": "trl_agentic.tasks.calculator:CALCULATOR",
+    "files": "trl_agentic.tasks.files:FILES",
+}
+
+
+def get_task(name: str) -> TaskSuite:
+    """Resolve a task suite by bundled name (`"calculator"`, `"files"`) or import path `"pkg.module:attr"`.
+
+    Args:
+        name: a bundled name, or the import path of a module-level [`TaskSuite`], e.g. `"my_tasks:SQL_SUITE"`.
+            For other difficulty settings of a bundled task, point at your own suite, e.g. one built with
+            `trl_agentic.tasks.calculator.make_calculator_suite(digits=3)`.
+
+    Example:
+
+    ```python
+    >>> get_task("files").name
+    'files'
+    >>> get_task("trl_agentic.tasks.calculator:CALCULATOR").name
+    'calculator'
+    ```
+    """
+    path = BUNDLED_TASKS.get(name, name)
+    if ":" not in path:
+        raise ValueError(
+            f"Unknown task {name!r}. Use one of the bundled tasks {sorted(BUNDLED_TASKS)} or the import path of a "
+            "TaskSuite, 'pkg.module:attr'."
+        )
+    module_name, _, attr = path.partition(":")
+    try:
+        suite = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot load task {name!r} from {path!r}: {error}") from error
+    if not isinstance(suite, TaskSuite):
+        raise ValueError(
+            f"Task {name!r} resolved to a {type(suite).__name__}, not a TaskSuite. Point the path at a TaskSuite "
+            "instance (build one with trl_agentic.tasks.TaskSuite(...))."
+        )
+    return suite
+
+
+__all__ = ["BUNDLED_TASKS", "TaskSuite", "get_task"]
