@@ -272,6 +272,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
             for row in result.rows[1:]:
                 extra_rows.append(row)
                 extra_advantages.append(advantages[i])
+        # Every rank appends the same number of rows (padding with empty, zero-advantage rows), so the forward passes
+        # that score them, and any collective they imply (DDP buffers, ZeRO-3 gathers), match across ranks.
+        num_extra = int(self.accelerator.gather(torch.tensor([len(extra_rows)], device=advantages.device)).max())
+        pad_id = self._tokenizer.pad_token_id
+        while len(extra_rows) < num_extra:
+            extra_rows.append(Row([pad_id], [pad_id], [0], [0.0], [], "padding"))
+            extra_advantages.append(torch.zeros((), device=advantages.device))
         if extra_rows:
             output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
 
@@ -338,7 +345,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             merged[key] = torch.cat([widen(current, width, fill, side), widen(tensor, width, fill, side)], dim=0)
         merged["advantages"] = torch.cat([output["advantages"], advantages])
         loss_mask = merged["completion_mask"] * merged["tool_mask"]
-        merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # every rank appends (see above)
         return merged
 
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
