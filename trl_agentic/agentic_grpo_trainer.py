@@ -35,6 +35,7 @@ from .endpoint.server import EndpointServer
 from .endpoint.sessions import EpisodeLimits
 from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
+from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rollout.agents import resolve_agent
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes
@@ -170,12 +171,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
         # Endpoint serving the live policy
         renderer = ChatRenderer(self._tokenizer, self.chat_template_kwargs)
-        self.engine = engine or TransformersEngine(
-            self.accelerator.unwrap_model(self.model),
-            pad_token_id=self._tokenizer.pad_token_id,
-            max_batch_size=args.max_generation_batch_size,
-            batch_wait_s=args.generation_batch_wait_ms / 1000,
-        )
+        self.engine = engine or self._default_engine(args)
         settings = EndpointSettings(
             served_model_names=[SERVED_MODEL_NAME],
             default_max_tokens=args.max_completion_length,
@@ -192,6 +188,23 @@ class AgenticGRPOTrainer(GRPOTrainer):
         ).start()
         self._pending_inputs: list[dict] | None = None
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
+
+    def _default_engine(self, args: AgenticGRPOConfig) -> GenerationEngine:
+        context = args.vllm_max_model_length or self.accelerator.unwrap_model(self.model).config.max_position_embeddings
+        if args.use_vllm and args.vllm_mode == "server":
+            # TRL's VLLMGeneration keeps the server's weights in sync (sync_weights before each rollout phase).
+            base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+            return VLLMServerEngine(base_url, max_context_length=context)
+        if args.use_vllm:
+            return VLLMColocateEngine(self.vllm_generation.llm, max_context_length=context,
+                                      batch_wait_s=args.generation_batch_wait_ms / 1000)
+        return TransformersEngine(
+            self.accelerator.unwrap_model(self.model),
+            pad_token_id=self._tokenizer.pad_token_id,
+            max_batch_size=args.max_generation_batch_size,
+            batch_wait_s=args.generation_batch_wait_ms / 1000,
+            max_context_length=context,
+        )
 
     # Rollout
 
