@@ -1,0 +1,271 @@
+"""`trl-agentic jobs submit --dry-run`: what would go to Hugging Face Jobs, and that `jobs/train.py` runs it.
+
+Nothing here talks to the Hub: submitting needs a network and an account.
+"""
+
+import base64
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from trl_agentic import jobs
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JOB_SCRIPTS = sorted((REPO_ROOT / "jobs").glob("*.py"))
+LORA_RECIPE = "recipes/calculator/Qwen2.5-1.5B-Instruct/config_lora.yaml"
+FULL_RECIPE = "recipes/calculator/Qwen2.5-1.5B-Instruct/config_full.yaml"
+VLLM_RECIPE = "recipes/files/Qwen3-4B/config_vllm.yaml"
+# Keys `hf jobs uv run` accepts in a script's [tool.hf-jobs] table (huggingface_hub's UvScriptHeader).
+HF_JOBS_KEYS = {
+    "image", "flavor", "python", "timeout", "name", "namespace", "network_group", "env", "secrets", "labels",
+    "volumes", "network_aliases",
+}
+
+
+@pytest.fixture(autouse=True)
+def in_repo_root(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)  # recipe paths as a user types them
+
+
+def dry_run(capsys, *argv) -> dict:
+    assert jobs.main(["submit", "--dry-run", *argv]) == 0  # before any `--`: what follows it are training flags
+    return json.loads(capsys.readouterr().out)
+
+
+def pep723_header(path: Path) -> dict:
+    match = re.search(r"(?m)^# /// script$\s(?P<content>(^#(| .*)$\s)+)^# ///$", path.read_text())
+    assert match, f"{path} has no PEP 723 `# /// script` block"
+    content = "".join(line[2:] if line.startswith("# ") else line[1:] for line in match["content"].splitlines(True))
+    return tomllib.loads(content)
+
+
+@pytest.mark.parametrize(
+    "flavor, count",
+    [("a10g-large", 1), ("a100-large", 1), ("h200", 1), ("cpu-basic", 1), ("l40sx1", 1), ("a10g-largex2", 2),
+     ("a100x4", 4), ("l40sx4", 4), ("h200x8", 8)],
+)
+def test_gpu_count(flavor, count):
+    assert jobs.gpu_count(flavor) == count
+
+
+def test_dry_run_single_gpu(capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_print_me")
+    submission = dry_run(
+        capsys, "--config", LORA_RECIPE, "--flavor", "a10g-large", "--hub-model-id", "my-org/calc-lora"
+    )
+    assert "hf_do_not_print_me" not in json.dumps(submission)
+    assert submission["script"] == "jobs/train.py"
+    assert submission["dependencies"] == ["trl-agentic"]
+    assert submission["flavor"] == "a10g-large"
+    assert submission["timeout"] == "2h"  # never HF's default of 30 minutes
+    assert submission["secrets"] == ["HF_TOKEN"]  # names only
+    assert submission["command"] == [
+        "python", "-m", "trl_agentic.scripts.train", "--config", "/tmp/trl-agentic/recipe.yaml",
+        "--push_to_hub", "true", "--hub_model_id", "my-org/calc-lora",
+    ]
+    assert submission["script_args"] == [
+        "--num_processes", "1", "--push_to_hub", "true", "--hub_model_id", "my-org/calc-lora"
+    ]
+    shipped = base64.b64decode(submission["env"][jobs.RECIPE_ENV])
+    assert shipped == (REPO_ROOT / LORA_RECIPE).read_bytes()
+    assert jobs.ACCELERATE_CONFIG_ENV not in submission["env"]
+
+
+def test_dry_run_multi_gpu_full_uses_zero3(capsys):
+    submission = dry_run(
+        capsys, "--config", FULL_RECIPE, "--flavor", "a100x4", "--timeout", "4h", "--hub-model-id", "o/m"
+    )
+    assert submission["timeout"] == "4h"
+    assert submission["command"][:7] == [
+        "accelerate", "launch", "--config_file", "/tmp/trl-agentic/accelerate_config.yaml", "--num_processes", "4", "-m"
+    ]
+    assert submission["script_args"][:2] == ["--num_processes", "4"]
+    shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
+    assert shipped == (REPO_ROOT / "recipes/accelerate_configs/zero3.yaml").read_bytes()
+    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]
+
+
+def test_dry_run_multi_gpu_lora_uses_ddp(capsys):
+    submission = dry_run(capsys, "--config", LORA_RECIPE, "--flavor", "h200x8", "--hub-model-id", "o/m")
+    assert submission["command"][4:6] == ["--num_processes", "8"]
+    shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
+    assert shipped == (REPO_ROOT / "recipes/accelerate_configs/ddp.yaml").read_bytes()
+    assert submission["dependencies"] == ["trl-agentic"]  # DDP needs no DeepSpeed
+
+
+def test_dry_run_accelerate_config_override(capsys):
+    submission = dry_run(
+        capsys, "--config", LORA_RECIPE, "--flavor", "l40sx4", "--accelerate-config", "zero2", "--hub-model-id", "o/m"
+    )
+    shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
+    assert shipped == (REPO_ROOT / "recipes/accelerate_configs/zero2.yaml").read_bytes()
+    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]
+
+
+def test_dry_run_vllm_recipe_and_package(capsys):
+    submission = dry_run(
+        capsys, "--config", VLLM_RECIPE, "--flavor", "h200", "--namespace", "my-org",
+        "--package", "trl-agentic @ git+https://github.com/my-org/trl-agentic@main",
+        "--secret", "WANDB_API_KEY", "--network-group", "grpo-run",
+        "--", "--learning_rate", "2e-6",
+    )
+    assert submission["dependencies"] == ["trl-agentic[vllm] @ git+https://github.com/my-org/trl-agentic@main"]
+    assert submission["secrets"] == ["HF_TOKEN", "WANDB_API_KEY"]
+    assert submission["namespace"] == "my-org" and submission["network_group"] == "grpo-run"
+    # No --hub-model-id: the recipe's output_dir name, in the namespace.
+    assert submission["command"][-4:] == ["--hub_model_id", "my-org/files-Qwen3-4B-vllm", "--learning_rate", "2e-6"]
+
+
+def test_no_hub_repo_is_an_error(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model_name_or_path: tiny:qwen2_5\ntask: calculator\n")
+    assert jobs.main(["submit", "--config", str(recipe), "--dry-run"]) == 2
+    assert "--hub-model-id" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "train_args, message",
+    [
+        (["--", "--lerning_rate", "1e-5"], "did you mean 'learning_rate'"),
+        (["--", "--hub_model_id", "x"], "--hub-model-id"),
+        (["--timeout", "two hours"], "--timeout"),
+        (["--flavor", "a10g-large", "--accelerate-config", "zero3"], "multi-GPU"),
+    ],
+)
+def test_bad_arguments_fail_before_submitting(capsys, train_args, message):
+    assert jobs.main(["submit", "--config", LORA_RECIPE, "--hub-model-id", "o/m", "--dry-run", *train_args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def load_job_script():
+    spec = importlib.util.spec_from_file_location("job_train", REPO_ROOT / "jobs" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_job_script_runs_the_submitted_command(tmp_path):
+    # Run jobs/train.py as the job would (its own process, the submission's env and args) in its --dry_run mode: it
+    # must decode the shipped files and build exactly the command the submission announced.
+    submission = jobs.build_submission(config=FULL_RECIPE, flavor="a100x4", hub_model_id="o/m")
+    result = subprocess.run(
+        [sys.executable, "jobs/train.py", *submission["script_args"], "--dry_run"],
+        env={**submission["env"], "TRL_AGENTIC_JOB_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    command = json.loads(result.stdout.splitlines()[-1])["command"]
+    assert command == [arg.replace(jobs.JOB_DIR, str(tmp_path)) for arg in submission["command"]]
+    assert (tmp_path / jobs.JOB_RECIPE).read_bytes() == (REPO_ROOT / FULL_RECIPE).read_bytes()
+    assert (tmp_path / jobs.JOB_ACCELERATE_CONFIG).read_bytes() == (
+        REPO_ROOT / "recipes/accelerate_configs/zero3.yaml"
+    ).read_bytes()
+
+
+def test_job_script_single_gpu(tmp_path, monkeypatch, capsys):
+    submission = jobs.build_submission(config=LORA_RECIPE, flavor="a10g-large", hub_model_id="o/m")
+    for name, value in {**submission["env"], "TRL_AGENTIC_JOB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    assert load_job_script().main([*submission["script_args"], "--dry_run"]) == 0
+    command = json.loads(capsys.readouterr().out)["command"]
+    assert command == [arg.replace(jobs.JOB_DIR, str(tmp_path)) for arg in submission["command"]]
+    assert not (tmp_path / jobs.JOB_ACCELERATE_CONFIG).exists()
+
+
+def test_job_script_forces_push_and_expands_vars(monkeypatch, capsys):
+    monkeypatch.setenv("HF_NETWORK_GROUP_PREFIX", "grp-")
+    argv = ["--config", FULL_RECIPE, "--num_processes", "1", "--dry_run",
+            "--vllm_server_host", "${HF_NETWORK_GROUP_PREFIX}vllm"]
+    assert load_job_script().main(argv) == 0
+    command = json.loads(capsys.readouterr().out)["command"]
+    assert command[-4:] == ["--vllm_server_host", "grp-vllm", "--push_to_hub", "true"]
+
+
+def test_job_script_needs_a_recipe(monkeypatch):
+    monkeypatch.delenv(jobs.RECIPE_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        load_job_script().main(["--num_processes", "1", "--dry_run"])
+
+
+@pytest.mark.parametrize("script", [*JOB_SCRIPTS, REPO_ROOT / "trl_agentic/scripts/train.py"], ids=lambda p: p.name)
+def test_pep723_header(script):
+    header = pep723_header(script)
+    assert "trl-agentic" in header["dependencies"]
+    assert header["requires-python"].startswith(">=")
+
+
+def test_job_script_launch_defaults_match_cli():
+    # `hf jobs uv run jobs/train.py` reads [tool.hf-jobs]; `trl-agentic jobs submit` has the same defaults.
+    table = pep723_header(REPO_ROOT / "jobs/train.py")["tool"]["hf-jobs"]
+    assert set(table) <= HF_JOBS_KEYS
+    assert table["flavor"] == jobs.DEFAULT_FLAVOR
+    assert table["timeout"] == jobs.DEFAULT_TIMEOUT
+    assert table["secrets"] == ["HF_TOKEN"]
+
+
+def test_rendered_script_header(tmp_path):
+    text = (REPO_ROOT / "jobs/train.py").read_text()
+    rendered = tmp_path / "train.py"
+    rendered.write_text(jobs.render_script(text, "trl-agentic[vllm] @ git+https://github.com/o/trl-agentic"))
+    header = pep723_header(rendered)
+    assert header["dependencies"] == ["trl-agentic[vllm] @ git+https://github.com/o/trl-agentic"]
+    assert header["tool"]["hf-jobs"]["timeout"] == jobs.DEFAULT_TIMEOUT  # the rest of the header is untouched
+    assert rendered.read_text().split("\n# ///\n")[1] == text.split("\n# ///\n")[1]  # and so is the code
+
+
+def test_readme_dry_run_example(capsys):
+    # jobs/README.md shows a command and its dry-run output: they must stay what the code prints.
+    readme = (REPO_ROOT / "jobs/README.md").read_text()
+    match = re.search(r"```bash\n(trl-agentic jobs submit .*?--dry-run)\n```\n.*?```json\n(.*?)```", readme, re.S)
+    assert match, "jobs/README.md lost its dry-run example"
+    argv = shlex.split(match[1].replace("\\\n", " "))[2:]
+    assert jobs.main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    for name in (jobs.RECIPE_ENV, jobs.ACCELERATE_CONFIG_ENV):
+        if name in printed["env"]:
+            printed["env"][name] = "..."  # elided in the README
+    assert json.loads(match[2]) == printed
+
+
+def test_submit_calls_run_uv_job(monkeypatch, capsys):
+    # The network call itself is replaced; what it receives is checked.
+    import huggingface_hub
+
+    calls = []
+
+    def fake_run_uv_job(script, **kwargs):
+        calls.append({"script_text": Path(script).read_text(), **kwargs})
+        return type("Job", (), {"id": "job-123", "url": "https://huggingface.co/jobs/o/job-123"})()
+
+    monkeypatch.setattr(huggingface_hub, "run_uv_job", fake_run_uv_job)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    argv = ["submit", "--config", VLLM_RECIPE, "--flavor", "h200", "--hub-model-id", "o/m", "--detach",
+            "--package", "trl-agentic @ git+https://github.com/o/trl-agentic"]
+    assert jobs.main(argv) == 0
+    assert "job-123" in capsys.readouterr().out
+    (call,) = calls
+    package = "trl-agentic @ git+https://github.com/o/trl-agentic"
+    submission = jobs.build_submission(config=VLLM_RECIPE, flavor="h200", hub_model_id="o/m", package=package)
+    assert call["secrets"] == {"HF_TOKEN": "hf_secret_value"}
+    assert call["timeout"] == "2h" and call["flavor"] == "h200"
+    assert call["script_args"] == submission["script_args"] and call["env"] == submission["env"]
+    shipped_header = call["script_text"].split("\n# ///\n")[0]
+    assert '#     "trl-agentic[vllm] @ git+https://github.com/o/trl-agentic",' in shipped_header
+
+
+def test_submit_without_token_fails(monkeypatch, capsys):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setattr(huggingface_hub, "run_uv_job", lambda *args, **kwargs: pytest.fail("submitted without a token"))
+    assert jobs.main(["submit", "--config", LORA_RECIPE, "--hub-model-id", "o/m", "--detach"]) == 2
+    assert "HF_TOKEN" in capsys.readouterr().err
