@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             create_app(self.engine, renderer, settings), host=args.endpoint_host, port=args.endpoint_port
         ).start()
         self._pending_inputs: list[dict] | None = None
+        self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
 
     def _default_engine(self, args: AgenticGRPOConfig) -> GenerationEngine:
@@ -221,7 +223,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = unwrapped_model
             self.engine.policy_version = self.state.global_step
-            episodes = asyncio.run(
+            # A thread of its own: `asyncio.run` also works when the caller already runs an event loop (notebooks).
+            episodes = self._rollout_pool.submit(
+                asyncio.run,
                 run_episodes(
                     self.endpoint,
                     self.agent,
@@ -230,8 +234,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     max_concurrent=self.args.max_concurrent_episodes,
                     timeout=self.args.episode_timeout,
                     model=SERVED_MODEL_NAME,
-                )
-            )
+                ),
+            ).result()
         rows_results = [
             episode_to_rows(
                 ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls
@@ -456,5 +460,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 pass
 
     def close(self) -> None:
-        """Stop the endpoint server."""
+        """Stop the endpoint server and the rollout thread."""
         self.endpoint.stop()
+        self._rollout_pool.shutdown(wait=False)
