@@ -1,0 +1,245 @@
+"""Step time of `AgenticGRPOTrainer` against TRL's own `GRPOTrainer(tools=[...])` loop, side by side, in one run.
+
+Same tiny model (warm-started so that it calls the calculator once and then answers), same calculator tasks, same
+generations per step, batch, temperature and max tokens, same reward function. After one warm-up step each, the two
+trainers take turns, one step at a time (the order flips every round, so drifting machine load hits both alike).
+
+```bash
+python benchmarks/trainer_benchmark.py            # tiny:qwen2_5:64x2, 8 timed steps each: about 1-2 min on 2 cores
+python benchmarks/trainer_benchmark.py --steps 16 --model-size 128x2
+```
+
+What differs by design: TRL runs the tool loop inside the trainer (batched `generate`, tool results appended, then a
+batched re-generation of the rows that called a tool); `AgenticGRPOTrainer` runs the task's agent against the
+in-process OpenAI-compatible endpoint (HTTP per call, dynamic batching of concurrent calls, token-in continuation).
+`max_completion_length` caps one model call for `AgenticGRPOTrainer` and the whole multi-turn completion (tool
+results included) for TRL; it is set high enough that neither run is cut by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+from transformers import PrinterCallback, TrainerCallback
+from transformers.utils import get_json_schema
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.tasks import get_task
+from trl_agentic.tasks.calculator import calculator as calculator_tool
+from trl_agentic.tasks.calculator import calculator_correct
+from trl_agentic.tiny_models import load_model_and_tokenizer
+from trl_agentic.warm_start import warm_start
+
+
+def calculator(expression: str):  # no return annotation: TRL would add `"return"` to the schema in the prompt
+    """
+    Evaluate an arithmetic expression with numbers, + - * / // % and parentheses.
+
+    Args:
+        expression: The expression, e.g. '12 * (3 + 4)'.
+    """
+    # TRL builds the tool schema from the signature and this docstring: exactly the calculator agent's schema, so
+    # both trainers render the same prompt (the tiny model is thrown off by any difference).
+    return calculator_tool(expression)
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step (generation + scoring + forward/backward + update), and the logged metrics."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self.logs: list[dict] = []
+        self._start = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self._start)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def count_tokens(trainer) -> list[dict]:
+    """Record, per generation batch, the rows, the tokens trained (loss mask = sampled tokens), the tokens in the
+    forward pass (prompt + completion, tool results included) and the seconds spent generating (rollout + tools)."""
+    counts: list[dict] = []
+    generate_and_score = trainer._generate_and_score_completions
+    generate = trainer._generate
+    generation_seconds: list[float] = []
+
+    def timed_generate(prompts):
+        started = time.perf_counter()
+        try:
+            return generate(prompts)
+        finally:
+            generation_seconds.append(time.perf_counter() - started)
+
+    def wrapped(inputs):
+        output = generate_and_score(inputs)
+        loss_mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            loss_mask = loss_mask * output["tool_mask"]
+        counts.append({
+            "generation_seconds": generation_seconds.pop(),
+            "rows": output["completion_ids"].size(0),
+            "trained": int(loss_mask.sum()),
+            "forward": int(output["prompt_mask"].sum() + output["completion_mask"].sum()),
+        })
+        return output
+
+    trainer._generate = timed_generate
+    trainer._generate_and_score_completions = wrapped
+    return counts
+
+
+def time_engine(trainer: AgenticGRPOTrainer) -> list[float]:
+    """Seconds the embedded engine spends in its sampling loop, per batch of requests it serves."""
+    seconds: list[float] = []
+    generate_batch = trainer.engine.generate_batch
+
+    def timed(prompts, samplings):
+        started = time.perf_counter()
+        try:
+            return generate_batch(prompts, samplings)
+        finally:
+            seconds.append(time.perf_counter() - started)
+
+    trainer.engine.generate_batch = timed
+    return seconds
+
+
+def one_step(trainer) -> None:
+    trainer.args.max_steps = 1
+    trainer.train()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="Timed steps per trainer, after one warm-up step each.")
+    parser.add_argument("--model-size", default="64x2", help="Tiny model <hidden>x<layers> (default: 64x2).")
+    parser.add_argument("--num-generations", type=int, default=4, help="Episodes (completions) per task.")
+    parser.add_argument("--batch-size", type=int, default=8, help="Episodes per step (per_device_train_batch_size).")
+    parser.add_argument("--max-tokens", type=int, default=96, help="max_completion_length of both trainers.")
+    parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of both trainers.")
+    parser.add_argument("--warm-start-steps", type=int, default=200, help="SFT steps on calculator demonstrations.")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is fastest on a small, shared CPU: no thread oversubscription).")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+
+    # Model: warm-started so that it calls the calculator, reads the result and answers (two model calls)
+    task = get_task("calculator")
+    assert get_json_schema(calculator) == task.tools[0], "the two trainers would render different prompts"
+    model, tokenizer = load_model_and_tokenizer(f"tiny:qwen2_5:{args.model_size}")
+    started = time.perf_counter()
+    warm_start(model, tokenizer, task.demonstrations(512), steps=args.warm_start_steps, seed=args.seed)
+    print(f"warm start: {args.warm_start_steps} SFT steps in {time.perf_counter() - started:.1f}s")
+    tasks_per_step = args.batch_size // args.num_generations
+    # Each one-step `train()` call starts a new epoch with the same seeded shuffle: both trainers get the same tasks.
+    dataset = task.build_dataset(split="train", size=64, seed=args.seed)
+
+    # The same GRPO settings for both; only the rollout differs
+    common = dict(
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.batch_size,  # episodes per step
+        max_completion_length=args.max_tokens,
+        temperature=args.temperature,
+        beta=0.0,  # no reference model in either
+        learning_rate=1e-6,  # the policy barely moves, so both keep doing the same work step after step
+        max_steps=1,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    output_dir = tempfile.mkdtemp(prefix="trainer-benchmark-")
+    ours = AgenticGRPOTrainer(
+        copy.deepcopy(model),
+        agent=task.agent,  # calculator agent: at most 6 model calls
+        reward_funcs=task.reward_funcs,
+        args=AgenticGRPOConfig(output_dir=f"{output_dir}/agentic", max_turns=6, **common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trl = GRPOTrainer(
+        copy.deepcopy(model),
+        reward_funcs=calculator_correct,
+        args=GRPOConfig(output_dir=f"{output_dir}/trl", max_tool_calling_iterations=5, **common),  # 6 model calls
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        tools=[calculator],
+    )
+    trainers = {"AgenticGRPOTrainer": ours, "GRPOTrainer(tools=...)": trl}
+    timers = {name: StepTimer() for name in trainers}
+    counts = {name: count_tokens(trainer) for name, trainer in trainers.items()}
+    engine_seconds = time_engine(ours)
+    for name, trainer in trainers.items():
+        trainer.add_callback(timers[name])
+        trainer.remove_callback(PrinterCallback)  # disable_tqdm=True would print every log dict
+
+    try:
+        # One warm-up step each (lazy initialisation, first endpoint calls), then alternate, flipping the order
+        for trainer in trainers.values():
+            one_step(trainer)
+        engine_seconds.clear()
+        names = list(trainers)
+        for step in range(args.steps):
+            for name in names if step % 2 == 0 else names[::-1]:
+                one_step(trainers[name])
+    finally:
+        ours.close()
+
+    # Report
+    print(
+        f"\ntiny:qwen2_5:{args.model_size}, calculator task, {args.batch_size} episodes/step "
+        f"({tasks_per_step} tasks x {args.num_generations}), max_tokens {args.max_tokens}, "
+        f"temperature {args.temperature}, {args.steps} timed steps each after 1 warm-up, torch threads {args.threads}"
+    )
+    header = f"{'trainer':<24}{'s/step':>8}{'± sd':>7}{'median':>8}{'generation':>12}{'trained tok':>13}" \
+             f"{'fwd tok':>9}{'rows':>6}{'tool calls/ep':>15}{'reward':>8}"
+    print(header)
+    print("-" * len(header))
+    means = {}
+    for name in trainers:
+        seconds = timers[name].seconds[1:]  # drop the warm-up step
+        batches = counts[name][1:]
+        logs = [log for log in timers[name].logs if "loss" in log][1:]
+        tool_key = "episodes/tool_calls_mean" if name == "AgenticGRPOTrainer" else "tools/call_frequency"
+        means[name] = statistics.mean(seconds)
+        print(
+            f"{name:<24}{means[name]:>8.3f}{statistics.pstdev(seconds):>7.3f}{statistics.median(seconds):>8.3f}"
+            f"{statistics.mean(b['generation_seconds'] for b in batches):>12.3f}"
+            f"{statistics.mean(b['trained'] for b in batches):>13.1f}"
+            f"{statistics.mean(b['forward'] for b in batches):>9.1f}"
+            f"{statistics.mean(b['rows'] for b in batches):>6.1f}"
+            f"{statistics.mean(log.get(tool_key, float('nan')) for log in logs):>15.2f}"
+            f"{statistics.mean(log.get('reward', float('nan')) for log in logs):>8.3f}"
+        )
+    print("(per step: seconds, of which generation = rollout incl. tools and HTTP; trained tok = sampled tokens in "
+          "the loss; fwd tok = prompt + completion tokens in the forward pass; rows = training sequences)")
+    generation = statistics.mean(b["generation_seconds"] for b in counts["AgenticGRPOTrainer"][1:])
+    sampling = sum(engine_seconds) / args.steps
+    print(f"AgenticGRPOTrainer generation per step: {generation:.3f}s, of which {sampling:.3f}s in the engine's "
+          f"sampling loop; the rest ({generation - sampling:.3f}s) is the agent, the openai client, HTTP, templating")
+    batch_sizes = ", ".join(f"{size}: {n}" for size, n in sorted(ours.engine.batch_sizes.items()))
+    print(f"AgenticGRPOTrainer engine batches (size: count), all steps incl. warm-up: {batch_sizes}")
+    ratio = means["AgenticGRPOTrainer"] / means["GRPOTrainer(tools=...)"]
+    print(f"\nratio AgenticGRPOTrainer / GRPOTrainer(tools=...) seconds per step: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
