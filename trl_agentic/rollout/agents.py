@@ -19,6 +19,7 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx
 import openai
 
 
@@ -30,6 +31,8 @@ class EpisodeContext:
     api_key: str
     model: str
     timeout: float
+    # Shared by the episodes of one rollout (connection reuse); agents must not close it.
+    http_client: httpx.AsyncClient | None = None
 
 
 class EpisodeAgent(Protocol):
@@ -53,6 +56,8 @@ class CallableAgent:
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         kwargs = dict(base_url=context.base_url, api_key=context.api_key, max_retries=0, timeout=context.timeout)
         if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+            if context.http_client is not None:
+                return await self.fn(openai.AsyncOpenAI(**kwargs, http_client=context.http_client), task)
             async with openai.AsyncOpenAI(**kwargs) as client:
                 return await self.fn(client, task)
         client = openai.OpenAI(**kwargs)

@@ -7,6 +7,8 @@ import time
 import traceback
 from typing import Any
 
+import httpx
+
 from ..endpoint.server import EndpointServer
 from .agents import AgentCrash, EpisodeAgent, EpisodeContext
 from .trace import Episode
@@ -20,6 +22,7 @@ async def run_episode(
     group_index: int = 0,
     timeout: float = 300.0,
     model: str = "policy",
+    http_client: httpx.AsyncClient | None = None,
 ) -> Episode:
     """Open an episode, run the agent on `task` until it returns, fails or times out, and close the episode.
 
@@ -27,7 +30,7 @@ async def run_episode(
     endpoint saw (`context_overflow`, `limit_exceeded`). The episode is always closed and returned.
     """
     session = server.open_episode(task_index=task_index, group_index=group_index)
-    context = EpisodeContext(base_url=server.base_url, api_key=session.key, model=model, timeout=timeout)
+    context = EpisodeContext(server.base_url, session.key, model, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
     try:
@@ -62,9 +65,11 @@ async def run_episodes(
     """
     semaphore = asyncio.Semaphore(max_concurrent)
     group_indices = group_indices or [0] * len(tasks)
+    limits = httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=max_concurrent)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http_client:
 
-    async def one(i: int) -> Episode:
-        async with semaphore:
-            return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model)
+        async def one(i: int) -> Episode:
+            async with semaphore:
+                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client)
 
-    return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
+        return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
