@@ -24,9 +24,15 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
-from ..rollout.trace import Turn
+from ..rollout.trace import EPISODE_STATUSES, Turn
 from .chat import ChatRenderer
-from .protocol import ChatCompletionRequest, error_body, template_message
+from .protocol import (
+    ChatCompletionRequest,
+    CloseEpisodeRequest,
+    OpenEpisodeRequest,
+    error_body,
+    template_message,
+)
 from .sessions import EpisodeLimits, EpisodeRegistry, EpisodeSession
 
 
@@ -42,6 +48,17 @@ class SamplingOverrides:
 
 @dataclass
 class EndpointSettings:
+    """How the endpoint serves: model names, admin token, defaults and caps.
+
+    Args:
+        served_model_names: values of `model` the endpoint answers to (others get 404 `model_not_found`).
+        admin_token: bearer token of the `/admin` routes (episodes are opened and closed with it).
+        default_max_tokens: `max_tokens` of a request that sets none.
+        max_body_bytes: larger request bodies are answered 413.
+        overrides: sampling the trainer imposes, whatever the request asks for.
+        default_limits: limits of an episode opened without its own.
+    """
+
     served_model_names: list[str] = field(default_factory=lambda: ["policy"])
     admin_token: str = field(default_factory=lambda: f"sk-admin-{secrets.token_urlsafe(32)}")
     default_max_tokens: int = 512
@@ -89,6 +106,13 @@ def create_app(
     @app.exception_handler(405)
     async def _bad_method(request: Request, _):
         return JSONResponse(error_body(f"Method {request.method} not allowed on {request.url.path}"), status_code=405)
+
+    @app.exception_handler(Exception)
+    async def _server_error(_: Request, error: Exception):
+        # A bug or an engine failure, never a client's mistake: still answered in OpenAI's format (the traceback is
+        # logged by uvicorn).
+        return JSONResponse(error_body(f"Internal error: {type(error).__name__}: {error}", "server_error",
+                                       code="internal_error"), status_code=500)
 
     # Episodes
 
@@ -151,12 +175,13 @@ def create_app(
     @app.post("/admin/episodes")
     async def open_episode(request: Request):
         check_admin(request)
-        body = await read_json(request, required=False) or {}
+        body = validate(OpenEpisodeRequest, await read_json(request, required=False) or {})
+        defaults = settings.default_limits
         limits = EpisodeLimits(
-            max_turns=body.get("max_turns", settings.default_limits.max_turns),
-            max_episode_tokens=body.get("max_episode_tokens", settings.default_limits.max_episode_tokens),
+            max_turns=_first(body.max_turns, defaults.max_turns, None),
+            max_episode_tokens=_first(body.max_episode_tokens, defaults.max_episode_tokens, None),
         )
-        session = registry.open(body.get("task_index", 0), body.get("group_index", 0), body.get("metadata"), limits)
+        session = registry.open(body.task_index, body.group_index, body.metadata, limits)
         base = str(request.base_url).rstrip("/")
         return {"id": session.episode.id, "key": session.key, "base_url": f"{base}/v1",
                 "path_base_url": f"{base}/episodes/{session.episode.id}/v1"}
@@ -169,9 +194,12 @@ def create_app(
     @app.post("/admin/episodes/{episode_id}/close")
     async def close_episode(episode_id: str, request: Request):
         check_admin(request)
-        body = await read_json(request, required=False) or {}
+        body = validate(CloseEpisodeRequest, await read_json(request, required=False) or {})
+        if body.status is not None and (body.status not in EPISODE_STATUSES or body.status == "running"):
+            raise APIError(400, f"Unknown episode status {body.status!r}; use one of "
+                                f"{[s for s in EPISODE_STATUSES if s != 'running']}.", param="status")
         try:
-            episode = registry.close(episode_id, body.get("status"), body.get("result"), body.get("error"))
+            episode = registry.close(episode_id, body.status, body.result, body.error)
         except KeyError:
             raise APIError(404, f"Unknown or closed episode {episode_id!r}.", code="episode_not_found") from None
         return episode.to_dict()
@@ -201,30 +229,34 @@ def create_app(
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
 
+    def validate(model, body: Any):
+        try:
+            return model.model_validate(body)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(400, f"Invalid request: {param or 'body'}: {first.get('msg')}", param=param or None,
+                           code="invalid_request") from None
+
     async def serve_chat(session: EpisodeSession, raw: bytes):
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(400, f"Invalid request: {param}: {first.get('msg')}", param=param or None,
-                           code="invalid_request") from None
+        req = validate(ChatCompletionRequest, body)
         if req.model not in settings.served_model_names:
             raise APIError(404, f"The model {req.model!r} does not exist; this endpoint serves "
                                 f"{settings.served_model_names}.", code="model_not_found", param="model")
 
         limits = session.limits
-        if limits.max_turns is not None and len(session.episode.turns) + session.in_flight >= limits.max_turns:
+        if limits.max_turns is not None and len(session.episode.turns) + session.in_flight + req.n > limits.max_turns:
             session.flags.add("limit_exceeded")
             raise APIError(400, f"Episode limit reached: at most {limits.max_turns} model calls.",
                            code="episode_limit_exceeded")
         budget = None
         if limits.max_episode_tokens is not None:
-            budget = limits.max_episode_tokens - session.episode.num_sampled_tokens
+            # Each of the n choices may use an equal share of what is left.
+            budget = (limits.max_episode_tokens - session.episode.num_sampled_tokens) // req.n
             if budget <= 0:
                 session.flags.add("limit_exceeded")
                 raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
@@ -268,10 +300,13 @@ def create_app(
         finally:
             session.in_flight -= req.n
 
-        choices, turns = [], []
+        choices, finals = [], []
         for i, out in enumerate(outputs):
             out, stopped_text = _apply_stop_strings(tokenizer, out, req.stop_sequences)
-            message, malformed = renderer.parse(out.token_ids, plan.prompt_ids, tools, parse_tools=req.tool_choice != "none")
+            finals.append(out)
+            message, malformed = renderer.parse(
+                out.token_ids, plan.prompt_ids, tools, parse_tools=req.tool_choice != "none"
+            )
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
@@ -283,12 +318,11 @@ def create_app(
                 malformed_tool_call=malformed, sampling=sampling.to_dict(), requested_sampling=requested,
                 wall_time=time.monotonic() - started,
             )
-            session.record(turn, messages, tools)
-            turns.append(turn)
+            session.record(turn, messages, tools, plan.context)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _logprobs_body(tokenizer, out) if req.logprobs else None})
 
-        completion_tokens = sum(len(o.token_ids) for o in outputs)
+        completion_tokens = sum(len(o.token_ids) for o in finals)
         usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": completion_tokens,
                  "total_tokens": len(plan.prompt_ids) + completion_tokens}
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -298,7 +332,7 @@ def create_app(
                     "choices": choices, "usage": usage, "system_fingerprint": f"policy-v{engine.policy_version}"}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(
-            _sse(_stream_chunks(tokenizer, response_id, created, req.model, choices, outputs, usage, include_usage)),
+            _sse(_stream_chunks(tokenizer, response_id, created, req.model, choices, finals, usage, include_usage)),
             media_type="text/event-stream",
         )
 
@@ -306,7 +340,7 @@ def create_app(
 
 
 def _first(*values):
-    return next(v for v in values if v is not None)
+    return next((v for v in values if v is not None), None)
 
 
 def _with_seed(sampling: SamplingParams, seed: int | None, i: int) -> SamplingParams:
@@ -325,11 +359,35 @@ def _apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]) -> t
     if not hits:
         return out, None
     position, stop = min(hits)
-    for k in range(1, len(out.token_ids) + 1):
-        if len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)) >= position + len(stop):
-            top = out.top_logprobs[:k] if out.top_logprobs is not None else None
-            return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top), text[:position]
-    return out, text[:position]
+    pieces = _text_pieces(tokenizer, out.token_ids)
+    if "".join(piece for _, piece in pieces) != text:  # the decoder is not incremental: decode prefixes instead
+        ends = [(k, len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)))
+                for k in range(1, len(out.token_ids) + 1)]
+    else:
+        ends, length = [], 0
+        for k, piece in pieces:
+            length += len(piece)
+            ends.append((k, length))
+    k = next((k for k, length in ends if length >= position + len(stop)), len(out.token_ids))
+    top = out.top_logprobs[:k] if out.top_logprobs is not None else None
+    return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top), text[:position]
+
+
+def _text_pieces(tokenizer, token_ids: list[int]) -> list[tuple[int, str]]:
+    """The decoded text as `(end, piece)` pairs, `piece` completed by `token_ids[:end]`, in linear time.
+
+    Incremental detokenization (as vLLM does it): each step decodes only the tokens since the previous piece, with
+    one piece of left context (so tokenizers that drop a leading space still add up), and holds back text that ends
+    in an incomplete UTF-8 character.
+    """
+    pieces, prefix_start, read_start = [], 0, 0
+    for k in range(len(token_ids)):
+        prefix = tokenizer.decode(token_ids[prefix_start:read_start], skip_special_tokens=True)
+        text = tokenizer.decode(token_ids[prefix_start : k + 1], skip_special_tokens=True)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            pieces.append((k + 1, text[len(prefix) :]))
+            prefix_start, read_start = read_start, k + 1
+    return pieces
 
 
 def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -341,19 +399,16 @@ def _logprobs_body(tokenizer, out: GenerationOutput) -> dict:
     content = []
     for k, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs)):
         entry = _token_entry(tokenizer, token_id, logprob)
-        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in out.top_logprobs[k]] if out.top_logprobs else []
+        alternatives = out.top_logprobs[k] if out.top_logprobs else []
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in alternatives]
         content.append(entry)
     return {"content": content}
 
 
 def _content_pieces(tokenizer, token_ids: list[int], content: str) -> list[str]:
-    """Split `content` into per-token pieces (incremental decode); one piece when they don't add up to it."""
-    pieces, previous = [], ""
-    for k in range(1, len(token_ids) + 1):
-        text = tokenizer.decode(token_ids[:k], skip_special_tokens=True)
-        if text.startswith(previous) and len(text) > len(previous):
-            pieces.append(text[len(previous) :])
-            previous = text
+    """Split `content` into per-token pieces for streaming; one piece when they don't add up to it (e.g. content
+    parsed out of a tool call)."""
+    pieces = [piece for _, piece in _text_pieces(tokenizer, token_ids)]
     return pieces if "".join(pieces) == content else ([content] if content else [])
 
 
@@ -373,7 +428,8 @@ def _stream_chunks(tokenizer, response_id, created, model, choices, outputs, usa
         for j, call in enumerate(message.get("tool_calls") or []):
             yield chunk(index, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]})
-            yield chunk(index, {"tool_calls": [{"index": j, "function": {"arguments": call["function"]["arguments"]}}]})
+            arguments = call["function"]["arguments"]
+            yield chunk(index, {"tool_calls": [{"index": j, "function": {"arguments": arguments}}]})
         yield chunk(index, {}, choice["finish_reason"], choice["logprobs"])
     if include_usage:
         yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -2,18 +2,44 @@
 
 The rule (REFERENCES: rllm#272, verl#6501): never rebuild the ids of earlier turns from text. When a request is the
 previous request + the assistant message we returned + new messages, its prompt is the previous prompt ids + the
-sampled ids + the ids of the newly rendered messages. Only the new messages are rendered, by slicing a render of
-the whole conversation at the end-of-turn token that closes our assistant message.
+sampled ids + the ids of the newly rendered messages. Only the new messages are tokenized: the request is rendered to
+text, the template's rendering of everything up to and including our assistant message is cut off at the
+end-of-turn token that closes that message, and the rest is tokenized on its own. The cut lands right after a special
+token, where tokenization restarts, so the ids equal a slice of the full tokenization.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class RenderedContext:
+    """A fingerprint of a rendered conversation (without the generation prompt): its length and digest.
+
+    Kept per turn instead of the text itself, so long episodes do not hold every rendering in memory.
+    """
+
+    length: int
+    digest: bytes
+
+    @classmethod
+    def of(cls, text: str) -> RenderedContext:
+        return cls(len(text), _digest(text))
+
+    def is_prefix_of(self, text: str) -> bool:
+        return len(text) >= self.length and _digest(text[: self.length]) == self.digest
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass
@@ -31,6 +57,14 @@ class ChatRenderer:
         tokenizer: a tokenizer with a chat template (and, for tool calls, a `response_template`/`response_schema`,
             see `trl.chat_template_utils.add_response_schema`).
         chat_template_kwargs: extra variables for the template (e.g. `{"enable_thinking": False}`).
+
+    Example:
+
+    ```python
+    >>> renderer = ChatRenderer(tokenizer)
+    >>> text = renderer.render_text([{"role": "user", "content": "Hi"}], tools=None)
+    >>> prompt_ids = renderer.encode(text)
+    ```
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None):
@@ -49,44 +83,57 @@ class ChatRenderer:
             if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token in tokenizer.get_vocab():
                 self.end_of_turn_ids.add(token_id)
         self.end_of_turn_ids.discard(None)
+        self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
+        self._end_of_turn_pattern = re.compile("|".join(re.escape(t) for t in sorted(self._end_of_turn_by_text)))
+        # The text `add_generation_prompt=True` appends (e.g. "<|im_start|>assistant\n"), to get the rendering of a
+        # request without it for free; `None` when it depends on the conversation (then it is rendered).
+        probe = [{"role": "user", "content": "x"}]
+        with_prompt = self.render_text(probe, None, add_generation_prompt=True)
+        without = self.render_text(probe, None, add_generation_prompt=False)
+        self._generation_prompt = with_prompt[len(without) :] if with_prompt.startswith(without) else None
 
-    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
-        return list(
-            self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                **self.chat_template_kwargs,
-            )
+    def render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.chat_template_kwargs,
         )
 
-    def continuation(
-        self,
-        history: list[dict],
-        new_messages: list[dict],
-        tools: list[dict] | None,
-        completion_ids: list[int],
-    ) -> Continuation | None:
-        """Ids that extend `history` (ending with the assistant message we returned) by `new_messages`.
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text (what `apply_chat_template(tokenize=True)` returns for it)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-        Returns `None` when the template does not render `history` as a prefix of `history + new_messages` (it is
-        not append-only here, e.g. Qwen3 dropping earlier reasoning): the caller must render fresh.
+    def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+
+    def context_of(self, text: str, messages: list[dict], tools: list[dict] | None) -> RenderedContext:
+        """Fingerprint of `messages` rendered without the generation prompt, given `text` (rendered with it)."""
+        if self._generation_prompt is not None and text.endswith(self._generation_prompt):
+            return RenderedContext.of(text[: len(text) - len(self._generation_prompt)])
+        return RenderedContext.of(self.render_text(messages, tools, add_generation_prompt=False))
+
+    def continuation(self, parent: RenderedContext, text: str, completion_ids: list[int]) -> Continuation | None:
+        """Ids that extend a parent turn to the request rendered as `text`.
+
+        `parent` fingerprints the parent's request rendered without the generation prompt; `text` is this request
+        (parent request + the assistant message we returned + new messages) rendered with it. What the template
+        renders for our assistant message is replaced by the ids the model saw and sampled; the cut is the first
+        end-of-turn token after the parent's context, the one that closes that message.
+
+        Returns `None` when the template renders the parent's messages differently once more messages follow (it is
+        not append-only here, e.g. Qwen3 dropping the reasoning of earlier turns after a new user message): the caller
+        must render fresh.
         """
-        base = self.render(history, tools, add_generation_prompt=False)
-        full = self.render(history + new_messages, tools, add_generation_prompt=True)
-        # Align on the last end-of-turn token of the base render: what follows it there (e.g. Qwen's "\n") is glue
-        # the template adds between turns and belongs to the suffix, since the model stopped at the end-of-turn.
-        cut = max((i for i, t in enumerate(base) if t in self.end_of_turn_ids), default=None)
-        if cut is None:
+        if not parent.is_prefix_of(text):
             return None
-        cut += 1
-        if full[:cut] != base[:cut]:
+        match = self._end_of_turn_pattern.search(text, parent.length)
+        if match is None:
             return None
         ended = bool(completion_ids) and completion_ids[-1] in self.end_of_turn_ids
-        glue = [] if ended else [base[cut - 1]]
-        return Continuation(glue=glue, suffix=full[cut:])
+        glue = [] if ended else [self._end_of_turn_by_text[match.group()]]
+        return Continuation(glue=glue, suffix=self.encode(text[match.end() :]))
 
     def parse(
         self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None, parse_tools: bool = True

@@ -134,11 +134,12 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     """Normalize an OpenAI message (as a dict) into what chat templates read.
 
     Content becomes a string, tool-call arguments become objects (transformers' convention: templates `tojson`
-    them), `null` fields and ids templates never read are dropped. Two messages that normalize equal render equal,
-    which is what the continuation check compares.
+    them), `null` fields and fields no template reads (`refusal`, `audio`, ...) are dropped.
     """
     role = "system" if message["role"] == "developer" else message["role"]  # templates know no 'developer'
     out: dict[str, Any] = {"role": role, "content": content_text(message.get("content"))}
+    if isinstance(message.get("reasoning_content"), str) and message["reasoning_content"]:
+        out["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         calls = []
         for call in message["tool_calls"]:
@@ -149,8 +150,46 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
                     arguments = json.loads(arguments) if arguments.strip() else {}
                 except json.JSONDecodeError:
                     pass  # keep the raw string: the template renders it as the agent sent it
-            calls.append({"type": "function", "function": {"name": function["name"], "arguments": arguments}})
+            normalized = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+            if call.get("id"):
+                normalized["id"] = call["id"]
+            calls.append(normalized)
         out["tool_calls"] = calls
+    if message.get("tool_call_id"):
+        out["tool_call_id"] = message["tool_call_id"]
     if message.get("name"):
         out["name"] = message["name"]
     return out
+
+
+def comparable_message(message: dict[str, Any]) -> dict[str, Any]:
+    """What must match for a message of a request to count as the same message as one of the history.
+
+    A normalized message (`template_message`) without the fields agents commonly drop or regenerate when they send
+    our answer back: `reasoning_content` (not part of OpenAI's schema) and tool-call ids. Key order, `null` fields and
+    the JSON spelling of arguments are already normalized away.
+    """
+    out = {k: v for k, v in message.items() if k not in ("reasoning_content", "tool_call_id")}
+    if "tool_calls" in out:
+        out["tool_calls"] = [{k: v for k, v in call.items() if k != "id"} for call in out["tool_calls"]]
+    return out
+
+
+class OpenEpisodeRequest(BaseModel):
+    """The body of `POST /admin/episodes` (all optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    task_index: int = 0
+    group_index: int = 0
+    metadata: dict[str, Any] | None = None
+    max_turns: int | None = Field(default=None, ge=1)
+    max_episode_tokens: int | None = Field(default=None, ge=1)
+
+
+class CloseEpisodeRequest(BaseModel):
+    """The body of `POST /admin/episodes/{id}/close` (all optional)."""
+
+    model_config = ConfigDict(extra="forbid")
+    status: str | None = None
+    result: Any = None
+    error: str | None = None

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..rollout.trace import Episode, Turn
-from .chat import ChatRenderer, common_prefix_length
-from .protocol import template_message
+from .chat import ChatRenderer, RenderedContext, common_prefix_length
+from .protocol import comparable_message, template_message
 
 
 # Why a turn was rendered fresh although the episode had earlier turns.
@@ -22,17 +22,36 @@ SIDE_CALL = "side_call"  # shares nothing with the episode so far (a title or su
 
 @dataclass
 class EpisodeLimits:
+    """Per-episode caps; a call over a cap is answered 400 `episode_limit_exceeded` and flags the episode.
+
+    Args:
+        max_turns: most model calls (each choice of `n > 1` counts as one).
+        max_episode_tokens: most sampled tokens over the whole episode (a call's `max_tokens` is cut to what is left).
+    """
+
     max_turns: int | None = None
     max_episode_tokens: int | None = None
 
 
 @dataclass
 class PromptPlan:
+    """How the prompt of a call was built; `context` fingerprints the request rendered without generation prompt."""
+
     prompt_ids: list[int]
     source: str
     parent: int | None
     drift: int
     fork_reason: str | None
+    context: RenderedContext | None = None
+
+
+@dataclass
+class _TurnHistory:
+    """What the continuation check needs of a recorded turn (kept beside the Turn, not serialized)."""
+
+    messages: list[dict]  # comparable request messages + the comparable assistant message we returned
+    tools: list[dict] | None
+    context: RenderedContext | None  # the request rendered without the generation prompt
 
 
 @dataclass
@@ -45,56 +64,71 @@ class EpisodeSession:
     in_flight: int = 0
     flags: set[str] = field(default_factory=set)  # "context_overflow", "limit_exceeded"
     late_turns: int = 0  # calls that finished after the episode was closed (not recorded)
-    # Normalized request messages + tools of each turn, for the continuation check (not serialized).
-    _histories: list[tuple[list[dict], list[dict] | None]] = field(default_factory=list)
+    _histories: list[_TurnHistory] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def plan_prompt(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None) -> PromptPlan:
-        """Token-in continuation from the turn whose history is the longest prefix of `messages`, else a render."""
+        """Token-in continuation from the turn whose history is the longest prefix of `messages`, else a render.
+
+        `messages` are normalized (`template_message`). One render of the request to text is all a continuation
+        costs: only the new messages are tokenized.
+        """
         with self._lock:
             turns = list(self.episode.turns)
             histories = list(self._histories)
+        text = renderer.render_text(messages, tools)
+        context = renderer.context_of(text, messages, tools)
+        comparable = [comparable_message(m) for m in messages]
+
+        # The parent: the latest turn whose messages + answer are a strict prefix of this request.
         best, best_len, best_shared, best_shared_len = None, -1, None, 0
-        for turn, (previous, _) in zip(reversed(turns), reversed(histories)):
-            history = previous + [template_message(turn.response_message)]
-            if len(messages) > len(history) and messages[: len(history)] == history and len(history) > best_len:
-                best, best_len = turn, len(history)
-            shared = _common_messages(previous + [template_message(turn.response_message)], messages)
-            if shared > best_shared_len:
-                best_shared, best_shared_len = turn, shared
+        for turn, history in zip(reversed(turns), reversed(histories)):
+            n = len(history.messages)
+            if best_len < n < len(comparable) and history.messages[-1] == comparable[n - 1] and (
+                history.messages[:-1] == comparable[: n - 1]
+            ):
+                best, best_len = turn, n
+            if best is None:
+                shared = _common_messages(history.messages, comparable)
+                if shared > best_shared_len:
+                    best_shared, best_shared_len = turn, shared
 
         fork_reason = None
         if best is not None:
-            previous, previous_tools = histories[best.index]
-            if (previous_tools or None) != (tools or None):
+            history = histories[best.index]
+            if (history.tools or None) != (tools or None):
                 fork_reason = FORK_TOOLS_CHANGED
-            else:
-                history = previous + [template_message(best.response_message)]
-                continuation = renderer.continuation(history, messages[len(history) :], tools, best.completion_ids)
+            elif history.context is not None:
+                continuation = renderer.continuation(history.context, text, best.completion_ids)
                 if continuation is not None:
                     prompt = best.prompt_ids + best.completion_ids + continuation.glue + continuation.suffix
-                    return PromptPlan(prompt, "continued", best.index, 0, None)
+                    return PromptPlan(prompt, "continued", best.index, 0, None, context)
+                fork_reason = FORK_TEMPLATE
+            else:
                 fork_reason = FORK_TEMPLATE
             best_shared = best
         elif turns:
             fork_reason = FORK_HISTORY_REWRITTEN if best_shared is not None else SIDE_CALL
 
-        prompt = renderer.render(messages, tools)
+        prompt = renderer.encode(text)
         drift = 0
         if best_shared is not None:
             exact = best_shared.prompt_ids + best_shared.completion_ids
             drift = len(exact) - common_prefix_length(exact, prompt)
-        return PromptPlan(prompt, "rendered", None, drift, fork_reason)
+        return PromptPlan(prompt, "rendered", None, drift, fork_reason, context)
 
-    def record(self, turn: Turn, messages: list[dict], tools: list[dict] | None) -> bool:
+    def record(self, turn: Turn, messages: list[dict], tools: list[dict] | None,
+               context: RenderedContext | None = None) -> bool:
         """Append a finished turn; returns False (and counts it) when the episode was closed meanwhile."""
+        history = [comparable_message(m) for m in messages]
+        history.append(comparable_message(template_message(turn.response_message)))
         with self._lock:
             if self.closed:
                 self.late_turns += 1
                 return False
             turn.index = len(self.episode.turns)
             self.episode.turns.append(turn)
-            self._histories.append((messages, tools))
+            self._histories.append(_TurnHistory(history, tools, context))
             self.episode.messages = turn.request_messages + [turn.response_message]
             return True
 
@@ -125,7 +159,7 @@ def _common_messages(a: list[dict], b: list[dict]) -> int:
 
 
 class EpisodeRegistry:
-    """All open and recently closed episodes of an endpoint, by id and by key (both unguessable)."""
+    """All open episodes of an endpoint, by id and by key (both unguessable); closing one forgets it."""
 
     def __init__(self):
         self._by_id: dict[str, EpisodeSession] = {}

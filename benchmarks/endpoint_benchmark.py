@@ -1,0 +1,179 @@
+"""What the endpoint costs per call, and what batching concurrent agents buys, side by side in one run.
+
+```bash
+python benchmarks/endpoint_benchmark.py                      # ~1 min on 2 CPU cores
+python benchmarks/endpoint_benchmark.py --model tiny:qwen2_5:128x4 --episodes 64
+```
+
+(a) Per-call overhead: a zero-cost engine (fixed tokens, instantly) behind the real endpoint (uvicorn on loopback),
+    N sequential calls of multi-turn episodes, each call continuing the previous one (token-in continuation: one
+    render + tokenizing the new messages). Measured at the client, over a kept-alive HTTP connection (raw httpx) and
+    through the official `openai` client. Early and late turns are shown apart: the cost must not grow with history.
+(b) Tiny-model throughput: the same multi-turn episodes with the embedded TransformersEngine, 32 concurrent agents
+    (asyncio + AsyncOpenAI, one key each) vs one agent at a time; sampled tokens/s and episodes/s, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import httpx
+import openai
+import torch
+
+from trl_agentic.endpoint.app import EndpointSettings, SamplingOverrides, create_app
+from trl_agentic.endpoint.chat import ChatRenderer
+from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.generation.engine import GenerationOutput, SamplingParams
+from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.tiny_models import build_tiny_tokenizer, load_model_and_tokenizer
+
+
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+class ZeroCostEngine:
+    """Returns the same tool call, instantly: everything measured is the endpoint's own work."""
+
+    def __init__(self, tokenizer):
+        text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        self.max_context_length = 1 << 20
+        self.policy_version = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+        return GenerationOutput(list(self.ids), [-0.1] * len(self.ids), "stop")
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def overhead(calls: int, turns: int, use_openai: bool) -> dict:
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    server = EndpointServer(create_app(ZeroCostEngine(tokenizer), ChatRenderer(tokenizer))).start()
+    latencies: list[tuple[int, float]] = []  # (turn index, ms)
+    forks = 0
+    try:
+        http = httpx.Client(timeout=30)
+        while len(latencies) < calls:
+            session = server.open_episode()
+            client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, http_client=http)
+            messages = [{"role": "system", "content": "Use the calculator."},
+                        {"role": "user", "content": "What is 2 + 3, then 3 more, many times?"}]
+            for turn in range(turns):
+                body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
+                start = time.perf_counter()
+                if use_openai:
+                    message = client.chat.completions.create(**body).choices[0].message.model_dump(exclude_none=True)
+                else:
+                    response = http.post(f"{server.base_url}/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {session.key}"})
+                    message = response.json()["choices"][0]["message"]
+                latencies.append((turn, (time.perf_counter() - start) * 1000))
+                call_id = message["tool_calls"][0]["id"]
+                messages += [message, {"role": "tool", "tool_call_id": call_id, "content": f"{5 + 3 * turn}"}]
+                if len(latencies) >= calls:
+                    break
+            forks += server.close_episode(session.episode.id).num_forks
+    finally:
+        server.stop()
+    all_ms = [ms for _, ms in latencies]
+    early = [ms for t, ms in latencies if t < 5]
+    late = [ms for t, ms in latencies if t >= turns - 5]
+    return {"p50": statistics.median(all_ms), "p99": percentile(all_ms, 99), "early_p50": statistics.median(early),
+            "late_p50": statistics.median(late), "forks": forks, "calls": len(all_ms)}
+
+
+def throughput(model_spec: str, episodes: int, agent_turns: int, max_tokens: int) -> dict:
+    model, tokenizer = load_model_and_tokenizer(model_spec)
+    model.eval()
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=episodes)
+    # Every call samples exactly max_tokens (no early stop), so both modes sample the same number of tokens.
+    settings = EndpointSettings(overrides=SamplingOverrides(max_tokens=max_tokens))
+    server = EndpointServer(create_app(engine, ChatRenderer(tokenizer), settings)).start()
+
+    async def agent(i: int) -> int:
+        session = server.open_episode(task_index=i)
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=600)
+        messages = [{"role": "user", "content": f"Task {i}: think aloud."}]
+        for k in range(agent_turns):
+            response = await client.chat.completions.create(model="policy", messages=messages, seed=i)
+            messages += [response.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": f"Step {k} done, go on."}]
+        await client.close()
+        episode = server.close_episode(session.episode.id)
+        assert episode.num_forks == 0
+        return episode.num_sampled_tokens
+
+    async def concurrent() -> list[int]:
+        return await asyncio.gather(*[agent(i) for i in range(episodes)])
+
+    async def sequential() -> list[int]:
+        return [await agent(i) for i in range(episodes)]
+
+    results = {}
+    try:
+        asyncio.run(agent(0))  # warm-up
+        for name, run in (("sequential", sequential), ("concurrent", concurrent)):
+            engine.batch_sizes.clear()
+            start = time.perf_counter()
+            tokens = sum(asyncio.run(run()))
+            seconds = time.perf_counter() - start
+            results[name] = {"tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds,
+                             "seconds": seconds, "tokens": tokens, "max_batch": max(engine.batch_sizes)}
+    finally:
+        server.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=300, help="sequential calls measured for (a)")
+    parser.add_argument("--turns", type=int, default=30, help="calls per episode in (a)")
+    parser.add_argument("--model", default="tiny:qwen2_5", help="policy of (b)")
+    parser.add_argument("--episodes", type=int, default=32, help="agents in (b)")
+    parser.add_argument("--agent-turns", type=int, default=4, help="calls per episode in (b)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per call in (b)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
+                             "threads already share the cores (0 = torch's default)")
+    args = parser.parse_args(argv)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+
+    raw = overhead(args.calls, args.turns, use_openai=False)
+    sdk = overhead(args.calls, args.turns, use_openai=True)
+    tput = throughput(args.model, args.episodes, args.agent_turns, args.max_tokens)
+
+    print(f"(a) endpoint overhead per call, zero-cost engine, {raw['calls']} sequential calls, episodes of "
+          f"{args.turns} continued turns (forks: {raw['forks'] + sdk['forks']})")
+    print(f"    {'client':<14}{'p50 ms':>9}{'p99 ms':>9}{'turns 0-4 p50':>16}{'last 5 p50':>13}")
+    for name, r in (("httpx", raw), ("openai", sdk)):
+        print(f"    {name:<14}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['early_p50']:>16.2f}{r['late_p50']:>13.2f}")
+    print(f"(b) {args.model}: {args.episodes} episodes x {args.agent_turns} calls x {args.max_tokens} tokens, "
+          f"{torch.get_num_threads()} torch thread(s)")
+    print(f"    {'mode':<14}{'tokens/s':>10}{'episodes/s':>12}{'seconds':>9}{'max batch':>11}")
+    for name in ("sequential", "concurrent"):
+        r = tput[name]
+        print(f"    {name:<14}{r['tokens_per_s']:>10.0f}{r['episodes_per_s']:>12.2f}{r['seconds']:>9.2f}"
+              f"{r['max_batch']:>11}")
+    ratio = tput["concurrent"]["tokens_per_s"] / tput["sequential"]["tokens_per_s"]
+    print(f"    concurrent / sequential: {ratio:.1f}x tokens/s, "
+          f"{tput['concurrent']['episodes_per_s'] / tput['sequential']['episodes_per_s']:.1f}x episodes/s")
+
+
+if __name__ == "__main__":
+    main()

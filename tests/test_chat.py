@@ -1,0 +1,191 @@
+"""ChatRenderer: rendering, the continuation splice per template family, tool-call parsing, message normalization."""
+
+import json
+
+import pytest
+
+from trl_agentic.endpoint.chat import ChatRenderer, RenderedContext, common_prefix_length
+from trl_agentic.endpoint.protocol import comparable_message, template_message
+from trl_agentic.tiny_models import build_tiny_tokenizer
+
+from conftest import CALCULATOR_TOOL
+
+
+@pytest.fixture(scope="module")
+def renderers() -> dict[str, ChatRenderer]:
+    return {family: ChatRenderer(build_tiny_tokenizer(family)) for family in ("qwen2_5", "llama3_2", "qwen3")}
+
+
+def tool_call_text(family: str, expression: str = "2 + 3") -> str:
+    if family == "llama3_2":
+        return json.dumps({"name": "calculator", "parameters": {"expression": expression}})
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def continue_with(renderer, history, answer_ids, answer_message, new_messages, tools):
+    """The continuation of a turn whose request was `history` and whose answer was `answer_ids`."""
+    parent_text = renderer.render_text(history, tools)
+    parent = renderer.context_of(parent_text, history, tools)
+    text = renderer.render_text(history + [answer_message] + new_messages, tools)
+    return renderer.continuation(parent, text, answer_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_2", "qwen3"])
+def test_render_equals_apply_chat_template(renderers, family):
+    renderer = renderers[family]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    expected = renderer.tokenizer.apply_chat_template(
+        messages, tools=[CALCULATOR_TOOL], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert renderer.render(messages, [CALCULATOR_TOOL]) == list(expected)
+    text = renderer.render_text(messages, [CALCULATOR_TOOL])
+    without = renderer.render_text(messages, [CALCULATOR_TOOL], add_generation_prompt=False)
+    assert renderer.context_of(text, messages, [CALCULATOR_TOOL]) == RenderedContext.of(without)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_2", "qwen3"])
+def test_continuation_is_a_slice_of_the_full_render(renderers, family):
+    """A tool loop: parent prompt + sampled ids + suffix spells the full render, and the suffix is its tail."""
+    renderer, tokenizer = renderers[family], renderers[family].tokenizer
+    tools = [CALCULATOR_TOOL]
+    history = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt = renderer.render(history, tools)
+    answer_ids = tokenizer.encode(tool_call_text(family), add_special_tokens=False) + [tokenizer.eos_token_id]
+    message, malformed = renderer.parse(answer_ids, prompt, tools)
+    assert not malformed and message["tool_calls"]
+    new = [{"role": "tool", "tool_call_id": "call_0", "content": "5"}]
+    continuation = continue_with(renderer, history, answer_ids, template_message(message), new, tools)
+    assert continuation is not None and continuation.glue == []
+    full = renderer.render(history + [template_message(message)] + new, tools)
+    # The suffix is exactly the tail of the full tokenization (tokenization restarts after the end-of-turn token)...
+    assert full[len(full) - len(continuation.suffix) :] == continuation.suffix
+    # ...and the spliced prompt spells the full render. (The ids before the suffix may differ: for these tiny
+    # tokenizers a prompt ending in "\n\n" is one BPE token, "\n\n{" two; the model sampled after the former.)
+    assert tokenizer.decode(prompt + answer_ids + continuation.suffix) == tokenizer.decode(full)
+
+
+def test_junction_tokens_per_family(renderers):
+    """Qwen puts "\\n" after <|im_end|> (it belongs to the suffix: the model stopped at <|im_end|>); Llama puts nothing
+    after <|eot_id|>, the suffix starts at the next header (verl#6501)."""
+    history = [{"role": "user", "content": "hi"}]
+    new = [{"role": "user", "content": "again"}]
+    qwen = renderers["qwen2_5"]
+    ids = qwen.tokenizer.encode("hello", add_special_tokens=False) + [qwen.tokenizer.eos_token_id]  # <|im_end|>
+    continuation = continue_with(qwen, history, ids, {"role": "assistant", "content": "hello"}, new, None)
+    assert continuation.glue == []
+    assert qwen.tokenizer.decode(continuation.suffix[:2]) == "\n<|im_start|>"
+
+    llama = renderers["llama3_2"]
+    ids = llama.tokenizer.encode("hello", add_special_tokens=False) + [llama.tokenizer.eos_token_id]  # <|eot_id|>
+    continuation = continue_with(llama, history, ids, {"role": "assistant", "content": "hello"}, new, None)
+    assert continuation.glue == []
+    assert continuation.suffix[0] == llama.tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    assert "<|begin_of_text|>" not in llama.tokenizer.decode(continuation.suffix)
+
+
+@pytest.mark.parametrize("family,end_of_turn", [("qwen2_5", "<|im_end|>"), ("llama3_2", "<|eot_id|>")])
+def test_truncated_completion_gets_the_end_of_turn_as_glue(renderers, family, end_of_turn):
+    renderer = renderers[family]
+    ids = renderer.tokenizer.encode("hello wor", add_special_tokens=False)  # cut by max_tokens: no end-of-turn
+    answer = {"role": "assistant", "content": "hello wor"}
+    continuation = continue_with(renderer, [{"role": "user", "content": "hi"}], ids, answer,
+                                 [{"role": "user", "content": "go"}], None)
+    assert continuation.glue == [renderer.tokenizer.convert_tokens_to_ids(end_of_turn)]
+
+
+def test_qwen3_forks_only_when_a_new_user_message_follows_reasoning(renderers):
+    """Qwen3 drops the reasoning of assistant turns before the last user message: a tool loop is append-only, a new
+    user query after reasoning is not (the earlier turn renders differently), so the caller must render fresh."""
+    renderer = renderers["qwen3"]
+    tools = [CALCULATOR_TOOL]
+    think = "<think>\nAdd them.\n</think>\n\n"
+    ids = renderer.tokenizer.encode(think + tool_call_text("qwen3"), add_special_tokens=False)
+    ids.append(renderer.tokenizer.eos_token_id)
+    message, malformed = renderer.parse(ids, [], tools)
+    assert not malformed and message["reasoning_content"] == "Add them." and message["tool_calls"]
+    answer = template_message(message)
+    history = [{"role": "user", "content": "What is 2 + 3?"}]
+    tool = {"role": "tool", "tool_call_id": "call_0", "content": "5"}
+    assert continue_with(renderer, history, ids, answer, [tool], tools) is not None  # tool loop: append-only
+    # One more assistant turn with reasoning, then a new user query: the first answer's reasoning is now dropped.
+    history2 = history + [answer, tool]
+    final_ids = renderer.tokenizer.encode(think + "It is 5.", add_special_tokens=False)
+    final_ids.append(renderer.tokenizer.eos_token_id)
+    final = template_message(renderer.parse(final_ids, [], tools)[0])
+    assert continue_with(renderer, history2, final_ids, final, [tool], tools) is not None
+    new_query = {"role": "user", "content": "And 3 + 4?"}
+    assert continue_with(renderer, history2, final_ids, final, [new_query], tools) is None
+
+
+def test_qwen3_without_thinking_still_continues(renderers):
+    """With `enable_thinking=False` the generation prompt carries an empty think block that the template never
+    renders for an earlier turn: what the model saw is kept (its exact ids), so the tool loop is no fork."""
+    renderer = ChatRenderer(renderers["qwen3"].tokenizer, {"enable_thinking": False})
+    history = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert renderer.render_text(history, None).endswith("<think>\n\n</think>\n\n")
+    ids = renderer.tokenizer.encode(tool_call_text("qwen3"), add_special_tokens=False)
+    ids.append(renderer.tokenizer.eos_token_id)
+    answer = template_message(renderer.parse(ids, renderer.render(history, [CALCULATOR_TOOL]), [CALCULATOR_TOOL])[0])
+    tool = {"role": "tool", "tool_call_id": "call_0", "content": "5"}
+    continuation = continue_with(renderer, history, ids, answer, [tool], [CALCULATOR_TOOL])
+    assert continuation is not None and continuation.glue == []
+    assert renderer.tokenizer.decode(continuation.suffix).endswith("<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_2"])
+def test_parse_tool_call(renderers, family):
+    renderer = renderers[family]
+    ids = renderer.tokenizer.encode(tool_call_text(family, "7 * 6"), add_special_tokens=False)
+    ids.append(renderer.tokenizer.eos_token_id)
+    message, malformed = renderer.parse(ids, renderer.render([{"role": "user", "content": "7*6?"}], [CALCULATOR_TOOL]),
+                                        [CALCULATOR_TOOL])
+    assert not malformed
+    assert message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "calculator"
+    assert json.loads(call["function"]["arguments"]) == {"expression": "7 * 6"}  # a JSON string, as OpenAI returns
+
+
+def test_parse_plain_malformed_and_tools_off(renderers):
+    renderer = renderers["qwen2_5"]
+    tools = [CALCULATOR_TOOL]
+    eos = renderer.tokenizer.eos_token_id
+    plain = renderer.tokenizer.encode("The answer is 5.", add_special_tokens=False) + [eos]
+    assert renderer.parse(plain, [], tools) == ({"role": "assistant", "content": "The answer is 5."}, False)
+    broken = renderer.tokenizer.encode('<tool_call>\n{"name": "calc', add_special_tokens=False)
+    message, malformed = renderer.parse(broken, [], tools)
+    assert malformed and message == {"role": "assistant", "content": '<tool_call>\n{"name": "calc'}
+    call = renderer.tokenizer.encode(tool_call_text("qwen2_5"), add_special_tokens=False) + [eos]
+    message, malformed = renderer.parse(call, [], tools, parse_tools=False)  # tool_choice="none"
+    assert not malformed and "tool_calls" not in message and message["content"].startswith("<tool_call>")
+
+
+def test_reserialized_messages_compare_equal():
+    """What agents send back (arguments as a JSON string with other key order and spacing, `null` fields, list
+    content, regenerated ids, dropped reasoning) is the same message as the one we returned."""
+    ours = {"role": "assistant", "content": None, "reasoning_content": "think",
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "f", "arguments": '{"a": 1, "b": [1, 2]}'}}]}
+    theirs = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
+              "tool_calls": [{"id": "call_x", "type": "function",
+                              "function": {"name": "f", "arguments": '{"b":[1,2],"a":1}'}}]}
+    assert comparable_message(template_message(ours)) == comparable_message(template_message(theirs))
+    # What templates read is kept: reasoning, ids, content joined from text parts.
+    normalized = template_message(ours)
+    assert normalized["reasoning_content"] == "think" and normalized["tool_calls"][0]["id"] == "call_1"
+    assert normalized["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": [1, 2]}
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert template_message(parts) == {"role": "user", "content": "ab"}
+    assert template_message({"role": "developer", "content": "x"})["role"] == "system"
+    # A different argument value is a different message.
+    edited = {"type": "function", "function": {"name": "f", "arguments": '{"a": 2, "b": [1, 2]}'}}
+    other = {**theirs, "tool_calls": [edited]}
+    assert comparable_message(template_message(ours)) != comparable_message(template_message(other))
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0

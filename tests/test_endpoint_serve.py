@@ -1,0 +1,85 @@
+"""`trl-agentic serve` as a real process: open an episode with the admin API, call it with the openai client, close it
+and get the recorded Episode back."""
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from trl_agentic.endpoint.serve import make_parser
+from trl_agentic.rollout.trace import Episode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_parser_defaults_and_overrides():
+    args = make_parser().parse_args(["--model", "tiny:qwen2_5"])
+    assert (args.host, args.port, args.served_model_name, args.temperature) == ("127.0.0.1", 8000, "policy", None)
+    args = make_parser().parse_args(["--model", "m", "--temperature", "0.7", "--max-turns", "4",
+                                     "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert (args.temperature, args.max_turns, args.chat_template_kwargs) == (0.7, 4, {"enable_thinking": False})
+
+
+def test_serve_process(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trl_agentic.cli", "serve", "--model", "tiny:qwen2_5", "--port", str(port),
+             "--max-tokens", "8", "--log-level", "warning"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"serve exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not come up:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        printed = log.read_text()
+        token = re.search(r"admin token: (\S+)", printed).group(1)
+        assert f"curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {token}'" in printed
+
+        admin = {"Authorization": f"Bearer {token}"}
+        opened = httpx.post(f"{url}/admin/episodes", json={"task_index": 3, "metadata": {"task": "demo"}},
+                            headers=admin, timeout=10).json()
+        assert opened["base_url"] == f"{url}/v1" and opened["key"].startswith("sk-ep-")
+        client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["key"], max_retries=0, timeout=60)
+        response = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}],
+                                                  max_tokens=50)
+        assert response.usage.completion_tokens <= 8  # --max-tokens caps what the request asked for
+        running = httpx.get(f"{url}/admin/episodes/{opened['id']}", headers=admin, timeout=10).json()
+        assert running["status"] == "running" and len(running["turns"]) == 1
+
+        closed = httpx.post(f"{url}/admin/episodes/{opened['id']}/close", json={"result": {"answer": 42}},
+                            headers=admin, timeout=10)
+        assert closed.status_code == 200
+        episode = Episode.from_dict(closed.json())
+        assert episode.id == opened["id"] and episode.task_index == 3 and episode.metadata == {"task": "demo"}
+        assert episode.status == "ok" and episode.result == {"answer": 42}
+        (turn,) = episode.turns
+        assert len(turn.completion_ids) == response.usage.completion_tokens == len(turn.logprobs)
+        assert turn.response_message["content"] == response.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):  # the key died with the episode
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    assert process.returncode is not None

@@ -1,0 +1,126 @@
+"""`trl-agentic serve`: a model behind the OpenAI-compatible, token-recording endpoint, as its own process.
+
+```bash
+trl-agentic serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000 --temperature 1.0 --max-tokens 512
+trl-agentic serve --model tiny:qwen2_5            # a tiny random model built locally, for trying things out
+```
+
+Agents never see the admin token: whoever runs them opens an episode with it (`POST /admin/episodes`), hands the
+agent the returned `base_url` and `key` (any OpenAI client works), and closes the episode to get every recorded
+token back (`POST /admin/episodes/{id}/close` returns the Episode JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+
+from .sessions import EpisodeLimits
+
+
+ADMIN_TOKEN_ENV = "TRL_AGENTIC_ADMIN_TOKEN"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-agentic serve",
+        description="Serve a model behind the OpenAI-compatible endpoint that records every sampled token.",
+    )
+    parser.add_argument("--model", required=True,
+                        help="Hub id or local path, or 'tiny:<family>[:<hidden>x<layers>]' for a tiny random model.")
+    parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (loopback by default).")
+    parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
+    parser.add_argument("--admin-token", default=None,
+                        help=f"Bearer token of the /admin routes (default: ${ADMIN_TOKEN_ENV}, else a random one).")
+    parser.add_argument("--served-model-name", default="policy",
+                        help="Value of `model` the endpoint answers to (others get 404).")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="Weights dtype ('auto': bfloat16 on GPU, float32 on CPU).")
+    parser.add_argument("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="Most concurrent calls sampled together.")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                        help="How long the first call of a batch waits for others to join.")
+    parser.add_argument("--max-context-length", type=int, default=None,
+                        help="Prompt + completion tokens accepted (default: the model's max_position_embeddings).")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="Imposed temperature (default: the request's).")
+    parser.add_argument("--top-p", type=float, default=None, help="Imposed top-p (default: the request's).")
+    parser.add_argument("--top-k", type=int, default=None, help="Imposed top-k (default: none).")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="Cap on tokens per call (a request may ask for fewer).")
+    parser.add_argument("--default-max-tokens", type=int, default=512,
+                        help="max_tokens of a request that sets none.")
+    parser.add_argument("--max-turns", type=int, default=None, help="Default cap on model calls per episode.")
+    parser.add_argument("--max-episode-tokens", type=int, default=None,
+                        help="Default cap on sampled tokens per episode.")
+    parser.add_argument("--chat-template-kwargs", type=json.loads, default=None,
+                        help='JSON object of extra chat-template variables, e.g. \'{"enable_thinking": false}\'.')
+    parser.add_argument("--log-level", default="info", help="uvicorn log level.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+
+    import torch
+    import uvicorn
+
+    from ..generation.transformers_engine import TransformersEngine
+    from ..tiny_models import load_model_and_tokenizer
+    from .app import EndpointSettings, SamplingOverrides, create_app
+    from .chat import ChatRenderer
+
+    # Model
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
+    model.to(device=device, dtype=dtype).eval()
+    renderer = ChatRenderer(tokenizer, args.chat_template_kwargs)
+    if not renderer.can_parse_tools:
+        print(f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
+              "returned as text content.", file=sys.stderr)
+
+    # Endpoint
+    engine = TransformersEngine(
+        model,
+        pad_token_id=tokenizer.pad_token_id,
+        max_batch_size=args.max_batch_size,
+        batch_wait_s=args.batch_wait_ms / 1000,
+        max_context_length=args.max_context_length,
+    )
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or f"sk-admin-{secrets.token_urlsafe(32)}"
+    settings = EndpointSettings(
+        served_model_names=[args.served_model_name],
+        admin_token=admin_token,
+        default_max_tokens=args.default_max_tokens,
+        overrides=SamplingOverrides(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+        ),
+        default_limits=EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens),
+    )
+    app = create_app(engine, renderer, settings)
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{args.port}"
+    print(
+        f"trl-agentic endpoint: serving {args.model!r} as {args.served_model_name!r} on {url} ({device}, {dtype})\n"
+        f"admin token: {admin_token}\n"
+        f"open an episode:\n"
+        f"  curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {admin_token}' "
+        f"-H 'Content-Type: application/json' -d '{{}}'\n"
+        f"then point any OpenAI client at the returned base_url with the returned key, and close the episode to get "
+        f"its tokens:\n"
+        f"  curl -s -X POST {url}/admin/episodes/<id>/close -H 'Authorization: Bearer {admin_token}'",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
