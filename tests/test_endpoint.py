@@ -251,10 +251,15 @@ def test_tool_choice(tool_server, tool_model):
     # "none": the model's text comes back as content, never parsed into a call.
     assert results['"none"'].message.tool_calls is None and "<tool_call>" in results['"none"'].message.content
     assert results['"none"'].finish_reason == "stop"
-    # "required" / a named function are recorded; the policy's own choice is what is returned (and trained).
     assert results['"required"'].message.tool_calls and results[json.dumps(named)].message.tool_calls
     episode = tool_server.close_episode(session.episode.id)
     assert [t.requested_sampling["tool_choice"] for t in episode.turns] == ["auto", "none", "required", named]
+    # "required" / named: the server appended the template's tool-call opening to the prompt (not sampled).
+    assert [t.forced_tokens for t in episode.turns[:2]] == [0, 0]
+    forced_text = tool_model.tokenizer.decode(episode.turns[3].prompt_ids[-episode.turns[3].forced_tokens :])
+    assert '<tool_call>\n{"name": "calculator", "arguments":'.startswith(forced_text) and "calculator" in forced_text
+    assert episode.turns[3].prompt_ids[: -episode.turns[3].forced_tokens] == episode.turns[0].prompt_ids
+    assert episode.turns[2].forced_tokens > 0
 
     session, client = episode_client(tool_server)
     with pytest.raises(openai.BadRequestError) as error:
@@ -263,6 +268,34 @@ def test_tool_choice(tool_server, tool_model):
     assert error.value.status_code == 400 and "search" in error.value.body["message"]
     assert tool_server.close_episode(session.episode.id).turns == []
 
+
+def test_named_tool_choice_is_enforced_where_the_model_would_answer(tool_server, tool_model):
+    """After the tool result the model answers in text; a named tool_choice makes it call the tool anyway, and the
+    next call still continues token-exactly from the forced turn."""
+    messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]
+    session, client = episode_client(tool_server)
+    first = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                                           temperature=0.0, max_tokens=48).choices[0].message
+    assert first.tool_calls
+    messages += [first.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
+    free = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
+                                          temperature=0.0, max_tokens=48).choices[0]
+    assert free.message.tool_calls is None  # on its own the model answers
+    forced = client.chat.completions.create(
+        model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=48,
+        tool_choice={"type": "function", "function": {"name": "calculator"}}).choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.tool_calls[0].function.name == "calculator"
+    messages += [forced.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": forced.message.tool_calls[0].id, "content": "5"}]
+    client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0,
+                                   max_tokens=8)
+    episode = tool_server.close_episode(session.episode.id)
+    forced_turn, last = episode.turns[2], episode.turns[3]
+    assert forced_turn.forced_tokens > 0 and not forced_turn.malformed_tool_call
+    assert last.prompt_source == "continued" and last.parent_turn == 2
+    assert last.prompt_ids[: len(forced_turn.prompt_ids) + len(forced_turn.completion_ids)] == (
+        forced_turn.prompt_ids + forced_turn.completion_ids)
 
 def test_n_choices_record_one_turn_each(random_server):
     session, client = episode_client(random_server)

@@ -270,15 +270,22 @@ def create_app(
         except (TemplateError, TypeError, ValueError) as error:
             raise APIError(400, f"The chat template rejected these messages: {error}",
                            code="template_error") from None
+        # tool_choice "required" / a named function: start the assistant turn with the template's tool-call opening
+        # (prompt tokens, not sampled) so the model can only complete a call.
+        forced: list[int] = []
+        if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)) and renderer.can_parse_tools:
+            name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
+            forced = renderer.tool_call_prefix(tools, name)
+        prompt_ids = plan.prompt_ids + forced
         context = engine.max_context_length
-        if len(plan.prompt_ids) >= context:
+        if len(prompt_ids) >= context:
             session.flags.add("context_overflow")
             raise APIError(400, f"This model's maximum context length is {context} tokens; the messages take "
-                                f"{len(plan.prompt_ids)}.", code="context_length_exceeded", param="messages")
+                                f"{len(prompt_ids)}.", code="context_length_exceeded", param="messages")
 
         overrides = settings.overrides
         asked = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
-        caps = [asked, context - len(plan.prompt_ids)]
+        caps = [asked, context - len(prompt_ids)]
         caps += [c for c in (overrides.max_tokens, budget) if c is not None]
         sampling = SamplingParams(
             max_tokens=min(caps),
@@ -295,7 +302,7 @@ def create_app(
         started = time.monotonic()
         try:
             outputs = await asyncio.gather(*[
-                engine.generate(plan.prompt_ids, _with_seed(sampling, req.seed, i)) for i in range(req.n)
+                engine.generate(prompt_ids, _with_seed(sampling, req.seed, i)) for i in range(req.n)
             ])
         finally:
             session.in_flight -= req.n
@@ -305,17 +312,18 @@ def create_app(
             out, stopped_text = _apply_stop_strings(tokenizer, out, req.stop_sequences)
             finals.append(out)
             message, malformed = renderer.parse(
-                out.token_ids, plan.prompt_ids, tools, parse_tools=req.tool_choice != "none"
+                forced + out.token_ids, plan.prompt_ids, tools, parse_tools=req.tool_choice != "none"
             )
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
             turn = Turn(
-                index=0, prompt_ids=plan.prompt_ids, completion_ids=out.token_ids, logprobs=out.logprobs,
+                index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids, logprobs=out.logprobs,
                 finish_reason=finish, policy_version=engine.policy_version, request_messages=raw_messages,
                 request_tools=tools, response_message=message, prompt_source=plan.source,
                 parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
-                malformed_tool_call=malformed, sampling=sampling.to_dict(), requested_sampling=requested,
+                malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
+                requested_sampling=requested,
                 wall_time=time.monotonic() - started,
             )
             session.record(turn, messages, tools, plan.context)
@@ -323,8 +331,8 @@ def create_app(
                             "logprobs": _logprobs_body(tokenizer, out) if req.logprobs else None})
 
         completion_tokens = sum(len(o.token_ids) for o in finals)
-        usage = {"prompt_tokens": len(plan.prompt_ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(plan.prompt_ids) + completion_tokens}
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                 "total_tokens": len(prompt_ids) + completion_tokens}
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if not req.stream:

@@ -84,6 +84,7 @@ class ChatRenderer:
                 self.end_of_turn_ids.add(token_id)
         self.end_of_turn_ids.discard(None)
         self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
+        self._tool_prefix_cache: dict[tuple, list[int]] = {}
         self._end_of_turn_pattern = re.compile("|".join(re.escape(t) for t in sorted(self._end_of_turn_by_text)))
         # The text `add_generation_prompt=True` appends (e.g. "<|im_start|>assistant\n"), to get the rendering of a
         # request without it for free; `None` when it depends on the conversation (then it is rendered).
@@ -113,6 +114,47 @@ class ChatRenderer:
         if self._generation_prompt is not None and text.endswith(self._generation_prompt):
             return RenderedContext.of(text[: len(text) - len(self._generation_prompt)])
         return RenderedContext.of(self.render_text(messages, tools, add_generation_prompt=False))
+
+    def tool_call_prefix(self, tools: list[dict], name: str | None) -> list[int]:
+        """Ids an assistant turn starts with when it calls `name` (or, with `None`, any tool, up to its name),
+        derived from the chat template by rendering a probe call. Used to enforce `tool_choice`: these tokens are
+        appended to the prompt (not sampled, never trained) and the model completes the call. Empty when the template
+        does not render a probe call as a plain continuation of the generation prompt.
+
+        The ids are cut where the tokenization of a whole rendered call agrees, so that no BPE merge across the cut
+        (e.g. `": {"`) gives the model a split it never saw.
+        """
+        key = (name, json.dumps(tools, sort_keys=True))
+        if key not in self._tool_prefix_cache:
+            self._tool_prefix_cache[key] = self._probe_tool_call_prefix(tools, name)
+        return self._tool_prefix_cache[key]
+
+    def _probe_tool_call_prefix(self, tools: list[dict], name: str | None) -> list[int]:
+        probe_name, probe_key = name or "zzprobefunctionzz", "zzprobeargumentzz"
+        user = [{"role": "user", "content": "probe"}]
+        call = {"type": "function", "function": {"name": probe_name, "arguments": {probe_key: 1}}}
+        try:
+            start = self.render_text(user, tools, add_generation_prompt=True)
+            full = self.render_text(user + [{"role": "assistant", "content": "", "tool_calls": [call]}], tools, False)
+        except Exception:  # noqa: BLE001 - a template that cannot render tool calls cannot enforce tool_choice
+            return []
+        if not full.startswith(start) or probe_name not in full[len(start) :]:
+            return []
+        turn = full[len(start) :]
+        if name is None:
+            cut = turn.index(probe_name)
+        else:
+            cut = turn.find("{", turn.index(probe_name))
+            if cut < 0 or probe_key not in turn[cut:]:
+                return []
+        ids = self.encode(turn)
+        kept = []
+        for token in ids:
+            text = self.tokenizer.decode(kept + [token])
+            if len(text) > cut or not turn.startswith(text):
+                break
+            kept.append(token)
+        return kept
 
     def continuation(self, parent: RenderedContext, text: str, completion_ids: list[int]) -> Continuation | None:
         """Ids that extend a parent turn to the request rendered as `text`.

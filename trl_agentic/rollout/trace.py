@@ -36,6 +36,8 @@ class Turn:
             render of the request diverges from the token-exact history (0 = a fresh render would have agreed).
         fork_reason: why the turn was not a continuation (e.g. `"history_rewritten"`), `None` for continuations.
         malformed_tool_call: the completion looked like a tool call but could not be parsed; it was returned as text.
+        forced_tokens: how many tokens at the end of `prompt_ids` the server added to enforce `tool_choice`
+            (`"required"` or a named function): the opening of a tool call, which the model then completed.
         sampling: the sampling parameters actually used.
         requested_sampling: what the agent asked for (recorded, not necessarily obeyed).
         wall_time: seconds spent serving the call.
@@ -55,6 +57,7 @@ class Turn:
     drift: int = 0
     fork_reason: str | None = None
     malformed_tool_call: bool = False
+    forced_tokens: int = 0
     sampling: dict[str, Any] = field(default_factory=dict)
     requested_sampling: dict[str, Any] = field(default_factory=dict)
     wall_time: float = 0.0
