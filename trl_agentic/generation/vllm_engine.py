@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from .batching import DynamicBatcher
 from .engine import GenerationOutput, SamplingParams
 
 
@@ -106,8 +107,9 @@ class VLLMServerEngine:
         return _parse_choice(choice)
 
 
-class VLLMColocateEngine:
-    """Generate with the trainer's in-process `vllm.LLM` (TRL's `vllm_mode="colocate"`), batching concurrent calls."""
+class VLLMColocateEngine(DynamicBatcher):
+    """Generate with the trainer's in-process `vllm.LLM` (TRL's `vllm_mode="colocate"`), batching concurrent calls
+    into one `llm.generate` (it is not thread-safe)."""
 
     def __init__(self, llm, max_context_length: int, batch_wait_s: float = 0.005, max_batch_size: int = 256):
         self.llm = llm
@@ -115,43 +117,9 @@ class VLLMColocateEngine:
         self.batch_wait_s = batch_wait_s
         self.max_batch_size = max_batch_size
         self.policy_version = 0
-        self._queue: asyncio.Queue | None = None
-        self._worker: asyncio.Task | None = None
+        self._init_batching()
 
-    async def start(self) -> None:
-        if self._worker is None:
-            self._queue = asyncio.Queue()
-            self._worker = asyncio.create_task(self._serve())
-
-    async def stop(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-            self._worker = None
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        await self.start()
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put((prompt_ids, sampling, future))
-        return await future
-
-    async def _serve(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            await asyncio.sleep(self.batch_wait_s)
-            while not self._queue.empty() and len(batch) < self.max_batch_size:
-                batch.append(self._queue.get_nowait())
-            try:
-                outputs = await asyncio.to_thread(self._generate_batch, [b[0] for b in batch], [b[1] for b in batch])
-            except Exception as error:  # noqa: BLE001 - belongs to the requests
-                for *_, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (*_, future), output in zip(batch, outputs):
-                if not future.done():
-                    future.set_result(output)
-
-    def _generate_batch(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
+    def generate_batch(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
