@@ -1,0 +1,50 @@
+"""`trl-agentic demo --smoke`: the whole demo pipeline at toy sizes, as a user runs it (a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(240)
+def test_demo_smoke_runs_end_to_end(tmp_path):
+    output_dir, cache_dir = tmp_path / "out", tmp_path / "cache"
+    command = [sys.executable, "-m", "trl_agentic.cli", "demo", "--smoke", "--output-dir", str(output_dir),
+               "--cache-dir", str(cache_dir)]
+    env = {**os.environ, "TRL_AGENTIC_CACHE": str(tmp_path / "unused")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for header in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
+        assert header in result.stdout
+
+    summary = json.loads((output_dir / "summary.json").read_text())
+    for when in ("before", "after"):
+        block = summary[when]
+        assert 0.0 <= block["success"] <= 1.0
+        assert 0.0 <= block["malformed_tool_call_rate"] <= 1.0
+        assert block["episodes"] == summary["settings"]["eval_size"]
+        assert sum(block["status"].values()) == block["episodes"]
+        assert block["mean_turns"] >= 1.0
+    assert summary["improvement_points"] == pytest.approx(
+        (summary["after"]["success"] - summary["before"]["success"]) * 100
+    )
+    steps = [int(s) for s in summary["held_out_success_by_step"]]
+    assert steps[0] == 0 and steps[-1] == summary["settings"]["steps"] and len(steps) > 2
+    assert any("reward" in record for record in summary["log_history"])
+
+    plots = {os.path.basename(p) for p in summary["plots"]}
+    assert {"reward.png", "held_out_success.png", "completion_length.png", "frac_reward_zero_std.png",
+            "episode_status.png"} <= plots
+    for path in summary["plots"]:
+        data = open(path, "rb").read()
+        assert data[:8] == PNG_MAGIC and len(data) > 1024, path
+
+    # The warm start was cached under --cache-dir (not under $TRL_AGENTIC_CACHE) and is reused by a second run.
+    cached = [p for p in cache_dir.iterdir() if (p / "warm_start.json").is_file()]
+    assert len(cached) == 1
+    assert not (tmp_path / "unused").exists()

@@ -1,0 +1,655 @@
+"""`trl-agentic demo`: a black-box agent gets measurably better at its task from GRPO, on CPU, in minutes.
+
+```bash
+trl-agentic demo                      # ~15 min on 2 CPU cores; outputs/demo/{summary.json,plots/*.png}
+trl-agentic demo --smoke              # the same pipeline at toy sizes (< 90 s), for CI
+```
+
+The pipeline, each stage announced as it starts:
+
+1. Build a tiny Qwen2-shaped model and its BPE tokenizer locally (nothing is downloaded).
+2. Warm start: supervised fine-tuning on the calculator suite's demonstrations, until the model *sometimes*
+   succeeds. A real base model arrives knowing the chat format and how to copy text; a randomly initialised one does
+   not, and learning that under ~270 tokens of system prompt and tool schema is slow on CPU. So the warm start runs
+   in two phases over the same demonstrations: first the conversation alone (question, tool call, tool result,
+   answer: short rows, cheap steps), then the conversation exactly as the agent sends it (system prompt + tool
+   schema). The result is cached (`--cache-dir`, `$TRL_AGENTIC_CACHE`, default `~/.cache/trl-agentic`), keyed by a
+   hash of every setting that shapes it, so a second run skips it.
+3. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
+   the endpoint) runs on the eval split, which shares no question with the training split; success is the mean
+   checker reward over scorable episodes, at the sampling temperature used for training.
+4. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward; the held-out success is
+   measured again every `--eval-every` steps.
+5. Held-out evaluation after training, a before/after table, `summary.json` and one PNG per metric.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass
+class DemoSettings:
+    """Every knob of the demo. `warm_start_key()` hashes the ones that shape the warm-started model."""
+
+    # Task (the calculator suite's difficulty knobs)
+    digits: int = 2
+    ops: tuple[str, ...] = ("*",)  # two-digit multiplication: a 0.4M-parameter model cannot do it in its head
+    # Model
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    vocab_size: int = 1500
+    # Warm start (SFT on the suite's demonstrations, train split only)
+    num_demonstrations: int = 2000
+    short_steps: int = 250  # phase 1: the conversation without system prompt and tool schema
+    short_batch_size: int = 32
+    short_learning_rate: float = 3e-3
+    full_steps: int = 60  # phase 2 (at most): the conversation as the agent sends it
+    full_batch_size: int = 16
+    full_learning_rate: float = 2e-3
+    warm_start_target: float = 0.3  # phase 2 stops once this success rate is reached (training-split tasks)
+    warm_start_check_every: int = 5
+    validation_size: int = 64
+    # Sampling (training rollouts and held-out evaluation alike)
+    temperature: float = 1.0
+    max_completion_length: int = 48  # tokens per model call
+    max_turns: int = 4  # model calls per episode
+    # GRPO
+    steps: int = 250
+    learning_rate: float = 4e-4
+    num_generations: int = 8  # episodes per task (the group)
+    tasks_per_step: int = 4
+    beta: float = 0.0
+    train_size: int = 2000
+    # Held-out evaluation
+    eval_size: int = 200
+    eval_every: int = 50
+    seed: int = 0
+    # Engine: concurrent requests arriving within this window are sampled as one batch (CPU decoding is
+    # per-step bound, so one batch of 32 costs about what one of 8 does)
+    generation_batch_wait_ms: float = 50.0
+
+    def warm_start_key(self) -> str:
+        from trl_agentic import __version__
+
+        fields = (
+            "digits", "ops", "hidden_size", "num_layers", "num_heads", "vocab_size", "num_demonstrations",
+            "short_steps", "short_batch_size", "short_learning_rate", "full_steps", "full_batch_size",
+            "full_learning_rate", "warm_start_target", "warm_start_check_every", "validation_size", "temperature",
+            "max_completion_length", "max_turns", "seed",
+        )  # fmt: skip
+        payload = {name: getattr(self, name) for name in fields}
+        payload["ops"] = list(self.ops)
+        payload["trl_agentic"] = __version__
+        payload["format"] = 1  # bump when the warm-start procedure changes
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SMOKE_OVERRIDES = dict(
+    hidden_size=32, num_layers=1, vocab_size=1500, num_demonstrations=16, short_steps=3, short_batch_size=4,
+    full_steps=2, full_batch_size=2, validation_size=4, warm_start_check_every=1, max_completion_length=24, max_turns=2, steps=2, num_generations=2,
+    tasks_per_step=2, train_size=8, eval_size=4, eval_every=1,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Console output
+
+
+def _stage(index: int, total: int, title: str) -> None:
+    line = f"[{index}/{total}] {title}"
+    print(f"\n{line}\n{'=' * len(line)}", flush=True)
+
+
+def _info(message: str) -> None:
+    print(f"  {message}", flush=True)
+
+
+def _quiet_libraries() -> None:
+    """Keep the console to the demo's own progress: library warnings that do not concern a demo user are muted."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("transformers", "trl", "accelerate", "datasets", "httpx", "uvicorn"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cache
+
+
+def default_cache_root() -> Path:
+    root = os.environ.get("TRL_AGENTIC_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "trl-agentic"
+
+
+def warm_start_cache_dir(settings: DemoSettings, cache_dir: str | Path | None) -> Path:
+    """`<cache_dir>/<hash>` when `cache_dir` is given, else `<$TRL_AGENTIC_CACHE or ~/.cache/trl-agentic>/demo/<hash>`."""
+    base = Path(cache_dir).expanduser() if cache_dir else default_cache_root() / "demo"
+    return base / settings.warm_start_key()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Warm start
+
+
+def short_form(demonstration: dict) -> dict:
+    """The demonstration's conversation without its system prompt and tool schemas (phase 1 of the warm start)."""
+    messages = [m for m in demonstration["messages"] if m["role"] != "system"]
+    return {"messages": messages, "tools": None}
+
+
+class _TargetReached(Exception):
+    """Raised from the warm start's step callback to stop phase 2 once the model sometimes succeeds."""
+
+
+def validation_tasks(suite, demonstrations: list[dict], size: int, seed: int):
+    """Training-split tasks that are not among the demonstrations (the eval split stays untouched until stage 2)."""
+    seen = {d["messages"][1]["content"] for d in demonstrations}
+    dataset = suite.build_dataset(split="train", size=size * 4, seed=seed + 10_000)
+    rows = [row for row in dataset if row["prompt"][-1]["content"] not in seen]
+    return rows[:size] if len(rows) >= size else list(dataset)[:size]
+
+
+def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cache: bool = True):
+    """Return `(model, tokenizer, info)`: loaded from `cache_path` or built, warm-started and saved there.
+
+    Phase 1 trains on the demonstrations' conversations alone for `short_steps`. Phase 2 trains on the
+    demonstrations as the agent sends them, for at most `full_steps`, and stops as soon as the success rate on
+    `validation_size` training-split tasks (not among the demonstrations), at the sampling temperature, reaches
+    `warm_start_target`: the warm start ends where the model *sometimes* succeeds, whatever the seed or machine.
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
+    from trl_agentic.warm_start import warm_start
+
+    meta_path = cache_path / "warm_start.json"
+    if use_cache and meta_path.is_file():
+        model, tokenizer = load_model_and_tokenizer(str(cache_path), dtype=torch.float32)
+        model.eval()
+        info = json.loads(meta_path.read_text())
+        info["cached"] = True
+        _info(f"loaded the warm-started model from the cache: {cache_path}")
+        _info(f"(built in {info['seconds']:.0f}s; success on training-split tasks when it stopped: "
+              f"{info['validation_success']:.0%}; delete the folder or pass --no-cache to rebuild it)")
+        return model, tokenizer, info
+
+    started = time.monotonic()
+    _info(f"building a {settings.hidden_size}x{settings.num_layers} Qwen2-shaped model and a BPE tokenizer")
+    torch.manual_seed(settings.seed)
+    tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size, seed=settings.seed)
+    model = build_tiny_model(
+        tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers, num_heads=settings.num_heads,
+        seed=settings.seed,
+    )
+    num_params = sum(p.numel() for p in model.parameters())
+    _info(f"{num_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+    demonstrations = suite.demonstrations(settings.num_demonstrations, seed=settings.seed)
+    _info(f"{len(demonstrations)} demonstrations from the training split: question -> calculator call -> "
+          "tool result -> 'The answer is N.'")
+
+    losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
+    bar = tqdm(total=settings.short_steps, desc="  SFT phase 1/2 (conversation only)", unit="step",
+               file=sys.stdout, mininterval=1.0, dynamic_ncols=True)
+
+    def on_short_step(step: int, loss: float) -> None:
+        losses["phase1"].append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+    if settings.short_steps > 0:
+        warm_start(model, tokenizer, [short_form(d) for d in demonstrations], steps=settings.short_steps,
+                   batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
+                   seed=settings.seed, on_step=on_short_step)
+    bar.close()
+
+    validator = HeldOutEvaluator(
+        model, tokenizer, suite,
+        validation_tasks(suite, demonstrations, settings.validation_size, settings.seed),
+        settings.temperature, settings.max_completion_length, settings.max_turns,
+        batch_wait_s=settings.generation_batch_wait_ms / 1000,
+    )
+    checks: list[dict] = []
+    bar = tqdm(total=settings.full_steps, desc="  SFT phase 2/2 (as the agent sends it)", unit="step",
+               file=sys.stdout, mininterval=1.0, dynamic_ncols=True)
+
+    def on_full_step(step: int, loss: float) -> None:
+        losses["phase2"].append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        if (step + 1) % settings.warm_start_check_every == 0:
+            result = validator.evaluate(model, seed=settings.seed + step)
+            checks.append({"step": step + 1, "success": result["success"],
+                           "malformed_tool_call_rate": result["malformed_tool_call_rate"]})
+            bar.write(f"  after {step + 1} phase-2 steps: success {result['success']:.0%} on "
+                      f"{result['episodes']} training-split tasks (target {settings.warm_start_target:.0%})")
+            if result["success"] >= settings.warm_start_target:
+                raise _TargetReached
+
+    try:
+        if settings.full_steps > 0:
+            warm_start(model, tokenizer, demonstrations, steps=settings.full_steps,
+                       batch_size=settings.full_batch_size, learning_rate=settings.full_learning_rate,
+                       seed=settings.seed + 1, on_step=on_full_step)
+    except _TargetReached:
+        pass
+    finally:
+        bar.close()
+        validator.close()
+    model.eval()
+    seconds = time.monotonic() - started
+    info = {
+        "cached": False,
+        "seconds": seconds,
+        "num_parameters": num_params,
+        "phase1_steps": len(losses["phase1"]),
+        "phase2_steps": len(losses["phase2"]),
+        "final_loss": {name: sum(v[-10:]) / len(v[-10:]) for name, v in losses.items() if v},
+        "validation_checks": checks,
+        "validation_success": checks[-1]["success"] if checks else None,
+        "settings": dataclasses.asdict(settings),
+    }
+    _info(f"warm start done in {seconds:.0f}s ({info['phase1_steps']} + {info['phase2_steps']} SFT steps)")
+    if use_cache:
+        tmp = cache_path.with_name(cache_path.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warm_start.json").write_text(json.dumps(info, indent=2))
+        shutil.rmtree(cache_path, ignore_errors=True)
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, cache_path)
+        _info(f"cached in {cache_path}")
+    return model, tokenizer, info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Held-out evaluation through the endpoint
+
+
+class HeldOutEvaluator:
+    """Runs the agent on a fixed set of eval tasks against an endpoint serving `model`, and scores it with the
+    suite's checker. One endpoint for the whole demo; `evaluate()` may be called with the live (training) model."""
+
+    def __init__(self, model, tokenizer, suite, dataset, temperature: float, max_tokens: int, max_turns: int,
+                 timeout: float = 300.0, batch_wait_s: float = 0.05):
+        from trl_agentic.endpoint.app import EndpointSettings, SamplingOverrides, create_app
+        from trl_agentic.endpoint.chat import ChatRenderer
+        from trl_agentic.endpoint.server import EndpointServer
+        from trl_agentic.endpoint.sessions import EpisodeLimits
+        from trl_agentic.generation.transformers_engine import TransformersEngine
+        from trl_agentic.rollout.agents import resolve_agent
+
+        self.suite = suite
+        self.tasks = [dict(row) for row in dataset]
+        self.timeout = timeout
+        self.engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=256,
+                                         batch_wait_s=batch_wait_s)
+        settings = EndpointSettings(
+            served_model_names=["policy"],
+            default_max_tokens=max_tokens,
+            overrides=SamplingOverrides(temperature=temperature, max_tokens=max_tokens),
+            default_limits=EpisodeLimits(max_turns=max_turns),
+        )
+        self.server = EndpointServer(create_app(self.engine, ChatRenderer(tokenizer), settings)).start()
+        self.agent = resolve_agent(suite.agent)
+
+    def evaluate(self, model=None, seed: int = 0) -> dict[str, Any]:
+        import torch
+
+        from trl_agentic.rollout.runner import run_episodes
+
+        if model is not None:
+            self.engine.model = model
+        started = time.monotonic()
+        # Sampling draws its seeds from torch's RNG: a fixed seed per evaluation, without moving the trainer's RNG.
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            episodes = asyncio.run(
+                run_episodes(self.server, self.agent, self.tasks, max_concurrent=256, timeout=self.timeout)
+            )
+        result = summarize_episodes(episodes, self.tasks, self.suite)
+        result["seconds"] = time.monotonic() - started
+        return result
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def summarize_episodes(episodes, tasks, suite) -> dict[str, Any]:
+    """Success (mean checker reward over scorable episodes), turns, tool calls, malformed calls, statuses."""
+    prompts = [task["prompt"] for task in tasks]
+    completions = [episode.messages[len(task["prompt"]):] for episode, task in zip(episodes, tasks, strict=True)]
+    columns = {key: [task[key] for task in tasks] for key in tasks[0] if key != "prompt"}
+    rewards = suite.reward_funcs[0](prompts, completions, episodes=episodes, **columns)
+    scored = [r for r in rewards if r is not None]
+    num_turns = sum(len(ep.turns) for ep in episodes)
+    statuses = Counter(ep.status for ep in episodes)
+    n = max(len(episodes), 1)
+    examples = []
+    for task, episode, reward in list(zip(tasks, episodes, rewards, strict=True))[:3]:
+        calls = [c["function"].get("arguments") for t in episode.turns for c in t.response_message.get("tool_calls") or []]
+        examples.append({"question": task["prompt"][-1]["content"], "tool_calls": calls,
+                         "answer": episode.result if isinstance(episode.result, str) else None,
+                         "expected": task.get("answer"), "reward": reward})
+    return {
+        "success": sum(scored) / len(scored) if scored else 0.0,
+        "episodes": len(episodes),
+        "scored_episodes": len(scored),
+        "mean_turns": num_turns / n,
+        "mean_tool_calls": sum(ep.num_tool_calls for ep in episodes) / n,
+        "malformed_tool_call_rate": sum(ep.num_malformed_tool_calls for ep in episodes) / max(num_turns, 1),
+        "mean_sampled_tokens": sum(ep.num_sampled_tokens for ep in episodes) / n,
+        "status": dict(sorted(statuses.items())),
+        "examples": examples,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GRPO
+
+
+def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float],
+                    evaluations: dict[int, dict]):
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import ProgressCallback
+
+    class HeldOutCallback(TrainerCallback):
+        """Held-out success every `eval_every` optimizer steps (the last step is evaluated by the demo itself)."""
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            if settings.eval_every > 0 and step % settings.eval_every == 0 and step < state.max_steps:
+                result = evaluator.evaluate(model, seed=settings.seed + step)
+                held_out[step] = result["success"]
+                evaluations[step] = result
+                print(f"\n  held-out success at step {step}: {result['success']:.1%} "
+                      f"({result['scored_episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
+
+    class ConciseProgress(ProgressCallback):
+        """TRL's progress bar, with one short line per `every` logged steps instead of every metric."""
+
+        every = max(1, settings.steps // 15)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or self.training_bar is None or not logs or "reward" not in logs:
+                return
+            if state.global_step % self.every and state.global_step != state.max_steps:
+                return
+            self.training_bar.write(
+                f"  step {state.global_step:>4}: reward {logs.get('reward', float('nan')):.2f}  "
+                f"zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.2f}  "
+                f"tokens/episode {logs.get('completions/mean_length', float('nan')):.1f}  "
+                f"ok {logs.get('episodes/status_ok', float('nan')):.2f}  "
+                f"loss {logs.get('loss', float('nan')):.4f}"
+            )
+
+    return HeldOutCallback(), ConciseProgress
+
+
+def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path, callbacks):
+    from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+
+    held_out_callback, progress_class = callbacks
+    train_dataset = suite.build_dataset(split="train", size=settings.train_size, seed=settings.seed)
+    config = AgenticGRPOConfig(
+        output_dir=str(output_dir / "grpo"),
+        max_steps=settings.steps,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        num_generations=settings.num_generations,
+        per_device_train_batch_size=settings.num_generations * settings.tasks_per_step,
+        gradient_accumulation_steps=1,
+        beta=settings.beta,
+        temperature=settings.temperature,
+        max_completion_length=settings.max_completion_length,
+        max_turns=settings.max_turns,
+        max_concurrent_episodes=256,
+        max_generation_batch_size=256,
+        generation_batch_wait_ms=settings.generation_batch_wait_ms,
+        episode_timeout=300,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        log_episodes=True,
+        seed=settings.seed,
+        data_seed=settings.seed,
+        disable_tqdm=False,
+    )
+    trainer = AgenticGRPOTrainer(
+        model, agent=suite.agent, reward_funcs=suite.reward_funcs, args=config, train_dataset=train_dataset,
+        processing_class=tokenizer, callbacks=[held_out_callback],
+    )
+    from transformers.trainer_callback import ProgressCallback
+
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(progress_class())
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def format_table(before: dict, after: dict) -> str:
+    statuses = sorted(set(before["status"]) | set(after["status"]))
+    rows = [
+        ("held-out success", f"{before['success']:.1%}", f"{after['success']:.1%}"),
+        ("mean model calls (turns)", f"{before['mean_turns']:.2f}", f"{after['mean_turns']:.2f}"),
+        ("mean tool calls", f"{before['mean_tool_calls']:.2f}", f"{after['mean_tool_calls']:.2f}"),
+        ("malformed tool-call rate", f"{before['malformed_tool_call_rate']:.1%}",
+         f"{after['malformed_tool_call_rate']:.1%}"),
+        ("mean sampled tokens", f"{before['mean_sampled_tokens']:.1f}", f"{after['mean_sampled_tokens']:.1f}"),
+    ]
+    rows += [(f"episodes {s}", str(before["status"].get(s, 0)), str(after["status"].get(s, 0))) for s in statuses]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"  {'':<{width}}  {'before':>10}  {'after':>10}", f"  {'-' * (width + 24)}"]
+    lines += [f"  {name:<{width}}  {b:>10}  {a:>10}" for name, b, a in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    defaults = DemoSettings()
+    parser = argparse.ArgumentParser(
+        prog="trl-agentic demo",
+        description="CPU demo: warm-start a tiny model, train the calculator agent with GRPO through the endpoint, "
+        "and compare held-out success before and after.",
+    )
+    parser.add_argument("--output-dir", default="outputs/demo", help="Where summary.json and plots/ go.")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="Seed of the whole run (data, model, RL).")
+    parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps (default {defaults.steps}).")
+    parser.add_argument("--smoke", action="store_true", help="The same pipeline at toy sizes, for CI (< 90 s).")
+    parser.add_argument("--cache-dir", default=None,
+                        help="Folder for the warm-started model (default: $TRL_AGENTIC_CACHE/demo or "
+                             "~/.cache/trl-agentic/demo).")
+    parser.add_argument("--no-cache", action="store_true", help="Neither read nor write the warm-start cache.")
+    parser.add_argument("--eval-size", type=int, default=None, help="Held-out tasks per evaluation.")
+    parser.add_argument("--eval-every", type=int, default=None, help="Held-out evaluation every N GRPO steps.")
+    parser.add_argument("--learning-rate", type=float, default=None, help="GRPO learning rate.")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores).")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* "
+                             "(repeatable).")
+    return parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> DemoSettings:
+    settings = DemoSettings(seed=args.seed)
+    if args.smoke:
+        settings = dataclasses.replace(settings, **SMOKE_OVERRIDES)
+    for name, value in (("steps", args.steps), ("eval_size", args.eval_size), ("eval_every", args.eval_every),
+                        ("learning_rate", args.learning_rate)):
+        if value is not None:
+            settings = dataclasses.replace(settings, **{name: value})
+    types = {f.name: f.type for f in dataclasses.fields(DemoSettings)}
+    for item in args.set:
+        name, sep, raw = item.partition("=")
+        if not sep or name not in types:
+            raise SystemExit(f"--set {item!r}: expected NAME=VALUE with NAME one of {sorted(types)}")
+        current = getattr(settings, name)
+        if isinstance(current, tuple):
+            value = tuple(v.strip() for v in raw.split(",") if v.strip())
+        elif isinstance(current, bool):
+            value = raw.lower() in ("1", "true", "yes")
+        else:
+            value = type(current)(raw)
+        settings = dataclasses.replace(settings, **{name: value})
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    settings = settings_from_args(args)
+    _quiet_libraries()
+    started = time.monotonic()
+
+    import torch
+    from transformers import set_seed
+
+    from trl_agentic.plots import plot_training_curves
+    from trl_agentic.tasks.calculator import make_calculator_suite
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_seed(settings.seed)
+    random.seed(settings.seed)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
+    timings: dict[str, float] = {}
+    total_stages = 5
+
+    print(f"trl-agentic demo{' (smoke)' if args.smoke else ''}: calculator agent, {settings.digits}-digit operands, "
+          f"ops {' '.join(settings.ops)}, seed {settings.seed}; outputs in {output_dir}", flush=True)
+
+    # 1-2. Model and warm start
+    _stage(1, total_stages, "Tiny model + warm start (SFT on demonstrations)")
+    cache_path = warm_start_cache_dir(settings, args.cache_dir)
+    t = time.monotonic()
+    model, tokenizer, warm_info = build_warm_started(settings, suite, cache_path, use_cache=not args.no_cache)
+    timings["warm_start"] = time.monotonic() - t
+
+    # 3. Held-out evaluation before
+    _stage(2, total_stages, "Held-out evaluation BEFORE GRPO")
+    eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
+    evaluator = HeldOutEvaluator(model, tokenizer, suite, eval_dataset, settings.temperature,
+                                 settings.max_completion_length, settings.max_turns)
+    try:
+        _info(f"{len(eval_dataset)} eval-split tasks (no question is in the training split), temperature "
+              f"{settings.temperature}")
+        t = time.monotonic()
+        before = evaluator.evaluate(model, seed=settings.seed)
+        timings["eval_before"] = time.monotonic() - t
+        _info(f"success {before['success']:.1%} ({before['scored_episodes']} scored episodes, "
+              f"{before['seconds']:.0f}s)")
+        for example in before["examples"][:2]:
+            _info(f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
+                  f"(expected {example['expected']})")
+        held_out = {0: before["success"]}
+        evaluations = {0: before}
+
+        # 4. GRPO
+        _stage(3, total_stages, f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
+                                f"{settings.num_generations} episodes, reward = the checker's score only")
+        t = time.monotonic()
+        callbacks = _make_callbacks(evaluator, settings, held_out, evaluations)
+        trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks)
+        timings["grpo"] = time.monotonic() - t
+        eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0)
+        grpo_only = timings["grpo"] - eval_seconds_in_grpo
+        _info(f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
+              f"without the held-out evaluations)")
+
+        # 5. Held-out evaluation after
+        _stage(4, total_stages, "Held-out evaluation AFTER GRPO")
+        t = time.monotonic()
+        after = evaluator.evaluate(trainer.model, seed=settings.seed)
+        timings["eval_after"] = time.monotonic() - t
+        held_out[trainer.state.global_step] = after["success"]
+        evaluations[trainer.state.global_step] = after
+        _info(f"success {after['success']:.1%} ({after['scored_episodes']} scored episodes, "
+              f"{after['seconds']:.0f}s)")
+    finally:
+        evaluator.close()
+
+    # Report
+    _stage(5, total_stages, "Results")
+    print(format_table(before, after), flush=True)
+    delta = after["success"] - before["success"]
+    print(f"\n  held-out success: {before['success']:.1%} -> {after['success']:.1%} ({delta * 100:+.1f} points)",
+          flush=True)
+    print("  held-out success by step: " + ", ".join(f"{s}: {v:.0%}" for s, v in sorted(held_out.items())),
+          flush=True)
+    plots = plot_training_curves(trainer.state.log_history, held_out, output_dir / "plots")
+    timings["total"] = time.monotonic() - started
+    summary = {
+        "before": {k: v for k, v in before.items() if k != "examples"},
+        "after": {k: v for k, v in after.items() if k != "examples"},
+        "improvement_points": delta * 100,
+        "held_out_success_by_step": {str(k): v for k, v in sorted(held_out.items())},
+        "examples": {"before": before["examples"], "after": after["examples"]},
+        "settings": dataclasses.asdict(settings),
+        "smoke": args.smoke,
+        "warm_start": {k: v for k, v in warm_info.items() if k != "settings"} | {"cache_dir": str(cache_path)},
+        "timings_seconds": timings,
+        "seconds_per_grpo_step": grpo_only / max(settings.steps, 1),
+        "plots": [str(p) for p in plots],
+        "episode_log": str(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl"),
+        "log_history": trainer.state.log_history,
+    }
+    summary_path = output_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2, default=_json_default))
+    print(f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
+          f"  wall time: {timings['total'] / 60:.1f} min (" +
+          ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")", flush=True)
+    return 0
+
+
+def _json_default(value):
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
