@@ -58,7 +58,8 @@ def check_same_schema() -> None:
         )
 
 
-def train_trl_control(model, tokenizer, suite, settings, output_dir: Path):
+def train_trl_control(model, tokenizer, suite, settings, output_dir: Path, progress_class=None):
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
     train_dataset = suite.build_dataset(split="train", size=settings.train_size, seed=settings.seed)
@@ -81,12 +82,16 @@ def train_trl_control(model, tokenizer, suite, settings, output_dir: Path):
         save_strategy="no",
         seed=settings.seed,
         data_seed=settings.seed,
-        disable_tqdm=True,
+        disable_tqdm=False,
     )
     trainer = GRPOTrainer(
         model, reward_funcs=[calculator_correct], args=config, train_dataset=train_dataset,
         processing_class=tokenizer, tools=[calculator],
     )
+    if progress_class is not None:
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        trainer.add_callback(progress_class())
     trainer.train()
     return trainer
 
@@ -139,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             before = evaluator.evaluate(model, seed=settings.seed)
             print(f"  held-out before: {before['success']:.1%}", flush=True)
             started = time.monotonic()
+            callbacks = demo._make_callbacks(evaluator, settings, {}, {})
             if name == "agentic":
-                callbacks = demo._make_callbacks(evaluator, settings, {}, {})
                 trainer = demo.train_grpo(model, tokenizer, suite, settings, output_dir / name, callbacks)
             else:
-                trainer = train_trl_control(model, tokenizer, suite, settings, output_dir)
+                trainer = train_trl_control(model, tokenizer, suite, settings, output_dir, callbacks[1])
             seconds = time.monotonic() - started
             after = evaluator.evaluate(trainer.model, seed=settings.seed)
             print(f"  held-out after:  {after['success']:.1%}  ({seconds / settings.steps:.2f} s/step)", flush=True)

@@ -39,7 +39,7 @@ def test_demo_smoke_runs_end_to_end(tmp_path):
 
     plots = {os.path.basename(p) for p in summary["plots"]}
     assert {"reward.png", "held_out_success.png", "completion_length.png", "frac_reward_zero_std.png",
-            "episode_status.png"} <= plots
+            "tool_calls.png", "episode_status.png"} <= plots
     for path in summary["plots"]:
         data = open(path, "rb").read()
         assert data[:8] == PNG_MAGIC and len(data) > 1024, path
@@ -48,3 +48,23 @@ def test_demo_smoke_runs_end_to_end(tmp_path):
     cached = [p for p in cache_dir.iterdir() if (p / "warm_start.json").is_file()]
     assert len(cached) == 1
     assert not (tmp_path / "unused").exists()
+
+
+def test_plot_training_curves_writes_one_png_per_metric(tmp_path):
+    from trl_agentic.plots import plot_training_curves
+
+    history = [
+        {"step": s, "reward": s / 10, "kl": 0.01 * s, "completions/mean_length": 30.0 + s,
+         "frac_reward_zero_std": 0.5, "episodes/tool_calls_mean": 1.0, "episodes/malformed_tool_calls_mean": 0.0,
+         "episodes/status_ok": 0.75, "episodes/status_timeout": 0.25, "episodes/status_agent_error": 0.0}
+        for s in range(1, 11)
+    ] + [{"step": 10, "train_runtime": 1.0}]  # TRL's final record has no metrics
+    paths = plot_training_curves(history, {0: 0.2, 5: 0.4, 10: 0.6}, tmp_path / "plots")
+    assert [p.name for p in paths] == ["reward.png", "held_out_success.png", "kl.png", "completion_length.png",
+                                       "frac_reward_zero_std.png", "tool_calls.png", "episode_status.png"]
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 1024
+
+    # Nothing to plot: no files, no error.
+    assert plot_training_curves([], None, tmp_path / "empty") == []

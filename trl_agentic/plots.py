@@ -6,7 +6,8 @@ Example:
 >>> from trl_agentic.plots import plot_training_curves
 >>> paths = plot_training_curves(trainer.state.log_history, held_out={0: 0.31, 50: 0.52, 100: 0.68}, out_dir="plots")
 >>> [p.name for p in paths]
-['reward.png', 'held_out_success.png', 'completion_length.png', 'frac_reward_zero_std.png', 'episode_status.png']
+['reward.png', 'held_out_success.png', 'completion_length.png', 'frac_reward_zero_std.png', 'tool_calls.png',
+ 'episode_status.png']
 ```
 """
 
@@ -25,6 +26,8 @@ _SINGLE_METRICS: list[tuple[str, tuple[str, ...], str, str]] = [
     ("completion_length", ("completions/mean_length",), "Sampled tokens per episode", "tokens"),
     ("frac_reward_zero_std", ("frac_reward_zero_std",), "Groups with no reward spread (no learning signal)",
      "fraction of groups"),
+    ("tool_calls", ("episodes/tool_calls_mean", "episodes/malformed_tool_calls_mean"),
+     "Tool calls per episode (well-formed and malformed)", "calls per episode"),
 ]
 
 
@@ -65,7 +68,8 @@ def plot_training_curves(
 
     Plots, when present: `reward`, held-out success (`held_out`: step -> success rate, e.g. from evaluations before,
     during and after training), `kl`, sampled tokens per episode (`completions/mean_length`), `frac_reward_zero_std`,
-    and the share of episodes by status (`episodes/status_*`, stacked). Noisy per-step curves are drawn raw (faint)
+    tool calls and malformed tool calls per episode (`episodes/tool_calls_mean`,
+    `episodes/malformed_tool_calls_mean`), and the share of episodes by status (`episodes/status_*`, stacked). Noisy per-step curves are drawn raw (faint)
     with a moving average over `smoothing` logged points (default: ~1/10 of the points).
 
     Args:
@@ -99,13 +103,15 @@ def plot_training_curves(
         if not curves:
             return
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for key, steps, values in curves:
+        for index, (key, steps, values) in enumerate(curves):
             window = smoothing or max(1, len(values) // 10)
+            color = f"C{index}"
             if window > 1:
-                ax.plot(steps, values, alpha=0.3, linewidth=1, label=f"{key} (per step)")
-                ax.plot(steps, _smooth(values, window), linewidth=2, label=f"{key} (moving avg, {window})")
+                ax.plot(steps, values, alpha=0.3, linewidth=1, color=color, label=f"{key} (per step)")
+                ax.plot(steps, _smooth(values, window), linewidth=2, color=color,
+                        label=f"{key} (moving average of {window})")
             else:
-                ax.plot(steps, values, marker="o" if len(values) < 30 else None, linewidth=2, label=key)
+                ax.plot(steps, values, marker="o" if len(values) < 30 else None, linewidth=2, color=color, label=key)
         ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
         if ylim is not None:
             ax.set_ylim(*ylim)

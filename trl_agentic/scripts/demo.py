@@ -67,9 +67,9 @@ class DemoSettings:
     short_learning_rate: float = 3e-3
     full_steps: int = 60  # phase 2 (at most): the conversation as the agent sends it
     full_batch_size: int = 16
-    full_learning_rate: float = 2e-3
-    warm_start_target: float = 0.3  # phase 2 stops once this success rate is reached (training-split tasks)
-    warm_start_check_every: int = 5
+    full_learning_rate: float = 1e-3
+    warm_start_target: float = 0.25  # phase 2 stops once this success rate is reached (training-split tasks)
+    warm_start_check_every: int = 2
     validation_size: int = 64
     # Sampling (training rollouts and held-out evaluation alike)
     temperature: float = 1.0
@@ -249,8 +249,8 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
             result = validator.evaluate(model, seed=settings.seed + step)
             checks.append({"step": step + 1, "success": result["success"],
                            "malformed_tool_call_rate": result["malformed_tool_call_rate"]})
-            bar.write(f"  after {step + 1} phase-2 steps: success {result['success']:.0%} on "
-                      f"{result['episodes']} training-split tasks (target {settings.warm_start_target:.0%})")
+            bar.write(f"  after {step + 1} phase-2 steps: success {result['success']:.1%} on "
+                      f"{result['episodes']} training-split tasks (stop at {settings.warm_start_target:.0%})")
             if result["success"] >= settings.warm_start_target:
                 raise _TargetReached
 
@@ -395,22 +395,31 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
                       f"({result['scored_episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
 
     class ConciseProgress(ProgressCallback):
-        """TRL's progress bar, with one short line per `every` logged steps instead of every metric."""
+        """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
 
         every = max(1, settings.steps // 15)
+        fields = [("reward", "reward", "{:.2f}"), ("frac_reward_zero_std", "zero-std groups", "{:.2f}"),
+                  ("completions/mean_length", "tokens/episode", "{:.1f}"),
+                  ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}"),
+                  ("episodes/status_ok", "ok", "{:.2f}")]
+
+        def __init__(self):
+            super().__init__()
+            self.window: dict[str, list[float]] = {}
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or self.training_bar is None or not logs or "reward" not in logs:
                 return
+            for key, _, _ in self.fields:
+                if isinstance(logs.get(key), (int, float)):
+                    self.window.setdefault(key, []).append(float(logs[key]))
             if state.global_step % self.every and state.global_step != state.max_steps:
                 return
-            self.training_bar.write(
-                f"  step {state.global_step:>4}: reward {logs.get('reward', float('nan')):.2f}  "
-                f"zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.2f}  "
-                f"tokens/episode {logs.get('completions/mean_length', float('nan')):.1f}  "
-                f"ok {logs.get('episodes/status_ok', float('nan')):.2f}  "
-                f"loss {logs.get('loss', float('nan')):.4f}"
-            )
+            first = state.global_step - len(self.window.get("reward", [])) + 1
+            parts = [f"{label} {fmt.format(sum(v) / len(v))}" for key, label, fmt in self.fields
+                     if (v := self.window.get(key))]
+            self.training_bar.write(f"  steps {first:>3}-{state.global_step:<3} " + "  ".join(parts))
+            self.window = {}
 
     return HeldOutCallback(), ConciseProgress
 
