@@ -7,20 +7,22 @@ trl-agentic demo --smoke              # the same pipeline at toy sizes (< 90 s),
 
 The pipeline, each stage announced as it starts:
 
-1. Build a tiny Qwen2-shaped model and its BPE tokenizer locally (nothing is downloaded).
-2. Warm start: supervised fine-tuning on the calculator suite's demonstrations, until the model *sometimes*
-   succeeds. A real base model arrives knowing the chat format and how to copy text; a randomly initialised one does
-   not, and learning that under ~270 tokens of system prompt and tool schema is slow on CPU. So the warm start runs
-   in two phases over the same demonstrations: first the conversation alone (question, tool call, tool result,
-   answer: short rows, cheap steps), then the conversation exactly as the agent sends it (system prompt + tool
-   schema). The result is cached (`--cache-dir`, `$TRL_AGENTIC_CACHE`, default `~/.cache/trl-agentic`), keyed by a
-   hash of every setting that shapes it, so a second run skips it.
-3. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
+1. Model + warm start. A tiny Qwen2-shaped model and its BPE tokenizer are built locally (nothing is downloaded),
+   then fine-tuned (SFT) on the calculator suite's demonstrations until it *sometimes* succeeds. A real base model
+   arrives knowing the chat format and how to copy text; a randomly initialised one does not, and learning that
+   under ~270 tokens of system prompt and tool schema is slow on CPU. So the warm start has two phases over the same
+   demonstrations: first the conversation alone (question, tool call, tool result, answer: short rows, cheap
+   steps), then the conversation exactly as the agent sends it (system prompt + tool schema), stopped as soon as
+   the model solves `warm_start_target` of a few training-split tasks. The result is cached (`--cache-dir`, else
+   `$TRL_AGENTIC_CACHE/demo`, else `~/.cache/trl-agentic/demo`), keyed by a hash of every setting that shapes it,
+   so a second run skips it.
+2. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
    the endpoint) runs on the eval split, which shares no question with the training split; success is the mean
    checker reward over scorable episodes, at the sampling temperature used for training.
-4. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward; the held-out success is
+3. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward; the held-out success is
    measured again every `--eval-every` steps.
-5. Held-out evaluation after training, a before/after table, `summary.json` and one PNG per metric.
+4. Held-out evaluation after training.
+5. Results: a before/after table, `summary.json` and one PNG per metric under `plots/`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import sys
 import time
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +108,11 @@ class DemoSettings:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# `--smoke`: every stage of the same pipeline, at toy sizes (the model learns nothing; CI checks the plumbing).
 SMOKE_OVERRIDES = dict(
-    hidden_size=32, num_layers=1, vocab_size=1500, num_demonstrations=16, short_steps=3, short_batch_size=4,
-    full_steps=2, full_batch_size=2, validation_size=4, warm_start_check_every=1, max_completion_length=24, max_turns=2, steps=2, num_generations=2,
-    tasks_per_step=2, train_size=8, eval_size=4, eval_every=1,
+    hidden_size=32, num_layers=1, num_demonstrations=16, short_steps=3, short_batch_size=4, full_steps=2,
+    full_batch_size=2, validation_size=4, warm_start_check_every=1, max_completion_length=24, max_turns=2, steps=2,
+    num_generations=2, tasks_per_step=2, train_size=8, eval_size=4, eval_every=1,
 )
 
 
@@ -136,6 +139,7 @@ def _quiet_libraries() -> None:
         import transformers
 
         transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars of the cached model
     except Exception:  # noqa: BLE001
         pass
 
@@ -198,8 +202,11 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         info = json.loads(meta_path.read_text())
         info["cached"] = True
         _info(f"loaded the warm-started model from the cache: {cache_path}")
-        _info(f"(built in {info['seconds']:.0f}s; success on training-split tasks when it stopped: "
-              f"{info['validation_success']:.0%}; delete the folder or pass --no-cache to rebuild it)")
+        stopped_at = info.get("validation_success")
+        _info(f"(built in {info['seconds']:.0f}s"
+              + (f", {stopped_at:.0%} success on training-split tasks when it stopped" if stopped_at is not None
+                 else "")
+              + "; delete that folder or pass --no-cache to rebuild it)")
         return model, tokenizer, info
 
     started = time.monotonic()
@@ -278,6 +285,9 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         "settings": dataclasses.asdict(settings),
     }
     _info(f"warm start done in {seconds:.0f}s ({info['phase1_steps']} + {info['phase2_steps']} SFT steps)")
+    if checks and checks[-1]["success"] < settings.warm_start_target:
+        _info(f"note: phase 2 used all {settings.full_steps} steps without reaching {settings.warm_start_target:.0%}; "
+              "GRPO needs some successes to amplify (raise --set full_steps=... or --set short_steps=...)")
     if use_cache:
         tmp = cache_path.with_name(cache_path.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
