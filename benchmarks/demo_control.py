@@ -161,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             "train_reward_last_10": sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
         }
 
-    print("\n                         held-out before   held-out after   train reward (first/last 10)   s/step")
-    labels = {"agentic": "AgenticGRPOTrainer (agent)", "trl_tools": "GRPOTrainer(tools=...)"}
+    labels = {"agentic": "AgenticGRPOTrainer (black-box agent)", "trl_tools": "GRPOTrainer(tools=[calculator])"}
+    header = f"  {'':<37} {'held-out before':>15} {'held-out after':>15} {'train reward first/last 10':>27} {'s/step':>7}"
+    print("\n" + header + "\n  " + "-" * (len(header) - 2))
     for name, r in results.items():
-        print(f"  {labels[name]:<27} {r['before']:>10.1%}  {r['after']:>15.1%}   "
-              f"{r['train_reward_first_10']:>12.2f} / {r['train_reward_last_10']:.2f}   {r['seconds_per_step']:>12.2f}")
+        rewards = f"{r['train_reward_first_10']:.2f} / {r['train_reward_last_10']:.2f}"
+        print(f"  {labels[name]:<37} {r['before']:>15.1%} {r['after']:>15.1%} {rewards:>27} "
+              f"{r['seconds_per_step']:>7.2f}")
     (output_dir / "control.json").write_text(json.dumps(
         {"results": results, "settings": dataclasses.asdict(settings)}, indent=2))
     return 0
