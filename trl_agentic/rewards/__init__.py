@@ -14,9 +14,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from ..imports import import_object
 from .utils import episode_for, final_assistant_text, is_scorable, message_text
 
 
@@ -47,11 +47,7 @@ def get_reward_func(name: str) -> Callable:
             f"Unknown reward function {name!r}. Use one of the bundled names {sorted(REWARD_FUNCS)} or an import path "
             "'pkg.module:function'."
         )
-    module_name, _, attr = path.partition(":")
-    try:
-        func = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"Cannot load reward function {name!r} from {path!r}: {error}") from error
+    func = import_object(path)
     if not callable(func):
         raise ValueError(f"Reward function {name!r} resolved to {func!r}, which is not callable.")
     return func

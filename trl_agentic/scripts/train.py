@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +29,7 @@ from typing import Any
 from trl import ModelConfig, TrlParser
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
+from trl_agentic.imports import import_object
 
 
 @dataclass
@@ -158,21 +157,6 @@ def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str 
     return StrictTrlParser(dataclass_types, prog=prog)
 
 
-def import_object(path: str) -> Any:
-    """Import `"pkg.module:attr"` (or `"pkg.module.attr"`), looking in the working directory too, like TRL's scripts."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"Expected an import path 'pkg.module:attr', got {path!r}.")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a module next to the recipe, e.g. `my_agent:solve`
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"Cannot import {path!r}: {error}") from error
-
-
 def resolve_agent(script_args: ScriptArguments, task) -> Any:
     """The agent of a run: `agent_command` as a `CommandAgent`, else the `agent` import path, else the task's agent."""
     if script_args.agent_command is not None:
@@ -193,8 +177,6 @@ def resolve_reward_funcs(script_args: ScriptArguments, task) -> list:
         return list(task.reward_funcs)
     from trl_agentic.rewards import get_reward_func
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     return [get_reward_func(name) for name in script_args.reward_funcs]
 
 

@@ -17,12 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import datasets
+
+from ..imports import import_object
 
 
 @dataclass
@@ -85,11 +86,7 @@ def get_task(name: str) -> TaskSuite:
             f"Unknown task {name!r}. Use one of the bundled tasks {sorted(BUNDLED_TASKS)} or the import path of a "
             "TaskSuite, 'pkg.module:attr'."
         )
-    module_name, _, attr = path.partition(":")
-    try:
-        suite = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"Cannot load task {name!r} from {path!r}: {error}") from error
+    suite = import_object(path)
     if not isinstance(suite, TaskSuite):
         raise ValueError(
             f"Task {name!r} resolved to a {type(suite).__name__}, not a TaskSuite. Point the path at a TaskSuite "
