@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from trl_agentic.endpoint.serve import make_parser
-from trl_agentic.rollout.trace import Episode
+from trl_agentic.trace import Episode
 
 
 def free_port() -> int:

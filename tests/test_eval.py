@@ -6,7 +6,7 @@ import math
 import pytest
 from datasets import Dataset
 
-from trl_agentic.rollout.trace import Episode, Turn
+from trl_agentic.trace import Episode, Turn
 from trl_agentic.scripts.eval import evaluate, main, pass_at_k, pass_at_k_values, score_episodes, summarize
 from trl_agentic.tasks import TaskSuite
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer

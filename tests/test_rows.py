@@ -1,7 +1,7 @@
 """Turns → rows, checked on plain int lists."""
 
 from trl_agentic.rollout.rows import episode_to_rows
-from trl_agentic.rollout.trace import Turn
+from trl_agentic.trace import Turn
 
 
 def turn(index, prompt, completion, parent=None, source=None, fork_reason=None):

@@ -6,6 +6,6 @@ from .agentic_grpo_config import AgenticGRPOConfig
 from .agentic_grpo_trainer import AgenticGRPOTrainer
 from .rollout.agents import CommandAgent
 from .rollout.rows import Row, episode_to_rows
-from .rollout.trace import Episode, Turn
+from .trace import Episode, Turn
 
 __all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "Turn", "episode_to_rows"]

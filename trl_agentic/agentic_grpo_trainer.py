@@ -40,7 +40,7 @@ from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rollout.agents import resolve_agent
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes
-from .rollout.trace import EPISODE_STATUSES, Episode
+from .trace import EPISODE_STATUSES, Episode
 
 
 SERVED_MODEL_NAME = "policy"  # the model name agents send; anything else is answered with 404

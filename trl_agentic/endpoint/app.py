@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
-from ..rollout.trace import EPISODE_STATUSES, Turn
+from ..trace import EPISODE_STATUSES, Turn
 from .chat import ChatRenderer
 from .protocol import (
     ChatCompletionRequest,

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollout.trace import Episode, Turn
+from ..trace import Episode, Turn
 from .chat import ChatRenderer, RenderedContext, common_prefix_length
 from .protocol import comparable_message, template_message
 

@@ -35,7 +35,7 @@ def is_scorable(episode: Any | None) -> bool:
     Example:
 
     ```python
-    >>> from trl_agentic.rollout.trace import Episode
+    >>> from trl_agentic.trace import Episode
     >>> is_scorable(Episode(id="e", status="ok")), is_scorable(Episode(id="e", status="timeout"))
     (True, False)
     ```

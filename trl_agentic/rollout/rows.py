@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .trace import Turn
+from ..trace import Turn
 
 
 ROW_KINDS = ("main", "fork", "side_call", "branch")

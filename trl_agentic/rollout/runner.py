@@ -11,7 +11,7 @@ import httpx
 
 from ..endpoint.server import EndpointServer
 from .agents import AgentCrash, EpisodeAgent, EpisodeContext
-from .trace import Episode
+from ..trace import Episode
 
 
 async def run_episode(

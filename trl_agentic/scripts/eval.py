@@ -192,7 +192,7 @@ def summarize(
     1.0
     ```
     """
-    from ..rollout.trace import EPISODE_STATUSES
+    from ..trace import EPISODE_STATUSES
 
     if len(episodes) != num_tasks * num_samples or len(rewards) != len(episodes):
         raise ValueError(

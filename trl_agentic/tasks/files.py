@@ -361,7 +361,7 @@ def files_correct(
     Example:
 
     ```python
-    >>> from trl_agentic.rollout.trace import Episode
+    >>> from trl_agentic.trace import Episode
     >>> expected = ['{"numbers.txt": "1\\\\n2\\\\n", "total.txt": "3"}'] * 2
     >>> episodes = [Episode(id="a", status="ok", result={"numbers.txt": "1\\n2\\n", "total.txt": "3\\n"}),
     ...             Episode(id="b", status="ok", result={"numbers.txt": "1\\n2\\n", "total.txt": "4"})]
