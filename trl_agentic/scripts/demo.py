@@ -67,7 +67,7 @@ class DemoSettings:
     short_steps: int = 250  # phase 1: the conversation without system prompt and tool schema
     short_batch_size: int = 32
     short_learning_rate: float = 3e-3
-    full_steps: int = 60  # phase 2 (at most): the conversation as the agent sends it
+    full_steps: int = 200  # phase 2 (at most): the conversation as the agent sends it (stops at the target)
     full_batch_size: int = 16
     full_learning_rate: float = 1e-3
     warm_start_target: float = 0.25  # phase 2 stops once this success rate is reached (training-split tasks)
@@ -79,7 +79,11 @@ class DemoSettings:
     max_turns: int = 4  # model calls per episode
     # GRPO
     steps: int = 250
-    learning_rate: float = 4e-4
+    # Optimisation (issue 13's seeds x arms study, benchmarks/seeds_arms_study.py): at a constant 4e-4 with no warmup,
+    # Adam's first steps move every parameter by ~lr whatever its gradient and both arms collapsed on some seeds.
+    learning_rate: float = 2e-4
+    warmup_steps: int = 10  # linear warmup, then constant
+    max_grad_norm: float = 1.0
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
     beta: float = 0.0
@@ -112,6 +116,7 @@ class DemoSettings:
 SMOKE_OVERRIDES = dict(
     hidden_size=32, num_layers=1, num_demonstrations=16, short_steps=3, short_batch_size=4, full_steps=2,
     full_batch_size=2, validation_size=4, warm_start_check_every=1, max_completion_length=24, max_turns=2, steps=2,
+    warmup_steps=1,
     num_generations=2, tasks_per_step=2, train_size=8, eval_size=4, eval_every=1,
 )
 
@@ -443,7 +448,9 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         output_dir=str(output_dir / "grpo"),
         max_steps=settings.steps,
         learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant",
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=settings.warmup_steps,
+        max_grad_norm=settings.max_grad_norm,
         num_generations=settings.num_generations,
         per_device_train_batch_size=settings.num_generations * settings.tasks_per_step,
         gradient_accumulation_steps=1,
