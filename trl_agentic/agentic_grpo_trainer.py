@@ -14,8 +14,6 @@ TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (com
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import json
 import os
 from collections import Counter
@@ -30,48 +28,16 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .agentic_grpo_config import AgenticGRPOConfig
-from .endpoint.app import EndpointSettings, SamplingOverrides, create_app
-from .endpoint.chat import ChatRenderer
-from .endpoint.server import EndpointServer
-from .endpoint.sessions import EpisodeLimits
+from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
+from .endpoint.launch import build_engine, launch_endpoint
 from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
+from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes
 from .trace import EPISODE_STATUSES, Episode
-
-
-SERVED_MODEL_NAME = "policy"  # the model name agents send; anything else is answered with 404
-
-
-def unscorable_unless_ok(reward_func):
-    """Wrap a reward function so that episodes whose status is not `ok` get `None` (unscorable), unless the function
-    declares `scores_failed_episodes = True` (it scores crashes/timeouts itself, e.g. a penalty)."""
-    if not callable(reward_func) or isinstance(reward_func, torch.nn.Module):
-        return reward_func
-    if getattr(reward_func, "scores_failed_episodes", False):
-        return reward_func
-
-    def mask(rewards, episodes):
-        return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
-
-    if inspect.iscoroutinefunction(reward_func):
-
-        @functools.wraps(reward_func)
-        async def wrapped(*args, episodes=None, **kwargs):
-            rewards = await reward_func(*args, episodes=episodes, **kwargs)
-            return mask(rewards, episodes) if episodes is not None else rewards
-
-    else:
-
-        @functools.wraps(reward_func)
-        def wrapped(*args, episodes=None, **kwargs):
-            rewards = reward_func(*args, episodes=episodes, **kwargs)
-            return mask(rewards, episodes) if episodes is not None else rewards
-
-    return wrapped
 
 
 def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -171,22 +137,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self.rollout_func = self._rollout_episodes
 
         # Endpoint serving the live policy
-        renderer = ChatRenderer(self._tokenizer, self.chat_template_kwargs)
         self.engine = engine or self._default_engine(args)
-        settings = EndpointSettings(
-            served_model_names=[SERVED_MODEL_NAME],
-            default_max_tokens=args.max_completion_length,
-            overrides=SamplingOverrides(
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k or None,
-                max_tokens=args.max_completion_length,
-            ),
-            default_limits=EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens),
+        self.endpoint = launch_endpoint(
+            self.engine,
+            self._tokenizer,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_completion_length,
+            max_turns=args.max_turns,
+            max_episode_tokens=args.max_episode_tokens,
+            chat_template_kwargs=self.chat_template_kwargs,
+            host=args.endpoint_host,
+            port=args.endpoint_port,
         )
-        self.endpoint = EndpointServer(
-            create_app(self.engine, renderer, settings), host=args.endpoint_host, port=args.endpoint_port
-        ).start()
         self._pending_inputs: list[dict] | None = None
         self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
@@ -200,11 +164,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if args.use_vllm:
             return VLLMColocateEngine(self.vllm_generation.llm, max_context_length=context,
                                       batch_wait_s=args.generation_batch_wait_ms / 1000)
-        return TransformersEngine(
+        return build_engine(
             self.accelerator.unwrap_model(self.model),
-            pad_token_id=self._tokenizer.pad_token_id,
+            self._tokenizer,
             max_batch_size=args.max_generation_batch_size,
-            batch_wait_s=args.generation_batch_wait_ms / 1000,
+            batch_wait_ms=args.generation_batch_wait_ms,
             max_context_length=context,
         )
 

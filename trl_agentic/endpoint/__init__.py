@@ -1,0 +1,12 @@
+"""The OpenAI-compatible endpoint agents talk to: one episode per key, every sampled token recorded.
+
+`launch.py` builds it (engine + renderer + settings + server) for the trainer, `trl-agentic eval`, the demo and
+`trl-agentic serve`; `app.py` holds the routes.
+"""
+
+# The `model` agents send (`client.chat.completions.create(model="policy", ...)`); any other name is answered 404.
+# Defined once here, a module with no imports, so that every layer (tasks' agents, the runner, the trainer, eval,
+# serve) can name it without importing the endpoint's machinery.
+SERVED_MODEL_NAME = "policy"
+
+__all__ = ["SERVED_MODEL_NAME"]

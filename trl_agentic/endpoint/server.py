@@ -55,6 +55,11 @@ class EndpointServer:
         return f"{self.url}/v1"
 
     @property
+    def served_model_name(self) -> str:
+        """The `model` agents send (the first of the app's `served_model_names`)."""
+        return self.app.state.settings.served_model_names[0]
+
+    @property
     def registry(self):
         return self.app.state.registry
 

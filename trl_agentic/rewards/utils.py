@@ -1,8 +1,14 @@
-"""Helpers shared by reward functions: which episodes can be scored, and where an agent's final answer is."""
+"""Helpers shared by reward functions: which episodes can be scored, and where an agent's final answer is.
+
+`unscorable_unless_ok` is the rule the trainer and `trl-agentic eval` both apply to every reward function: a failed
+episode gets no score unless the function scores failures itself.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -81,3 +87,47 @@ def final_assistant_text(completion: Sequence[dict[str, Any]] | str) -> str:
         if message.get("role") == "assistant":
             return message_text(message)
     return ""
+
+
+def unscorable_unless_ok(reward_func: Callable) -> Callable:
+    """Wrap a reward function so that episodes whose status is not `"ok"` get `None` (unscorable).
+
+    A crashed, timed-out or cut-off episode says nothing about the policy's skill at the task: with `None` it is left
+    out of the group baseline (advantage 0) instead of being trained on as a silent 0. A function that scores failed
+    episodes itself (e.g. a penalty for timeouts) declares `scores_failed_episodes = True` and is returned unwrapped,
+    and so is anything that is not a plain callable (a reward model, a model id).
+
+    Example:
+
+    ```python
+    >>> from trl_agentic.trace import Episode
+    >>> always_one = unscorable_unless_ok(lambda prompts, completions, **kwargs: [1.0] * len(prompts))
+    >>> always_one(["q", "q"], [[], []], episodes=[Episode(id="a", status="ok"), Episode(id="b", status="timeout")])
+    [1.0, None]
+    ```
+    """
+    from torch import nn
+
+    if not callable(reward_func) or isinstance(reward_func, nn.Module):
+        return reward_func
+    if getattr(reward_func, "scores_failed_episodes", False):
+        return reward_func
+
+    def mask(rewards, episodes):
+        return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
+
+    if inspect.iscoroutinefunction(reward_func):
+
+        @functools.wraps(reward_func)
+        async def wrapped(*args, episodes=None, **kwargs):
+            rewards = await reward_func(*args, episodes=episodes, **kwargs)
+            return mask(rewards, episodes) if episodes is not None else rewards
+
+    else:
+
+        @functools.wraps(reward_func)
+        def wrapped(*args, episodes=None, **kwargs):
+            rewards = reward_func(*args, episodes=episodes, **kwargs)
+            return mask(rewards, episodes) if episodes is not None else rewards
+
+    return wrapped

@@ -1,0 +1,175 @@
+"""The one way to build the endpoint: engine + renderer + settings + server, for the trainer, eval, the demo and serve.
+
+Every caller that serves a policy to agents goes through here, so the endpoint an agent meets in training is the one
+it meets in `trl-agentic eval`, in the demo's held-out evaluation and behind `trl-agentic serve`: same served model
+name, same sampling overrides (the trainer's settings win over the agent's request), same chat-template variables,
+same default engine batch.
+
+Example:
+
+```python
+>>> from trl_agentic.endpoint.launch import build_engine, launch_endpoint
+>>> from trl_agentic.tiny_models import load_model_and_tokenizer
+>>> model, tokenizer = load_model_and_tokenizer("tiny:qwen2_5:64x2")
+>>> server = launch_endpoint(build_engine(model, tokenizer), tokenizer, temperature=1.0, max_tokens=64, max_turns=8)
+>>> server.served_model_name, server.base_url
+('policy', 'http://127.0.0.1:...')
+>>> server.stop()
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from ..generation.engine import GenerationEngine
+from ..generation.transformers_engine import TransformersEngine
+from . import SERVED_MODEL_NAME
+from .app import EndpointSettings, SamplingOverrides, create_app
+from .chat import ChatRenderer
+from .server import EndpointServer
+from .sessions import EpisodeLimits
+
+
+# Most requests the embedded engine samples together, wherever it runs (the default of
+# `AgenticGRPOConfig.max_generation_batch_size`, of `trl-agentic eval` and of `trl-agentic serve --max-batch-size`).
+DEFAULT_MAX_BATCH_SIZE = 64
+# How long the first request of a batch waits for others to join (`generation_batch_wait_ms`, `--batch-wait-ms`).
+DEFAULT_BATCH_WAIT_MS = 5.0
+# `max_tokens` of a request that sets none, when no cap is configured either.
+DEFAULT_MAX_TOKENS = 512
+
+
+def build_engine(
+    model,
+    tokenizer,
+    *,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS,
+    max_context_length: int | None = None,
+) -> TransformersEngine:
+    """The embedded engine over a transformers causal LM (its current weights; assign `engine.model` to swap it).
+
+    Args:
+        model: the causal LM to sample from.
+        tokenizer: its tokenizer; prompts of a batch are left-padded with its pad token (its EOS token if it has
+            none).
+        max_batch_size: most requests sampled together.
+        batch_wait_ms: how long the first request of a batch waits for others to join.
+        max_context_length: prompt + completion tokens accepted (default: the model's `max_position_embeddings`).
+
+    Example:
+
+    ```python
+    >>> engine = build_engine(model, tokenizer, max_batch_size=32)
+    ```
+    """
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TransformersEngine(
+        model,
+        pad_token_id=pad_token_id,
+        max_batch_size=max_batch_size,
+        batch_wait_s=batch_wait_ms / 1000,
+        max_context_length=max_context_length,
+    )
+
+
+def create_endpoint_app(
+    engine: GenerationEngine,
+    tokenizer,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+    default_max_tokens: int | None = None,
+    max_turns: int | None = None,
+    max_episode_tokens: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    served_model_name: str = SERVED_MODEL_NAME,
+    admin_token: str | None = None,
+) -> FastAPI:
+    """The endpoint app (routes, renderer, settings) over `engine`, not yet listening: [`launch_endpoint`] starts it
+    in-process, `trl-agentic serve` hands it to uvicorn.
+
+    Args:
+        engine: a [`GenerationEngine`] (see [`build_engine`]).
+        tokenizer: the policy's tokenizer, with its chat template.
+        temperature, top_p, top_k: sampling imposed on every call, whatever the agent asks (`None`: the request's
+            value; `top_k` 0 or `None`: off, TRL's convention).
+        max_tokens: cap on the tokens of one call (a request may ask for fewer); `None`: no cap.
+        default_max_tokens: `max_tokens` of a request that sets none (default: `max_tokens`, else 512).
+        max_turns, max_episode_tokens: default per-episode limits (`None`: none).
+        chat_template_kwargs: extra chat-template variables, e.g. `{"enable_thinking": False}`.
+        served_model_name: the `model` agents send; others are answered 404.
+        admin_token: bearer token of the `/admin` routes (default: a random one).
+    """
+    settings = EndpointSettings(
+        served_model_names=[served_model_name],
+        default_max_tokens=default_max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
+        overrides=SamplingOverrides(temperature=temperature, top_p=top_p, top_k=top_k or None, max_tokens=max_tokens),
+        default_limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
+    )
+    if admin_token is not None:
+        settings.admin_token = admin_token
+    return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings)
+
+
+def launch_endpoint(
+    engine: GenerationEngine,
+    tokenizer,
+    *,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+    default_max_tokens: int | None = None,
+    max_turns: int | None = None,
+    max_episode_tokens: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    served_model_name: str = SERVED_MODEL_NAME,
+    admin_token: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> EndpointServer:
+    """Start the endpoint in this process (a uvicorn server in a background thread) and return it, listening.
+
+    The arguments are those of [`create_endpoint_app`], plus `host` (loopback by default) and `port` (`0`: a free
+    one). Stop it with `server.stop()`; `server.call(engine.stop())` first ends the engine's batching worker.
+
+    Example:
+
+    ```python
+    >>> server = launch_endpoint(engine, tokenizer, temperature=1.0, max_tokens=256, max_turns=16)
+    >>> session = server.open_episode()
+    >>> client = openai.OpenAI(base_url=server.base_url, api_key=session.key)
+    ```
+    """
+    app = create_endpoint_app(
+        engine,
+        tokenizer,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        default_max_tokens=default_max_tokens,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        chat_template_kwargs=chat_template_kwargs,
+        served_model_name=served_model_name,
+        admin_token=admin_token,
+    )
+    return EndpointServer(app, host=host, port=port).start()
+
+
+__all__ = [
+    "DEFAULT_BATCH_WAIT_MS",
+    "DEFAULT_MAX_BATCH_SIZE",
+    "DEFAULT_MAX_TOKENS",
+    "SERVED_MODEL_NAME",
+    "build_engine",
+    "create_endpoint_app",
+    "launch_endpoint",
+]
