@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
 from ..trace import EPISODE_STATUSES, Turn
+from . import SERVED_MODEL_NAME
 from .chat import ChatRenderer
 from .protocol import (
     ChatCompletionRequest,
@@ -59,7 +60,7 @@ class EndpointSettings:
         default_limits: limits of an episode opened without its own.
     """
 
-    served_model_names: list[str] = field(default_factory=lambda: ["policy"])
+    served_model_names: list[str] = field(default_factory=lambda: [SERVED_MODEL_NAME])
     admin_token: str = field(default_factory=lambda: f"sk-admin-{secrets.token_urlsafe(32)}")
     default_max_tokens: int = 512
     max_body_bytes: int = 4 * 1024 * 1024

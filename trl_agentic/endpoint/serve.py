@@ -18,7 +18,8 @@ import os
 import secrets
 import sys
 
-from .sessions import EpisodeLimits
+from . import SERVED_MODEL_NAME
+from .launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_TOKENS
 
 
 ADMIN_TOKEN_ENV = "TRL_AGENTIC_ADMIN_TOKEN"
@@ -35,13 +36,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
     parser.add_argument("--admin-token", default=None,
                         help=f"Bearer token of the /admin routes (default: ${ADMIN_TOKEN_ENV}, else a random one).")
-    parser.add_argument("--served-model-name", default="policy",
+    parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME,
                         help="Value of `model` the endpoint answers to (others get 404).")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="Weights dtype ('auto': bfloat16 on GPU, float32 on CPU).")
     parser.add_argument("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
-    parser.add_argument("--max-batch-size", type=int, default=32, help="Most concurrent calls sampled together.")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                        help="Most concurrent calls sampled together.")
+    parser.add_argument("--batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS,
                         help="How long the first call of a batch waits for others to join.")
     parser.add_argument("--max-context-length", type=int, default=None,
                         help="Prompt + completion tokens accepted (default: the model's max_position_embeddings).")
@@ -51,7 +53,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=None, help="Imposed top-k (default: none).")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="Cap on tokens per call (a request may ask for fewer).")
-    parser.add_argument("--default-max-tokens", type=int, default=512,
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="max_tokens of a request that sets none.")
     parser.add_argument("--max-turns", type=int, default=None, help="Default cap on model calls per episode.")
     parser.add_argument("--max-episode-tokens", type=int, default=None,
@@ -68,10 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from ..generation.transformers_engine import TransformersEngine
     from ..tiny_models import load_model_and_tokenizer
-    from .app import EndpointSettings, SamplingOverrides, create_app
-    from .chat import ChatRenderer
+    from .launch import build_engine, create_endpoint_app
 
     # Model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,30 +80,33 @@ def main(argv: list[str] | None = None) -> int:
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
     model.to(device=device, dtype=dtype).eval()
-    renderer = ChatRenderer(tokenizer, args.chat_template_kwargs)
-    if not renderer.can_parse_tools:
-        print(f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
-              "returned as text content.", file=sys.stderr)
 
     # Endpoint
-    engine = TransformersEngine(
+    engine = build_engine(
         model,
-        pad_token_id=tokenizer.pad_token_id,
+        tokenizer,
         max_batch_size=args.max_batch_size,
-        batch_wait_s=args.batch_wait_ms / 1000,
+        batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
     admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or f"sk-admin-{secrets.token_urlsafe(32)}"
-    settings = EndpointSettings(
-        served_model_names=[args.served_model_name],
-        admin_token=admin_token,
+    app = create_endpoint_app(
+        engine,
+        tokenizer,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
         default_max_tokens=args.default_max_tokens,
-        overrides=SamplingOverrides(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
-        ),
-        default_limits=EpisodeLimits(max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens),
+        max_turns=args.max_turns,
+        max_episode_tokens=args.max_episode_tokens,
+        chat_template_kwargs=args.chat_template_kwargs,
+        served_model_name=args.served_model_name,
+        admin_token=admin_token,
     )
-    app = create_app(engine, renderer, settings)
+    if not app.state.renderer.can_parse_tools:
+        print(f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
+              "returned as text content.", file=sys.stderr)
 
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"

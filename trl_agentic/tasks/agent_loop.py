@@ -13,6 +13,8 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..endpoint import SERVED_MODEL_NAME
+
 
 # A tool: keyword arguments from the model's JSON, returns the text of the tool message. Expected failures (bad path,
 # bad expression) are raised as exceptions and turned into `"Error: ..."` text by `call_tool`.
@@ -68,7 +70,7 @@ async def run_tool_loop(
     *,
     tools: Mapping[str, ToolFunction],
     tool_schemas: list[dict[str, Any]],
-    model: str = "policy",
+    model: str = SERVED_MODEL_NAME,
     max_rounds: int = 6,
 ) -> str:
     """Chat with tools until the model answers without tool calls or `max_rounds` model calls were made.

@@ -28,6 +28,7 @@ from typing import Any
 
 import datasets
 
+from ..endpoint import SERVED_MODEL_NAME
 from ..rewards.utils import episode_for, final_assistant_text, is_scorable
 from . import TaskSuite
 from .agent_loop import run_tool_loop
@@ -261,7 +262,7 @@ async def calculator_agent(client: Any, task: dict[str, Any], *, max_rounds: int
 
     Args:
         client: an `openai.AsyncOpenAI` pointed at this episode.
-        task: one dataset row (`prompt`, ...); `task.get("model")` overrides the model name `"policy"`.
+        task: one dataset row (`prompt`, ...); `task.get("model")` overrides the model name `SERVED_MODEL_NAME`.
         max_rounds: most model calls.
 
     Example:
@@ -277,7 +278,7 @@ async def calculator_agent(client: Any, task: dict[str, Any], *, max_rounds: int
         messages,
         tools={"calculator": calculator},
         tool_schemas=CALCULATOR_TOOLS,
-        model=task.get("model") or "policy",
+        model=task.get("model") or SERVED_MODEL_NAME,
         max_rounds=max_rounds,
     )
 

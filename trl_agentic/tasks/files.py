@@ -33,6 +33,7 @@ from typing import Any
 
 import datasets
 
+from ..endpoint import SERVED_MODEL_NAME
 from ..rewards.utils import episode_for, is_scorable
 from . import TaskSuite
 from .agent_loop import ToolFunction, run_tool_loop
@@ -310,7 +311,7 @@ async def files_agent(client: Any, task: dict[str, Any], *, max_rounds: int = 8)
 
     Args:
         client: an `openai.AsyncOpenAI` pointed at this episode.
-        task: one dataset row (`prompt`, `files`, ...); `task.get("model")` overrides the model name `"policy"`.
+        task: one dataset row (`prompt`, `files`, ...); `task.get("model")` overrides the model name `SERVED_MODEL_NAME`.
         max_rounds: most model calls.
 
     Returns:
@@ -329,7 +330,7 @@ async def files_agent(client: Any, task: dict[str, Any], *, max_rounds: int = 8)
             list(task["prompt"]),
             tools=workspace.tools(),
             tool_schemas=FILES_TOOLS,
-            model=task.get("model") or "policy",
+            model=task.get("model") or SERVED_MODEL_NAME,
             max_rounds=max_rounds,
         )
         return workspace.snapshot()
