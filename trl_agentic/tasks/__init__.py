@@ -38,8 +38,8 @@ class TaskSuite:
             conversational `prompt` (system + user message) and the checker's columns. `"train"` and `"eval"` are
             disjoint whatever `size` and `seed`.
         agent: `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`, where `task` is one dataset row. The
-            model name sent is `task.get("model") or SERVED_MODEL_NAME` (`trl_agentic.endpoint`). The return value reaches the reward functions as
-            `Episode.result`.
+            model name sent is `task.get("model") or SERVED_MODEL_NAME` (`trl_agentic.endpoint`). The return value
+            reaches the reward functions as `Episode.result`.
         reward_funcs: TRL-signature checkers `f(prompts, completions, **kwargs) -> list[float | None]`; they read
             `kwargs["episodes"]` and the dataset columns, and return `None` for episodes that did not end `"ok"`.
         demonstrations: `demonstrations(n, seed=0) -> [{"messages": [...], "tools": [...]}]`: full successful

@@ -311,7 +311,7 @@ async def files_agent(client: Any, task: dict[str, Any], *, max_rounds: int = 8)
 
     Args:
         client: an `openai.AsyncOpenAI` pointed at this episode.
-        task: one dataset row (`prompt`, `files`, ...); `task.get("model")` overrides the model name `SERVED_MODEL_NAME`.
+        task: one dataset row (`prompt`, `files`, ...); `task.get("model")` overrides `SERVED_MODEL_NAME`.
         max_rounds: most model calls.
 
     Returns:
