@@ -1,9 +1,15 @@
-"""Turn and Episode: the records of what the model saw and sampled. Pure data with a JSON round-trip."""
+"""Turn and Episode: the records of what the model saw and sampled. Pure data with a JSON round-trip.
+
+A trace must survive whatever an agent put in it (issue #9: a lone surrogate, a NaN or a 500-deep list in a request
+or a return value made the trace unreadable, and crashed the episode log writer): `to_dict` goes through `jsonable`,
+and `json_text` writes anything as valid, UTF-8-encodable JSON.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,7 +73,7 @@ class Turn:
         return len(self.response_message.get("tool_calls") or [])
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Turn:
@@ -123,8 +129,9 @@ class Episode:
         return sum(turn.drift for turn in self.turns)
 
     def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["result"] = _jsonable(self.result)
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
+        data = jsonable(data)
+        data["turns"] = [turn.to_dict() for turn in self.turns]
         return data
 
     @classmethod
@@ -134,16 +141,79 @@ class Episode:
         return cls(**data)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict())
+        return json_text(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> Episode:
         return cls.from_dict(json.loads(text))
 
 
-def _jsonable(value: Any) -> Any:
+MAX_TRACE_DEPTH = 100  # nesting levels kept in a trace (request bodies are already capped at 64 by the endpoint)
+
+
+def jsonable(value: Any, max_depth: int = MAX_TRACE_DEPTH) -> Any:
+    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and UTF-8 encodes, whatever `value` holds.
+
+    Non-finite floats become the strings `"nan"`, `"inf"`, `"-inf"`; lone surrogates in strings become `"?"`; tuples and
+    sets become lists; keys become strings; other objects become their `repr`; nesting deeper than `max_depth` (or a
+    cycle) is cut with a marker string.
+
+    Example:
+
+    ```python
+    >>> jsonable({"x": float("nan"), "y": ("a", "\\ud800"), 3: object}, max_depth=4)
+    {'x': 'nan', 'y': ['a', '?'], '3': "<class 'object'>"}
+    ```
+    """
+
+    def convert(item: Any, depth: int) -> Any:
+        kind = type(item)
+        if item is None or kind is bool or kind is int:
+            return item
+        if kind is str:
+            return item if item.isascii() else _utf8_text(item)
+        if kind is float:
+            return item if math.isfinite(item) else repr(item)
+        if isinstance(item, dict | list | tuple | set | frozenset):
+            if depth >= max_depth:
+                return f"<cut: nested deeper than {max_depth} levels>"
+            if isinstance(item, dict):
+                return {_utf8_text(str(k)): convert(v, depth + 1) for k, v in item.items()}
+            return [convert(v, depth + 1) for v in item]
+        if isinstance(item, bool | int):
+            return int(item) if kind is not bool else bool(item)
+        if isinstance(item, float):
+            return convert(float(item), depth)
+        if isinstance(item, str):
+            return convert(str(item), depth)
+        return _utf8_text(_safe_repr(item))
+
+    return convert(value, 0)
+
+
+def json_text(value: Any) -> str:
+    """`value` as one line of JSON that always encodes to UTF-8 (see `jsonable`): what trace files and responses use.
+
+    Example:
+
+    ```python
+    >>> json_text({"result": float("inf")})
+    '{"result": "inf"}'
+    ```
+    """
+    return json.dumps(jsonable(value), ensure_ascii=False, allow_nan=False)
+
+
+def _utf8_text(text: str) -> str:
     try:
-        json.dumps(value)
-        return value
-    except (TypeError, ValueError):
-        return repr(value)
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _safe_repr(item: Any) -> str:
+    try:
+        return repr(item)[:10_000]
+    except Exception as error:  # noqa: BLE001 - a broken __repr__ must not break the trace
+        return f"<unrepresentable {type(item).__name__}: {type(error).__name__}>"

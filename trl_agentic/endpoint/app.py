@@ -6,12 +6,22 @@ Routes:
 - `GET /health`.
 - `POST /admin/episodes`, `GET /admin/episodes/{id}`, `POST /admin/episodes/{id}/close`, guarded by the admin token
   (the agent only ever holds its episode key or id).
+
+The path route is a capability URL: the episode id (128 random bits) is the secret, kept out of access logs
+(`server.redact_episode_ids`). A request on it that carries an episode key must carry that episode's key (401
+otherwise); placeholder keys (`EMPTY`, `sk-...`) that agents send when they must send something are ignored.
+
+Nothing an agent sends can cost another episode (issue #9): bodies are strict JSON with bounded nesting and sampling
+fields in range (4xx otherwise), a batch survives one failing member (`generation/batching.py`), and a genuine server
+error is answered 500 on a connection that stays usable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -19,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
-from ..trace import EPISODE_STATUSES, Turn
+from ..trace import EPISODE_STATUSES, Turn, json_text
 from . import SERVED_MODEL_NAME
 from .chat import ChatRenderer
 from .protocol import (
@@ -32,9 +42,19 @@ from .protocol import (
     CloseEpisodeRequest,
     OpenEpisodeRequest,
     error_body,
+    parse_json_body,
     template_message,
 )
-from .sessions import EpisodeLimits, EpisodeRegistry, EpisodeSession
+from .sessions import (
+    EpisodeClosedError,
+    EpisodeLimits,
+    EpisodeRegistry,
+    EpisodeSession,
+    TooManyOpenEpisodesError,
+)
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +78,9 @@ class EndpointSettings:
         max_body_bytes: larger request bodies are answered 413.
         overrides: sampling the trainer imposes, whatever the request asks for.
         default_limits: limits of an episode opened without its own.
+        max_open_episodes: most episodes open at once; opening one more is answered 429 (`None`: no cap).
+        episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
+            (`None`: never); its trace stays retrievable through the admin routes for a while.
     """
 
     served_model_names: list[str] = field(default_factory=lambda: [SERVED_MODEL_NAME])
@@ -66,6 +89,8 @@ class EndpointSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     overrides: SamplingOverrides = field(default_factory=SamplingOverrides)
     default_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    max_open_episodes: int | None = None
+    episode_idle_timeout: float | None = None
 
 
 class APIError(Exception):
@@ -91,8 +116,17 @@ def create_app(
     ```
     """
     settings = settings or EndpointSettings()
-    registry = registry or EpisodeRegistry()
-    app = FastAPI(title="trl-agentic endpoint")
+    registry = registry or EpisodeRegistry(settings.max_open_episodes, settings.episode_idle_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        reaper = asyncio.create_task(_reap_idle_episodes(registry)) if registry.idle_timeout is not None else None
+        yield
+        if reaper is not None:
+            reaper.cancel()
+
+    app = FastAPI(title="trl-agentic endpoint", lifespan=lifespan)
+    app.add_middleware(_ServerErrors)
     app.state.engine, app.state.renderer, app.state.settings, app.state.registry = engine, renderer, settings, registry
     tokenizer = renderer.tokenizer
 
@@ -108,13 +142,6 @@ def create_app(
     async def _bad_method(request: Request, _):
         return JSONResponse(error_body(f"Method {request.method} not allowed on {request.url.path}"), status_code=405)
 
-    @app.exception_handler(Exception)
-    async def _server_error(_: Request, error: Exception):
-        # A bug or an engine failure, never a client's mistake: still answered in OpenAI's format (the traceback is
-        # logged by uvicorn).
-        return JSONResponse(error_body(f"Internal error: {type(error).__name__}: {error}", "server_error",
-                                       code="internal_error"), status_code=500)
-
     # Episodes
 
     def episode_from_key(request: Request) -> EpisodeSession:
@@ -127,11 +154,16 @@ def create_app(
             raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
         return session
 
-    def episode_from_path(episode_id: str) -> EpisodeSession:
+    def episode_from_path(episode_id: str, request: Request) -> EpisodeSession:
         session = registry.by_id(episode_id)
-        if session is None:
-            raise APIError(404, f"Unknown or closed episode {episode_id!r}.", "invalid_request_error",
+        if session is None or session.closed:
+            raise APIError(404, "Unknown or closed episode (the id in the path).", "invalid_request_error",
                            "episode_not_found")
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if key.startswith("sk-ep-") and not secrets.compare_digest(key.encode(), session.key.encode()):
+            raise APIError(401, "This episode key belongs to another episode than the one in the path.",
+                           "authentication_error", "invalid_api_key")
         return session
 
     def check_admin(request: Request) -> None:
@@ -159,19 +191,19 @@ def create_app(
         return models_body()
 
     @app.get("/episodes/{episode_id}/v1/models")
-    async def models_by_path(episode_id: str):
-        episode_from_path(episode_id)
+    async def models_by_path(episode_id: str, request: Request):
+        episode_from_path(episode_id, request)
         return models_body()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         session = episode_from_key(request)
-        return await serve_chat(session, await read_body(request))
+        return await serve_chat(session, await read_body(request), request)
 
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def chat_completions_by_path(episode_id: str, request: Request):
-        session = episode_from_path(episode_id)
-        return await serve_chat(session, await read_body(request))
+        session = episode_from_path(episode_id, request)
+        return await serve_chat(session, await read_body(request), request)
 
     @app.post("/admin/episodes")
     async def open_episode(request: Request):
@@ -182,7 +214,10 @@ def create_app(
             max_turns=_first(body.max_turns, defaults.max_turns, None),
             max_episode_tokens=_first(body.max_episode_tokens, defaults.max_episode_tokens, None),
         )
-        session = registry.open(body.task_index, body.group_index, body.metadata, limits)
+        try:
+            session = registry.open(body.task_index, body.group_index, body.metadata, limits)
+        except TooManyOpenEpisodesError as error:
+            raise APIError(429, str(error), "rate_limit_error", "too_many_open_episodes") from None
         base = str(request.base_url).rstrip("/")
         return {"id": session.episode.id, "key": session.key, "base_url": f"{base}/v1",
                 "path_base_url": f"{base}/episodes/{session.episode.id}/v1"}
@@ -190,7 +225,11 @@ def create_app(
     @app.get("/admin/episodes/{episode_id}")
     async def get_episode(episode_id: str, request: Request):
         check_admin(request)
-        return episode_from_path(episode_id).episode.to_dict()
+        session = registry.by_id(episode_id)
+        episode = session.episode if session is not None else registry.reaped(episode_id)
+        if episode is None:
+            raise APIError(404, f"Unknown or closed episode {episode_id!r}.", code="episode_not_found")
+        return trace_response(episode)
 
     @app.post("/admin/episodes/{episode_id}/close")
     async def close_episode(episode_id: str, request: Request):
@@ -200,10 +239,15 @@ def create_app(
             raise APIError(400, f"Unknown episode status {body.status!r}; use one of "
                                 f"{[s for s in EPISODE_STATUSES if s != 'running']}.", param="status")
         try:
-            episode = registry.close(episode_id, body.status, body.result, body.error)
+            episode = registry.finish(episode_id, body.status, body.result, body.error)
         except KeyError:
             raise APIError(404, f"Unknown or closed episode {episode_id!r}.", code="episode_not_found") from None
-        return episode.to_dict()
+        response = trace_response(episode)
+        registry.forget(episode_id)  # only once the trace is in hand: a failure above leaves it retrievable
+        return response
+
+    def trace_response(episode) -> Response:
+        return Response(json_text(episode.to_dict()).encode("utf-8"), media_type="application/json")
 
     # Request handling
 
@@ -226,8 +270,8 @@ def create_app(
         if not raw.strip() and not required:
             return None
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return parse_json_body(raw)
+        except ValueError as error:
             raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
 
     def validate(model, body: Any):
@@ -239,10 +283,10 @@ def create_app(
             raise APIError(400, f"Invalid request: {param or 'body'}: {first.get('msg')}", param=param or None,
                            code="invalid_request") from None
 
-    async def serve_chat(session: EpisodeSession, raw: bytes):
+    async def serve_chat(session: EpisodeSession, raw: bytes, request: Request):
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            body = parse_json_body(raw)
+        except ValueError as error:
             raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
         req = validate(ChatCompletionRequest, body)
         if req.model not in settings.served_model_names:
@@ -256,8 +300,9 @@ def create_app(
                            code="episode_limit_exceeded")
         budget = None
         if limits.max_episode_tokens is not None:
-            # Each of the n choices may use an equal share of what is left.
-            budget = (limits.max_episode_tokens - session.episode.num_sampled_tokens) // req.n
+            # Each of the n choices may use an equal share of what is left, counting what calls in flight may sample.
+            left = limits.max_episode_tokens - session.episode.num_sampled_tokens - session.reserved_tokens
+            budget = left // req.n
             if budget <= 0:
                 session.flags.add("limit_exceeded")
                 raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
@@ -268,15 +313,15 @@ def create_app(
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             plan = session.plan_prompt(renderer, messages, tools)
-        except (TemplateError, TypeError, ValueError) as error:
-            raise APIError(400, f"The chat template rejected these messages: {error}",
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as error:
+            # The template is code run on what the agent sent: any of these is the request's doing.
+            raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
                            code="template_error") from None
         # tool_choice "required" / a named function: start the assistant turn with the template's tool-call opening
         # (prompt tokens, not sampled) so the model can only complete a call.
         forced: list[int] = []
-        if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, dict)) and renderer.can_parse_tools:
-            name = req.tool_choice["function"]["name"] if isinstance(req.tool_choice, dict) else None
-            forced = renderer.tool_call_prefix(tools, name)
+        if tools and (req.tool_choice == "required" or req.forced_tool_name) and renderer.can_parse_tools:
+            forced = renderer.tool_call_prefix(tools, req.forced_tool_name)
         prompt_ids = plan.prompt_ids + forced
         context = engine.max_context_length
         if len(prompt_ids) >= context:
@@ -299,16 +344,50 @@ def create_app(
         )
         requested = {k: v for k, v in req.model_dump(exclude_none=True).items() if k not in ("messages", "tools")}
 
-        session.in_flight += req.n
-        started = time.monotonic()
+        reserved = sampling.max_tokens * req.n if budget is not None else 0
         try:
-            outputs = await asyncio.gather(*[
-                engine.generate(prompt_ids, _with_seed(sampling, req.seed, i)) for i in range(req.n)
-            ])
-        finally:
-            session.in_flight -= req.n
+            session.start_call(req.n, reserved)
+        except EpisodeClosedError:
+            raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key") from None
+        started = time.monotonic()
 
-        choices, finals = [], []
+        def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
+            return Turn(
+                index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids if out else [],
+                logprobs=out.logprobs if out else [], finish_reason=finish, policy_version=engine.policy_version,
+                request_messages=raw_messages, request_tools=tools, response_message=message,
+                prompt_source=plan.source, parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
+                malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
+                requested_sampling=requested, wall_time=time.monotonic() - started,
+            )
+
+        generation = asyncio.ensure_future(asyncio.gather(*[
+            engine.generate(prompt_ids, _with_seed(sampling, req.seed, i)) for i in range(req.n)
+        ]))
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({generation, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            generation.cancel()
+            session.finish_call(req.n, reserved, [])
+            raise
+        finally:
+            disconnected.cancel()
+        if not generation.done():
+            # The client went away: stop sampling, and record the call as cancelled (never trained, never a parent),
+            # so that a retry of the same request continues from the last answer the agent actually received.
+            generation.cancel()
+            cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.context) for _ in range(req.n)]
+            session.finish_call(req.n, reserved, cancelled)
+            return JSONResponse(error_body("The client closed the connection before the answer was ready.",
+                                           code="client_closed_request"), status_code=499)
+        try:
+            outputs = generation.result()
+        except BaseException:
+            session.finish_call(req.n, reserved, [])
+            raise
+
+        choices, finals, turns = [], [], []
         for i, out in enumerate(outputs):
             out, stopped_text = _apply_stop_strings(tokenizer, out, req.stop_sequences)
             finals.append(out)
@@ -318,18 +397,12 @@ def create_app(
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
-            turn = Turn(
-                index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids, logprobs=out.logprobs,
-                finish_reason=finish, policy_version=engine.policy_version, request_messages=raw_messages,
-                request_tools=tools, response_message=message, prompt_source=plan.source,
-                parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
-                malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
-                requested_sampling=requested,
-                wall_time=time.monotonic() - started,
-            )
-            session.record(turn, messages, tools, plan.context)
+            turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.context))
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": _logprobs_body(tokenizer, out) if req.logprobs else None})
+        if not session.finish_call(req.n, reserved, turns):
+            raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",
+                           code="episode_closed")
 
         completion_tokens = sum(len(o.token_ids) for o in finals)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
@@ -346,6 +419,52 @@ def create_app(
         )
 
     return app
+
+
+class _ServerErrors:
+    """Answer an unexpected exception with a 500 in OpenAI's format, on a connection that stays usable.
+
+    FastAPI's `exception_handler(Exception)` answers too, but Starlette re-raises afterwards and uvicorn then drops
+    the keep-alive connection: with the rollout's shared HTTP pool, another episode's next call on that connection got
+    a reset (issue #9). Here the exception ends with the answer. One that happens after the answer started (mid
+    stream) is re-raised: uvicorn closes that connection, the only honest end of a half-sent response.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as error:  # noqa: BLE001 - a bug or an engine failure, never the client's mistake
+            if started:
+                raise
+            logger.exception("Internal error while serving %s %s", scope.get("method"), scope.get("path"))
+            response = JSONResponse(error_body(f"Internal error: {type(error).__name__}: {error}", "server_error",
+                                               code="internal_error"), status_code=500)
+            await response(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # Once the body is read, the next ASGI message of a request is its client disconnecting.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _reap_idle_episodes(registry: EpisodeRegistry) -> None:
+    period = min(max(registry.idle_timeout / 4, 0.05), 5.0)
+    while True:
+        await asyncio.sleep(period)
+        registry.reap_idle()
 
 
 def _first(*values):

@@ -1,8 +1,16 @@
-"""Pydantic models of the subset of the OpenAI chat-completions schema that agents actually send."""
+"""Pydantic models of the subset of the OpenAI chat-completions schema that agents actually send, and the strict JSON
+reader every request body goes through.
+
+What an agent sends is recorded in the episode's trace and rendered by the chat template, so the boundary only lets
+through JSON that can be written back out: no NaN/Infinity, no lone UTF-16 surrogates, bounded nesting, and sampling
+fields in the ranges the engines accept (a seed outside int64 used to fail every request of the engine batch it landed
+in, issue #9).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -67,21 +75,39 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Seeds are int64, as in OpenAI's API; choice i of a request with `n > 1` samples with `seed + i`.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (tool schemas need ~10; 1,000 crashed the JSON encoder)
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: the model must call this function."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(BaseModel):
     """The request body of `POST /v1/chat/completions`. Unknown fields are accepted and ignored (recorded)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
@@ -97,23 +123,101 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check_tool_choice(self) -> ChatCompletionRequest:
-        if isinstance(self.tool_choice, dict):
-            name = (self.tool_choice.get("function") or {}).get("name")
-            if self.tool_choice.get("type") != "function" or not isinstance(name, str):
-                raise ValueError("tool_choice object must be {'type': 'function', 'function': {'name': ...}}")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools or []}:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in 'tools'")
         elif self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs 'tools'")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed + n - 1 must fit in int64 (choice i samples with seed + i); use a seed <= "
+                             f"{INT64_MAX - self.n + 1}")
         return self
 
     @property
+    def forced_tool_name(self) -> str | None:
+        """The function a named `tool_choice` forces, if any."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
     def stop_sequences(self) -> list[str]:
+        """The stop strings; an empty string stops nothing, whether sent as `""` or in a list (`[""]`)."""
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
+
+
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse a request body as strict JSON; `ValueError` says what is wrong and where.
+
+    Rejected: invalid JSON or UTF-8, `NaN`/`Infinity` (and numbers too large for a float), integers past Python's
+    digit limit, lone UTF-16 surrogates (`"\\ud800"`: valid JSON, but no UTF-8 encoding exists, so the trace could not
+    be written), and nesting deeper than `max_depth`. What passes can always be serialised back to JSON.
+
+    Example:
+
+    ```python
+    >>> parse_json_body(b'{"seed": 1}')
+    {'seed': 1}
+    >>> parse_json_body(b'{"temperature": NaN}')
+    Traceback (most recent call last):
+    ValueError: NaN is not a JSON number; send a finite number
+    ```
+    """
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(f"the body is nested deeper than {max_depth} levels") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the body is not UTF-8: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not valid JSON: {error}") from None
+    _check_json_value(value, max_depth)
+    return value
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} does not fit in a float")
+    return value
+
+
+def _check_json_value(value: Any, max_depth: int) -> None:
+    stack: list[tuple[Any, int, tuple]] = [(value, 1, ())]
+    while stack:  # iterative: the depth check must not itself recurse
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            _check_text(item, path)
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if depth > max_depth:
+            raise ValueError(f"the body is nested deeper than {max_depth} levels (at {_path_text(path)})")
+        if isinstance(item, dict):
+            for key, child in item.items():
+                _check_text(key, path)
+                stack.append((child, depth + 1, path + (key,)))
+        else:
+            stack.extend((child, depth + 1, path + (i,)) for i, child in enumerate(item))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"a string at {_path_text(path)} holds a lone UTF-16 surrogate (e.g. '\\ud800'), which has "
+                         "no UTF-8 encoding; send valid Unicode") from None
+
+
+def _path_text(path: tuple) -> str:
+    return ".".join(str(p) for p in path[:8]) or "the top level"
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):

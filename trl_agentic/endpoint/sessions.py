@@ -1,10 +1,16 @@
-"""Episode registry: keys, per-episode token history, and how each new call's prompt ids are built."""
+"""Episode registry: keys, per-episode token history, and how each new call's prompt ids are built.
+
+State is bounded (issue #9: episodes opened and never closed stayed forever): at most `max_open` episodes at once, and
+an episode without a call for `idle_timeout` seconds is closed with status `cancelled`; its trace stays retrievable
+(`get`/`close`) among the last `KEPT_REAPED` reaped episodes.
+"""
 
 from __future__ import annotations
 
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,15 @@ class _TurnHistory:
     messages: list[dict]  # comparable request messages + the comparable assistant message we returned
     tools: list[dict] | None
     context: RenderedContext | None  # the request rendered without the generation prompt
+    delivered: bool = True  # False for a call cancelled before its answer reached the agent: never a parent
+
+
+class EpisodeClosedError(Exception):
+    """A call started or finished on an episode that was closed meanwhile."""
+
+
+class TooManyOpenEpisodesError(Exception):
+    """The registry holds `max_open` episodes already."""
 
 
 @dataclass
@@ -61,11 +76,56 @@ class EpisodeSession:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     opened_at: float = field(default_factory=time.monotonic)
     closed: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # choices being sampled
+    reserved_tokens: int = 0  # `max_tokens` of the choices being sampled, held against `max_episode_tokens`
+    last_active: float = field(default_factory=time.monotonic)
     flags: set[str] = field(default_factory=set)  # "context_overflow", "limit_exceeded"
-    late_turns: int = 0  # calls that finished after the episode was closed (not recorded)
+    late_turns: int = 0  # choices still being sampled when the episode closed (dropped, counted in the trace)
     _histories: list[_TurnHistory] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start_call(self, choices: int, reserved_tokens: int) -> None:
+        """Count `choices` in flight and hold `reserved_tokens` of the token budget until `finish_call`.
+
+        Concurrent calls of one episode each see what the others may still sample (issue #9: `max_episode_tokens=10`
+        with 8 calls in flight sampled 80 tokens).
+        """
+        with self._lock:
+            if self.closed:
+                raise EpisodeClosedError(self.episode.id)
+            self.in_flight += choices
+            self.reserved_tokens += reserved_tokens
+            self.last_active = time.monotonic()
+
+    def finish_call(self, choices: int, reserved_tokens: int, turns: list[tuple[Turn, list[dict], list[dict] | None,
+                    RenderedContext | None]]) -> bool:
+        """Release what `start_call` held and record the call's turns `(turn, messages, tools, context)`.
+
+        Returns False when the episode closed meanwhile: the turns are dropped (the close counted them as late).
+        """
+        histories = [self._history(*entry) for entry in turns]
+        with self._lock:
+            self.in_flight -= choices
+            self.reserved_tokens -= reserved_tokens
+            self.last_active = time.monotonic()
+            if self.closed:
+                return False
+            for (turn, *_), history in zip(turns, histories, strict=True):
+                turn.index = len(self.episode.turns)
+                self.episode.turns.append(turn)
+                self._histories.append(history)
+                if history.delivered:
+                    self.episode.messages = turn.request_messages + [turn.response_message]
+            return True
+
+    @staticmethod
+    def _history(turn: Turn, messages: list[dict], tools: list[dict] | None,
+                 context: RenderedContext | None) -> _TurnHistory:
+        if turn.finish_reason == "cancelled":
+            return _TurnHistory([], tools, None, delivered=False)
+        history = [comparable_message(m) for m in messages]
+        history.append(comparable_message(template_message(turn.response_message)))
+        return _TurnHistory(history, tools, context)
 
     def plan_prompt(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None) -> PromptPlan:
         """Token-in continuation from the turn whose history is the longest prefix of `messages`, else a render.
@@ -74,15 +134,18 @@ class EpisodeSession:
         costs: only the new messages are tokenized.
         """
         with self._lock:
-            turns = list(self.episode.turns)
-            histories = list(self._histories)
+            # A cancelled call's answer never reached the agent: the retry continues from the turn before it.
+            delivered = [(t, h) for t, h in zip(self.episode.turns, self._histories, strict=True) if h.delivered]
+        turns = [t for t, _ in delivered]
+        histories = {t.index: h for t, h in delivered}
         text = renderer.render_text(messages, tools)
         context = renderer.context_of(text, messages, tools)
         comparable = [comparable_message(m) for m in messages]
 
         # The parent: the latest turn whose messages + answer are a strict prefix of this request.
         best, best_len, best_shared, best_shared_len = None, -1, None, 0
-        for turn, history in zip(reversed(turns), reversed(histories)):
+        for turn in reversed(turns):
+            history = histories[turn.index]
             n = len(history.messages)
             if best_len < n < len(comparable) and history.messages[-1] == comparable[n - 1] and (
                 history.messages[:-1] == comparable[: n - 1]
@@ -119,20 +182,15 @@ class EpisodeSession:
 
     def record(self, turn: Turn, messages: list[dict], tools: list[dict] | None,
                context: RenderedContext | None = None) -> bool:
-        """Append a finished turn; returns False (and counts it) when the episode was closed meanwhile."""
-        history = [comparable_message(m) for m in messages]
-        history.append(comparable_message(template_message(turn.response_message)))
-        with self._lock:
-            if self.closed:
-                self.late_turns += 1
-                return False
-            turn.index = len(self.episode.turns)
-            self.episode.turns.append(turn)
-            self._histories.append(_TurnHistory(history, tools, context))
-            self.episode.messages = turn.request_messages + [turn.response_message]
-            return True
+        """Append a finished turn (of a call not counted in flight); returns False when the episode was closed."""
+        return self.finish_call(0, 0, [(turn, messages, tools, context)])
 
     def close(self, status: str | None = None, result: Any = None, error: str | None = None) -> Episode:
+        """Close the episode (idempotent: a second close returns the same Episode unchanged).
+
+        Choices still being sampled will be dropped when they finish; they are counted now, as
+        `metadata["late_turns"]`, since the trace is handed out before they finish.
+        """
         with self._lock:
             if not self.closed:
                 self.closed = True
@@ -144,6 +202,7 @@ class EpisodeSession:
                 episode.status = status
                 episode.result = result
                 episode.error = error
+                self.late_turns = self.in_flight
                 if self.late_turns:
                     episode.metadata["late_turns"] = self.late_turns
             return self.episode
@@ -158,12 +217,24 @@ def _common_messages(a: list[dict], b: list[dict]) -> int:
     return n
 
 
-class EpisodeRegistry:
-    """All open episodes of an endpoint, by id and by key (both unguessable); closing one forgets it."""
+KEPT_REAPED = 256  # idle-closed episodes whose traces stay retrievable (oldest dropped first)
 
-    def __init__(self):
+
+class EpisodeRegistry:
+    """All open episodes of an endpoint, by id and by key (both unguessable); closing one forgets it.
+
+    Args:
+        max_open: most episodes open at once; `open` raises `TooManyOpenEpisodesError` beyond it (`None`: no cap).
+        idle_timeout: seconds without a call (and none in flight) after which `reap_idle` closes an episode with
+            status `cancelled` (`None`: never).
+    """
+
+    def __init__(self, max_open: int | None = None, idle_timeout: float | None = None):
+        self.max_open = max_open
+        self.idle_timeout = idle_timeout
         self._by_id: dict[str, EpisodeSession] = {}
         self._by_key: dict[str, EpisodeSession] = {}
+        self._reaped: OrderedDict[str, Episode] = OrderedDict()
         self._lock = threading.Lock()
 
     def open(
@@ -177,7 +248,14 @@ class EpisodeRegistry:
         key = f"sk-ep-{secrets.token_urlsafe(32)}"
         episode = Episode(id=episode_id, task_index=task_index, group_index=group_index, metadata=metadata or {})
         session = EpisodeSession(episode=episode, key=key, limits=limits or EpisodeLimits())
+        if self.max_open is not None and len(self._by_id) >= self.max_open:
+            self.reap_idle()
         with self._lock:
+            if self.max_open is not None and len(self._by_id) >= self.max_open:
+                raise TooManyOpenEpisodesError(
+                    f"{len(self._by_id)} episodes are open, the most this endpoint keeps (max_open_episodes="
+                    f"{self.max_open}); close finished episodes first."
+                )
             self._by_id[episode_id] = session
             self._by_key[key] = session
         return session
@@ -188,14 +266,56 @@ class EpisodeRegistry:
     def by_id(self, episode_id: str) -> EpisodeSession | None:
         return self._by_id.get(episode_id)
 
+    def reaped(self, episode_id: str) -> Episode | None:
+        """The trace of an episode closed for idleness, if it is still kept."""
+        with self._lock:
+            return self._reaped.get(episode_id)
+
     def close(self, episode_id: str, status: str | None = None, result: Any = None, error: str | None = None):
         """Close an episode and forget it; returns the Episode with all its turns."""
+        episode = self.finish(episode_id, status, result, error)
+        self.forget(episode_id)
+        return episode
+
+    def finish(self, episode_id: str, status: str | None = None, result: Any = None, error: str | None = None):
+        """Close an episode but keep it findable until `forget`: a caller that still has to serialise the trace
+        must not lose it if that fails. An idle-reaped episode returns its trace (status `cancelled`)."""
+        session = self._by_id.get(episode_id)
+        if session is None:
+            episode = self.reaped(episode_id)
+            if episode is None:
+                raise KeyError(episode_id)
+            return episode
+        return session.close(status=status, result=result, error=error)
+
+    def forget(self, episode_id: str) -> None:
         with self._lock:
             session = self._by_id.pop(episode_id, None)
-            if session is None:
-                raise KeyError(episode_id)
-            self._by_key.pop(session.key, None)
-        return session.close(status=status, result=result, error=error)
+            if session is not None:
+                self._by_key.pop(session.key, None)
+            self._reaped.pop(episode_id, None)
+
+    def reap_idle(self, now: float | None = None) -> list[str]:
+        """Close (status `cancelled`) and forget the episodes idle for longer than `idle_timeout`; returns their ids.
+
+        An episode with a call in flight is not idle, however long the call takes.
+        """
+        if self.idle_timeout is None:
+            return []
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = [s for s in self._by_id.values()
+                    if s.in_flight == 0 and not s.closed and now - s.last_active > self.idle_timeout]
+        for session in idle:
+            episode = session.close(status="cancelled",
+                                    error=f"closed by the endpoint: no call for {self.idle_timeout:g}s")
+            with self._lock:
+                self._by_id.pop(episode.id, None)
+                self._by_key.pop(session.key, None)
+                self._reaped[episode.id] = episode
+                while len(self._reaped) > KEPT_REAPED:
+                    self._reaped.popitem(last=False)
+        return [s.episode.id for s in idle]
 
     def __len__(self) -> int:
         return len(self._by_id)

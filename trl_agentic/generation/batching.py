@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine import GenerationOutput, SamplingParams
 
@@ -14,13 +15,19 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    cancelled: threading.Event = field(default_factory=threading.Event)  # read by the sampling thread
 
 
 class DynamicBatcher:
     """Queue concurrent requests; a worker takes everything waiting (up to `max_batch_size`, after waiting at most
     `batch_wait_s` for company) and runs the subclass's synchronous `generate_batch` in a worker thread.
 
-    Subclasses set `max_batch_size`, `batch_wait_s` and implement `generate_batch(prompts, samplings)`.
+    Subclasses set `max_batch_size`, `batch_wait_s` and implement `generate_batch(prompts, samplings, cancelled)`;
+    `cancelled[i]` is set when the caller of row `i` went away (its client disconnected): the row may stop early, its
+    output is discarded.
+
+    One request must never cost the others of its batch: when `generate_batch` raises, the batch is retried in halves
+    until the failing request fails alone (issue #9: one bad seed failed 80 innocent requests).
     """
 
     max_batch_size: int
@@ -31,7 +38,12 @@ class DynamicBatcher:
         self._queue: asyncio.Queue[_Request] | None = None
         self._worker: asyncio.Task | None = None
 
-    def generate_batch(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        samplings: list[SamplingParams],
+        cancelled: list[threading.Event] | None = None,
+    ) -> list[GenerationOutput]:
         raise NotImplementedError
 
     async def start(self) -> None:
@@ -50,9 +62,13 @@ class DynamicBatcher:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
         await self.start()
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(list(prompt_ids), sampling, future))
-        return await future
+        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future())
+        await self._queue.put(request)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled.set()  # a running batch stops sampling this row
+            raise
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -71,15 +87,23 @@ class DynamicBatcher:
             if not batch:
                 continue
             self.batch_sizes[len(batch)] += 1
-            try:
-                outputs = await asyncio.to_thread(
-                    self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch]
-                )
-            except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not to the worker
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(error)
-                continue
-            for request, output in zip(batch, outputs, strict=True):
-                if not request.future.done():
-                    request.future.set_result(output)
+            await self._run_isolating(batch)
+
+    async def _run_isolating(self, batch: list[_Request]) -> None:
+        try:
+            outputs = await asyncio.to_thread(
+                self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
+                [r.cancelled for r in batch],
+            )
+        except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not to the worker
+            batch = [r for r in batch if not r.future.done()]
+            if len(batch) == 1:
+                batch[0].future.set_exception(error)
+            elif batch:  # one member may be the cause: halves until it fails alone, the others are served
+                half = len(batch) // 2
+                await self._run_isolating(batch[:half])
+                await self._run_isolating(batch[half:])
+            return
+        for request, output in zip(batch, outputs, strict=True):
+            if not request.future.done():
+                request.future.set_result(output)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -21,6 +25,24 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0  # also report this many most likely (id, logprob) pairs per position
+
+    def __post_init__(self):
+        # The last line of defence of a batch: one request's bad value used to fail every request sampled with it.
+        problems = []
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            problems.append(f"max_tokens={self.max_tokens!r} (an int >= 1)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            problems.append(f"temperature={self.temperature!r} (finite, >= 0)")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            problems.append(f"top_p={self.top_p!r} (in (0, 1])")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k={self.top_k!r} (an int >= 0)")
+        if self.seed is not None and not (isinstance(self.seed, int) and INT64_MIN <= self.seed <= INT64_MAX):
+            problems.append(f"seed={self.seed!r} (an int64)")
+        if not (isinstance(self.top_logprobs, int) and self.top_logprobs >= 0):
+            problems.append(f"top_logprobs={self.top_logprobs!r} (an int >= 0)")
+        if problems:
+            raise ValueError(f"Invalid sampling parameters: {', '.join(problems)}.")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -56,18 +56,26 @@ class TransformersEngine(DynamicBatcher):
         self._init_batching()
 
     @torch.no_grad()
-    def generate_batch(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
-        """Sample a completion for each prompt (synchronously). Rows differ in length and sampling parameters."""
+    def generate_batch(
+        self,
+        prompts: list[list[int]],
+        samplings: list[SamplingParams],
+        cancelled: list[threading.Event] | None = None,
+    ) -> list[GenerationOutput]:
+        """Sample a completion for each prompt (synchronously). Rows differ in length and sampling parameters; a row
+        whose `cancelled` event is set stops sampling (finish reason `"cancelled"`)."""
         with self.model_lock:
             was_training = self.model.training
             self.model.eval()
             try:
-                return self._sample(prompts, samplings)
+                return self._sample(prompts, samplings, cancelled)
             finally:
                 if was_training:
                     self.model.train()
 
-    def _sample(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
+    def _sample(
+        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled: list[threading.Event] | None
+    ) -> list[GenerationOutput]:
         device = next(self.model.parameters()).device
         batch_size = len(prompts)
         max_prompt = max(len(p) for p in prompts)
@@ -107,6 +115,8 @@ class TransformersEngine(DynamicBatcher):
             logps = torch.log_softmax(logits, dim=-1)
             next_ids = torch.full((batch_size,), self.pad_token_id, dtype=torch.long, device=device)
             for i in range(batch_size):
+                if finish[i] is None and cancelled is not None and cancelled[i].is_set():
+                    finish[i] = "cancelled"  # its client went away: free the row
                 if finish[i] is not None:
                     continue
                 token = _sample_row(logps[i], samplings[i], generators[i])

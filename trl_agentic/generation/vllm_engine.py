@@ -119,7 +119,10 @@ class VLLMColocateEngine(DynamicBatcher):
         self.policy_version = 0
         self._init_batching()
 
-    def generate_batch(self, prompts: list[list[int]], samplings: list[SamplingParams]) -> list[GenerationOutput]:
+    def generate_batch(
+        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled=None
+    ) -> list[GenerationOutput]:
+        # `cancelled` rows are not stopped early (one `llm.generate` call); their outputs are discarded.
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 

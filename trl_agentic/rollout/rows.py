@@ -57,7 +57,7 @@ class Row:
 @dataclass
 class RowsResult:
     rows: list[Row]
-    skipped_turns: list[int]  # turns not trained because of `forks="skip"` / `side_calls="skip"`
+    skipped_turns: list[int]  # turns not trained: `forks="skip"` / `side_calls="skip"`, or cancelled calls
     capped_turns: list[int]  # turns not trained because of `max_rows`
 
 
@@ -95,8 +95,15 @@ def episode_to_rows(
     tail_of_row: dict[int, int] = {}  # row index -> index of its last turn
     skipped, capped = [], []
     by_index = {turn.index: turn for turn in turns}
+    first_call = next((turn.index for turn in turns if turn.finish_reason != "cancelled"), None)
 
-    for position, turn in enumerate(turns):
+    for turn in turns:
+        if turn.finish_reason == "cancelled":
+            # Its client disconnected before the answer was delivered: nothing the agent saw, nothing to train, and
+            # the retry continues from the turn before it.
+            row_of_turn[turn.index] = None
+            skipped.append(turn.index)
+            continue
         parent_row = row_of_turn.get(turn.parent_turn) if turn.prompt_source == "continued" else None
         if turn.prompt_source == "continued" and turn.parent_turn in row_of_turn and parent_row is None:
             # The parent was not trained (skipped or capped): its continuation is not trained either.
@@ -117,7 +124,7 @@ def episode_to_rows(
                 tail_of_row[parent_row] = turn.index
                 row_of_turn[turn.index] = parent_row
                 continue
-        kind = _turn_kind(turn, first=position == 0)
+        kind = _turn_kind(turn, first=turn.index == first_call)
         if (kind in ("fork", "branch") and forks == "skip") or (kind == "side_call" and side_calls == "skip"):
             row_of_turn[turn.index] = None
             skipped.append(turn.index)
