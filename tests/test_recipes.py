@@ -10,7 +10,7 @@ import pytest
 import transformers.training_args
 import yaml
 
-from trl_agentic.scripts.train import make_parser
+from trl_agentic.recipes import make_parser
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_recipe_parses(recipe, bf16_anywhere):
 @pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=_name)
 def test_recipe_names_resolve(recipe):
     # Task and reward names are only resolved when training starts: check them here, without a model.
-    from trl_agentic.rewards import get_reward_func
+    from trl_agentic.recipes import get_reward_func
     from trl_agentic.tasks import get_task
 
     raw = yaml.safe_load(recipe.read_text())

@@ -12,7 +12,7 @@ import os
 import pytest
 from openai.types.chat import ChatCompletion
 
-from trl_agentic.rewards import get_reward_func
+from trl_agentic.recipes import get_reward_func
 from trl_agentic.trace import Episode
 from trl_agentic.tasks import BUNDLED_TASKS, TaskSuite, get_task
 from trl_agentic.tasks.agent_loop import call_tool

@@ -175,7 +175,7 @@ def _parse_train_args(train_args: list[str]) -> dict[str, Any]:
 
 
 def _check_keys(keys, where: str) -> None:
-    from trl_agentic.scripts.train import describe_unknown_keys, recipe_keys
+    from trl_agentic.recipes import describe_unknown_keys, recipe_keys
 
     known = recipe_keys()
     unknown = [key for key in keys if key not in known and not (key.startswith("no_") and key[3:] in known)]

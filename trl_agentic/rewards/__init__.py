@@ -1,56 +1,23 @@
-"""Reward functions by name, for scripts and recipes (open-r1 style: `reward_funcs: [calculator_correct]`).
+"""What reward functions share: TRL's signature, the failed-episode rule, and where an agent's answer is.
 
-Names are resolved here, never in the trainer, which only ever sees callables. Every reward function has TRL's
-signature, `f(prompts, completions, **kwargs) -> list[float | None]`; `None` marks an episode that cannot be scored.
+Every reward function has TRL's signature, `f(prompts, completions, **kwargs) -> list[float | None]`; `None` marks
+an episode that cannot be scored. `unscorable_unless_ok` is the rule the trainer and `trl-agentic eval` apply to
+each: an episode that did not end `ok` is unscorable unless the function scores failures itself. The checkers live
+with their tasks (`trl_agentic.tasks.calculator.calculator_correct`, ...), which import these helpers; recipes name
+them through `trl_agentic.recipes.get_reward_func`.
 
 Example:
 
 ```python
->>> from trl_agentic.rewards import get_reward_func
->>> get_reward_func("calculator_correct").__name__
-'calculator_correct'
+>>> from trl_agentic.rewards import final_assistant_text
+>>> final_assistant_text([{"role": "assistant", "content": "The answer is 4."}])
+'The answer is 4.'
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from ..imports import import_object
-from .utils import episode_for, final_assistant_text, is_scorable, message_text
+from .utils import episode_for, final_assistant_text, is_scorable, message_text, unscorable_unless_ok
 
 
-# Name -> "module:attribute", imported on first use so that importing this package stays cheap and has no cycle with
-# `trl_agentic.tasks` (whose checkers use `rewards.utils`).
-REWARD_FUNCS: dict[str, str] = {
-    "calculator_correct": "trl_agentic.tasks.calculator:calculator_correct",
-    "files_correct": "trl_agentic.tasks.files:files_correct",
-}
-
-
-def get_reward_func(name: str) -> Callable:
-    """Resolve a reward function by bundled name (see `REWARD_FUNCS`) or dotted import path `"pkg.module:attr"`.
-
-    Args:
-        name: a bundled name, e.g. `"calculator_correct"`, or an import path, e.g. `"my_rewards:length_penalty"`.
-
-    Example:
-
-    ```python
-    >>> get_reward_func("files_correct")
-    <function files_correct at ...>
-    ```
-    """
-    path = REWARD_FUNCS.get(name, name)
-    if ":" not in path:
-        raise ValueError(
-            f"Unknown reward function {name!r}. Use one of the bundled names {sorted(REWARD_FUNCS)} or an import path "
-            "'pkg.module:function'."
-        )
-    func = import_object(path)
-    if not callable(func):
-        raise ValueError(f"Reward function {name!r} resolved to {func!r}, which is not callable.")
-    return func
-
-
-__all__ = ["REWARD_FUNCS", "episode_for", "final_assistant_text", "get_reward_func", "is_scorable", "message_text"]
+__all__ = ["episode_for", "final_assistant_text", "is_scorable", "message_text", "unscorable_unless_ok"]
