@@ -2,17 +2,23 @@
 
 import json
 import os
+import re
+import shlex
+import socket
 import subprocess
 import sys
+import time
 
+import httpx
+import openai
 import pytest
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(240)
-def test_demo_smoke_runs_end_to_end(tmp_path):
+@pytest.mark.timeout(420)
+def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     output_dir, cache_dir = tmp_path / "out", tmp_path / "cache"
     command = [sys.executable, "-m", "trl_agentic.cli", "demo", "--smoke", "--output-dir", str(output_dir),
                "--cache-dir", str(cache_dir)]
@@ -48,6 +54,65 @@ def test_demo_smoke_runs_end_to_end(tmp_path):
     cached = [p for p in cache_dir.iterdir() if (p / "warm_start.json").is_file()]
     assert len(cached) == 1
     assert not (tmp_path / "unused").exists()
+
+    # The trained model is saved, and the commands the demo prints for it work as printed.
+    model_dir = output_dir / "model"
+    assert summary["model_dir"] == str(model_dir) and (output_dir / "task.py").is_file()
+    from trl_agentic.endpoint.chat import ChatRenderer
+    from trl_agentic.tiny_models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    assert model.config.hidden_size == 32 and ChatRenderer(tokenizer).can_parse_tools  # the smoke model, tools on
+    commands = summary["commands"]
+    assert commands["eval"] in result.stdout and commands["serve"] in result.stdout
+    check_eval_command(commands["eval"], model_dir, tmp_path, capsys)
+    check_serve_command(commands["serve"], tmp_path)
+
+
+def check_eval_command(command: str, model_dir, tmp_path, capsys):
+    from trl_agentic.scripts.eval import main
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["trl-agentic", "eval"]
+    output = tmp_path / "eval.json"
+    assert main([*argv[2:], "--size", "2", "--no-progress", "--output", str(output)]) == 0  # 2 of the demo's tasks
+    capsys.readouterr()
+    metrics = json.loads(output.read_text())
+    assert metrics["task"] == "calculator" and metrics["model"] == str(model_dir) and metrics["episodes"] == 2
+    assert (metrics["temperature"], metrics["max_tokens"], metrics["max_turns"]) == (1.0, 24, 2)  # smoke settings
+    assert 0.0 <= metrics["success"] <= 1.0 and sum(metrics["status"].values()) == 2
+
+
+def check_serve_command(command: str, tmp_path):
+    argv = shlex.split(command)
+    assert argv[:2] == ["trl-agentic", "serve"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "trl_agentic.cli", *argv[1:], "--port", str(port),
+                                    "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"serve exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not come up:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        token = re.search(r"admin token: (\S+)", log.read_text()).group(1)
+        admin = {"Authorization": f"Bearer {token}"}
+        opened = httpx.post(f"{url}/admin/episodes", json={}, headers=admin, timeout=10).json()
+        client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["key"], max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "What is 2 * 3?"}]
+        response = client.chat.completions.create(model="policy", messages=messages)
+        assert response.usage.completion_tokens <= 24  # the demo's --max-tokens
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def test_plot_training_curves_writes_one_png_per_metric(tmp_path):

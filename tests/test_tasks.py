@@ -124,6 +124,21 @@ def test_get_task_unknown_name_lists_bundled_names():
         get_task("trl_agentic.tasks.calculator:calculator")  # a function, not a suite
 
 
+def test_get_task_from_a_python_file(tmp_path):
+    # What `trl-agentic demo` writes next to its model, for `trl-agentic eval --task <output_dir>/task.py:TASK`.
+    (tmp_path / "task.py").write_text(
+        "from trl_agentic.tasks.calculator import make_calculator_suite\n"
+        "TASK = make_calculator_suite(digits=3, ops=('+',))\n"
+    )
+    suite = get_task(f"{tmp_path}/task.py:TASK")
+    assert suite.name == "calculator" and suite is get_task(f"{tmp_path}/task.py:TASK")  # loaded once
+    assert " + " in suite.build_dataset(split="eval", size=1, seed=0)[0]["expression"]
+    with pytest.raises(ValueError, match="no file"):
+        get_task(f"{tmp_path}/missing.py:TASK")
+    with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
+        get_task(f"{tmp_path}/task.py:NOPE")
+
+
 def test_get_reward_func():
     assert get_reward_func("calculator_correct") is calculator_correct
     assert get_reward_func("trl_agentic.tasks.files:files_correct") is files_correct

@@ -40,10 +40,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from .endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, build_engine, launch_endpoint
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.runner import run_episode
+from .tasks import TaskSuite, get_task
 from .trace import EPISODE_STATUSES, Episode
 
 
@@ -374,7 +377,6 @@ class Evaluator:
         chat_template_kwargs: dict[str, Any] | None = None,
         progress: bool = False,
     ):
-        from .tasks import TaskSuite, get_task
 
         # Task, agent and checkers
         self.suite = suite if isinstance(suite, TaskSuite) else get_task(suite)
@@ -429,7 +431,6 @@ class Evaluator:
             return asyncio.run(self._run_episodes())
 
     async def _run_episodes(self) -> list[Episode]:
-        import httpx
         from tqdm.auto import tqdm
 
         semaphore = asyncio.Semaphore(self.concurrency)

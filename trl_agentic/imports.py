@@ -1,15 +1,18 @@
-"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes)."""
+"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes), or `"file.py:attr"`."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
 def import_object(path: str) -> Any:
-    """Import `"pkg.module:attr"` (or `"pkg.module.attr"`), looking in the working directory too, like TRL's scripts.
+    """Import `"pkg.module:attr"` (or `"pkg.module.attr"`), looking in the working directory too, like TRL's scripts;
+    or load `attr` from a Python file, `"path/to/file.py:attr"` (what `trl-agentic demo` prints for its task).
 
     Example:
 
@@ -23,9 +26,27 @@ def import_object(path: str) -> Any:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ValueError(f"Expected an import path 'pkg.module:attr', got {path!r}.")
+    if module_name.endswith(".py"):
+        return _attribute_of_file(Path(module_name), attr, path)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module next to the recipe, e.g. `my_agent:solve`
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot load {path!r}: {error}") from error
+
+
+def _attribute_of_file(file: Path, attr: str, path: str) -> Any:
+    if not file.is_file():
+        raise ValueError(f"Cannot load {path!r}: no file {file}.")
+    name = f"_trl_agentic_file_{file.stem}_{abs(hash(str(file.resolve())))}"
+    module = sys.modules.get(name)
+    if module is None:  # loaded once per process, like an imported module
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look their module up by name
+        spec.loader.exec_module(module)
+    try:
+        return getattr(module, attr)
+    except AttributeError as error:
         raise ValueError(f"Cannot load {path!r}: {error}") from error

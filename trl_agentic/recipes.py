@@ -204,7 +204,8 @@ def agent_from_recipe(script_args: ScriptArguments, task: TaskSuite) -> Any:
     Example:
 
     ```python
-    >>> agent_from_recipe(ScriptArguments(task="calculator", agent_command="python my_agent.py"), get_task("calculator"))
+    >>> script_args = ScriptArguments(task="calculator", agent_command="python my_agent.py")
+    >>> agent_from_recipe(script_args, get_task("calculator"))
     CommandAgent(command='python my_agent.py', env={}, cwd=None)
     ```
     """

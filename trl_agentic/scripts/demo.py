@@ -1,7 +1,7 @@
 """`trl-agentic demo`: a black-box agent gets measurably better at its task from GRPO, on CPU, in minutes.
 
 ```bash
-trl-agentic demo                      # ~15 min on 2 CPU cores; outputs/demo/{summary.json,plots/*.png}
+trl-agentic demo                      # ~15 min on 2 CPU cores; outputs/demo/{summary.json,plots/*.png,model/}
 trl-agentic demo --smoke              # the same pipeline at toy sizes (< 90 s), for CI
 ```
 
@@ -17,18 +17,20 @@ The pipeline, each stage announced as it starts:
    `$TRL_AGENTIC_CACHE/demo`, else `~/.cache/trl-agentic/demo`), keyed by a hash of every setting that shapes it,
    so a second run skips it.
 2. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
-   the endpoint) runs on the eval split, which shares no question with the training split; success is the mean
-   checker reward over scorable episodes, at the sampling temperature used for training.
+   the endpoint) runs on the eval split, which shares no question with the training split, at the sampling
+   temperature used for training. Success is counted over all episodes (`trl_agentic.evaluation`): an episode that
+   crashed, timed out or hit the turn limit is a failure.
 3. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward; the held-out success is
-   measured again every `--eval-every` steps.
+   measured again every `--eval-every` steps. The trained model and tokenizer are saved to `<output-dir>/model`
+   (and the task to `<output-dir>/task.py`).
 4. Held-out evaluation after training.
-5. Results: a before/after table, `summary.json` and one PNG per metric under `plots/`.
+5. Results: a before/after table, `summary.json`, one PNG per metric under `plots/`, and the `trl-agentic eval`
+   and `trl-agentic serve` commands that use the saved model.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -36,14 +38,16 @@ import logging
 import math
 import os
 import random
+import shlex
 import shutil
 import sys
 import time
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trl_agentic.evaluation import Evaluator
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -310,82 +314,40 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
 # Held-out evaluation through the endpoint
 
 
-class HeldOutEvaluator:
-    """Runs the agent on a fixed set of eval tasks against an endpoint serving `model`, and scores it with the
-    suite's checker. One endpoint for the whole demo; `evaluate()` may be called with the live (training) model."""
+class HeldOutEvaluator(Evaluator):
+    """The demo's held-out evaluation: the suite's agent, once on each of a fixed set of tasks, at the training
+    temperature, against an endpoint serving `model`; `evaluate()` may be called with the live (training) model.
+
+    A thin user of [`trl_agentic.evaluation.Evaluator`]: `success` counts successes over all episodes (a failed or
+    unscorable episode is a failure); the result adds `examples` (the first three episodes) and leaves out
+    `per_task`.
+    """
 
     def __init__(self, model, tokenizer, suite, dataset, temperature: float, max_tokens: int, max_turns: int,
                  timeout: float = 300.0, batch_wait_s: float = 0.05):
-        from trl_agentic.endpoint.app import EndpointSettings, SamplingOverrides, create_app
-        from trl_agentic.endpoint.chat import ChatRenderer
-        from trl_agentic.endpoint.server import EndpointServer
-        from trl_agentic.endpoint.sessions import EpisodeLimits
-        from trl_agentic.generation.transformers_engine import TransformersEngine
-        from trl_agentic.rollout.agents import resolve_agent
-
-        self.suite = suite
-        self.tasks = [dict(row) for row in dataset]
-        self.timeout = timeout
-        self.engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=256,
-                                         batch_wait_s=batch_wait_s)
-        settings = EndpointSettings(
-            served_model_names=["policy"],
-            default_max_tokens=max_tokens,
-            overrides=SamplingOverrides(temperature=temperature, max_tokens=max_tokens),
-            default_limits=EpisodeLimits(max_turns=max_turns),
+        super().__init__(
+            model, tokenizer, suite, dataset, num_samples=1, temperature=temperature, max_tokens=max_tokens,
+            max_turns=max_turns, episode_timeout=timeout, concurrency=256,  # every held-out task at once
+            max_generation_batch_size=256,  # as the demo's training engine: CPU decoding is per-step bound
+            generation_batch_wait_ms=batch_wait_s * 1000,
         )
-        self.server = EndpointServer(create_app(self.engine, ChatRenderer(tokenizer), settings)).start()
-        self.agent = resolve_agent(suite.agent)
 
     def evaluate(self, model=None, seed: int = 0) -> dict[str, Any]:
-        import torch
-
-        from trl_agentic.rollout.runner import run_episodes
-
-        if model is not None:
-            self.engine.model = model
         started = time.monotonic()
-        # Sampling draws its seeds from torch's RNG: a fixed seed per evaluation, without moving the trainer's RNG.
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            episodes = asyncio.run(
-                run_episodes(self.server, self.agent, self.tasks, max_concurrent=256, timeout=self.timeout)
-            )
-        result = summarize_episodes(episodes, self.tasks, self.suite)
+        episodes = self.run(model, seed)
+        rewards, per_func, _ = self.score(episodes)
+        result = self.summarize(episodes, rewards, per_func)
+        del result["per_task"], result["note"]
+        result["examples"] = [
+            {"question": task["prompt"][-1]["content"],
+             "tool_calls": [call["function"].get("arguments") for turn in episode.turns
+                            for call in turn.response_message.get("tool_calls") or []],
+             "answer": episode.result if isinstance(episode.result, str) else None,
+             "expected": task.get("answer"), "reward": reward}
+            for task, episode, reward in list(zip(self.tasks, episodes, rewards, strict=True))[:3]
+        ]
         result["seconds"] = time.monotonic() - started
         return result
-
-    def close(self) -> None:
-        self.server.stop()
-
-
-def summarize_episodes(episodes, tasks, suite) -> dict[str, Any]:
-    """Success (mean checker reward over scorable episodes), turns, tool calls, malformed calls, statuses."""
-    prompts = [task["prompt"] for task in tasks]
-    completions = [episode.messages[len(task["prompt"]):] for episode, task in zip(episodes, tasks, strict=True)]
-    columns = {key: [task[key] for task in tasks] for key in tasks[0] if key != "prompt"}
-    rewards = suite.reward_funcs[0](prompts, completions, episodes=episodes, **columns)
-    scored = [r for r in rewards if r is not None]
-    num_turns = sum(len(ep.turns) for ep in episodes)
-    statuses = Counter(ep.status for ep in episodes)
-    n = max(len(episodes), 1)
-    examples = []
-    for task, episode, reward in list(zip(tasks, episodes, rewards, strict=True))[:3]:
-        calls = [c["function"].get("arguments") for t in episode.turns for c in t.response_message.get("tool_calls") or []]
-        examples.append({"question": task["prompt"][-1]["content"], "tool_calls": calls,
-                         "answer": episode.result if isinstance(episode.result, str) else None,
-                         "expected": task.get("answer"), "reward": reward})
-    return {
-        "success": sum(scored) / len(scored) if scored else 0.0,
-        "episodes": len(episodes),
-        "scored_episodes": len(scored),
-        "mean_turns": num_turns / n,
-        "mean_tool_calls": sum(ep.num_tool_calls for ep in episodes) / n,
-        "malformed_tool_call_rate": sum(ep.num_malformed_tool_calls for ep in episodes) / max(num_turns, 1),
-        "mean_sampled_tokens": sum(ep.num_sampled_tokens for ep in episodes) / n,
-        "status": dict(sorted(statuses.items())),
-        "examples": examples,
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -407,7 +369,7 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
                 held_out[step] = result["success"]
                 evaluations[step] = result
                 print(f"\n  held-out success at step {step}: {result['success']:.1%} "
-                      f"({result['scored_episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
+                      f"({result['episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
 
     class ConciseProgress(ProgressCallback):
         """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
@@ -488,11 +450,40 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Saved model
+
+
+def save_trained_model(model, tokenizer, settings: DemoSettings, output_dir: Path) -> dict[str, str]:
+    """Save the trained policy (model + tokenizer) to `<output_dir>/model` and the demo's task to
+    `<output_dir>/task.py`; return the `trl-agentic eval` and `trl-agentic serve` commands that use them.
+
+    The eval command measures what the demo's held-out evaluation measures (same eval-split tasks, one episode each,
+    same sampling and turn limit); its `success` is the demo's "after" figure up to sampling noise.
+    """
+    model_dir = output_dir / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    task_file = output_dir / "task.py"
+    task_file.write_text(
+        '"""The task of `trl-agentic demo`, for `trl-agentic eval --task <this file>:TASK`."""\n\n'
+        "from trl_agentic.tasks.calculator import make_calculator_suite\n\n"
+        f"TASK = make_calculator_suite(digits={settings.digits}, ops={tuple(settings.ops)!r})\n"
+    )
+    sampling = ["--temperature", str(settings.temperature), "--max-tokens", str(settings.max_completion_length),
+                "--max-turns", str(settings.max_turns)]
+    evaluate = ["trl-agentic", "eval", "--task", f"{task_file}:TASK", "--model", str(model_dir), "--split", "eval",
+                "--size", str(settings.eval_size), "--dataset-seed", str(settings.seed), "--num-samples", "1",
+                *sampling, "--seed", str(settings.seed)]
+    serve = ["trl-agentic", "serve", "--model", str(model_dir), *sampling]
+    return {"eval": shlex.join(evaluate), "serve": shlex.join(serve)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Report
 
 
 def format_table(before: dict, after: dict) -> str:
-    statuses = sorted(set(before["status"]) | set(after["status"]))
+    statuses = [s for s in before["status"] if before["status"][s] or after["status"].get(s)]
     rows = [
         ("held-out success", f"{before['success']:.1%}", f"{after['success']:.1%}"),
         ("mean model calls (turns)", f"{before['mean_turns']:.2f}", f"{after['mean_turns']:.2f}"),
@@ -604,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         before = evaluator.evaluate(model, seed=settings.seed)
         timings["eval_before"] = time.monotonic() - t
-        _info(f"success {before['success']:.1%} ({before['scored_episodes']} scored episodes, "
+        _info(f"success {before['success']:.1%} of {before['episodes']} episodes ({before['scored_episodes']} scored, "
               f"{before['seconds']:.0f}s)")
         for example in before["examples"][:2]:
             _info(f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
@@ -623,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
         grpo_only = timings["grpo"] - eval_seconds_in_grpo
         _info(f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
               f"without the held-out evaluations)")
+        commands = save_trained_model(trainer.model, tokenizer, settings, output_dir)
+        _info(f"trained model saved to {output_dir / 'model'}")
 
         # 5. Held-out evaluation after
         _stage(4, total_stages, "Held-out evaluation AFTER GRPO")
@@ -631,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         timings["eval_after"] = time.monotonic() - t
         held_out[trainer.state.global_step] = after["success"]
         evaluations[trainer.state.global_step] = after
-        _info(f"success {after['success']:.1%} ({after['scored_episodes']} scored episodes, "
+        _info(f"success {after['success']:.1%} of {after['episodes']} episodes ({after['scored_episodes']} scored, "
               f"{after['seconds']:.0f}s)")
     finally:
         evaluator.close()
@@ -658,14 +651,19 @@ def main(argv: list[str] | None = None) -> int:
         "timings_seconds": timings,
         "seconds_per_grpo_step": grpo_only / max(settings.steps, 1),
         "plots": [str(p) for p in plots],
+        "model_dir": str(output_dir / "model"),
+        "commands": commands,
         "episode_log": str(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl"),
         "log_history": trainer.state.log_history,
     }
     summary_path = output_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=_json_default))
     print(f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
+          f"  model:   {output_dir / 'model'}\n"
           f"  wall time: {timings['total'] / 60:.1f} min (" +
           ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")", flush=True)
+    print(f"\n  evaluate the trained model again:\n    {commands['eval']}\n"
+          f"  serve it to any OpenAI-compatible agent:\n    {commands['serve']}", flush=True)
     return 0
 
 

@@ -16,10 +16,10 @@ trl-agentic eval --task calculator --model Qwen/Qwen2.5-0.5B-Instruct --temperat
 A thin command line over `trl_agentic.evaluation` (`from trl_agentic.evaluation import evaluate` in Python). The
 model is served exactly as during training: the agent talks to an in-process OpenAI-compatible endpoint built by
 `trl_agentic.endpoint.launch`, as the trainer builds it, and the task's checkers score the episodes with TRL's
-reward-function signature. A recipe supplies `task`, `model_name_or_path`, the agent overrides (`agent`, `agent_command`,
-`reward_funcs`, `reward_weights`), `eval_size`, `dataset_seed`, `seed`, the sampling settings (`temperature`, `top_p`,
-`top_k`, `max_completion_length`) and the episode limits (`max_turns`, `max_episode_tokens`, `episode_timeout`),
-under the names `trl-agentic train` reads; flags override it.
+reward-function signature. A recipe supplies `task`, `model_name_or_path`, the agent overrides (`agent`,
+`agent_command`, `reward_funcs`, `reward_weights`), `eval_size`, `dataset_seed`, `seed`, the sampling settings
+(`temperature`, `top_p`, `top_k`, `max_completion_length`) and the episode limits (`max_turns`, `max_episode_tokens`,
+`episode_timeout`), under the names `trl-agentic train` reads; flags override it.
 
 An episode *succeeds* when its reward is `>= success_threshold`. `success` counts successes over *all* episodes: one
 that crashed, timed out, overflowed the context, hit a limit or that no checker could score (reward `None`) is a
@@ -44,7 +44,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--config", help="Training recipe YAML: task, model, agent, eval size, seeds, sampling and episode limits.")
-    add("--task", help="Task: a bundled name ('calculator', 'files') or an import path 'pkg.module:attr'.")
+    add("--task", help="Task: a bundled name ('calculator', 'files'), an import path 'pkg.module:attr' or a file "
+                       "'path/task.py:attr' (what `trl-agentic demo` writes).")
     add("--model", help="Model to evaluate: Hub id, local path or 'tiny:qwen2_5:64x2' (default: the recipe's "
                         "model_name_or_path).")
     add("--agent", help="Import path 'pkg.module:attr' of an agent replacing the task's agent.")
