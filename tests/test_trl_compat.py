@@ -44,3 +44,35 @@ def test_internals_we_rely_on():
     assert hasattr(trl_utils, "shuffle_sequence_dict")
     compute = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'completion_mask * inputs["tool_mask"]' in compute  # our env_mask is applied in the loss
+
+
+def test_importance_sampling_modes_and_shapes_we_follow():
+    """`rollout/loss_weights.importance_sampling_ratio` reproduces TRL's vLLM IS rule for appended rows."""
+    from trl import GRPOConfig
+
+    from trl_agentic.rollout.loss_weights import IMPORTANCE_SAMPLING_MODES
+
+    assert GRPOConfig.__dataclass_fields__["vllm_importance_sampling_mode"].default == "sequence_mask"
+    score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for mode in IMPORTANCE_SAMPLING_MODES:
+        assert f'"{mode}"' in score, mode
+    assert "per_token_logps_diff.sum(dim=-1, keepdim=True)" in score  # sequence_* modes: (B, 1)
+    assert "torch.nan_to_num(per_token_logps_diff, nan=0.0)" in score
+    assert 'output["importance_sampling_ratio"] = vllm_importance_sampling_ratio' in score
+    compute = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in compute
+
+
+def test_loss_normalisations_our_row_weighting_assumes():
+    """`rollout/loss_weights.py` spreads an episode's advantage over its rows by how each loss type normalises."""
+    from trl_agentic.rollout.loss_weights import ROW_MEAN_LOSSES, ROW_SUM_LOSSES, TOKEN_LEVEL_LOSSES
+
+    compute = inspect.getsource(GRPOTrainer._compute_loss)
+    assert "((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()" in compute  # grpo, sapo
+    assert "(per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)" in compute  # dr_grpo
+    assert "(per_token_loss * mask).sum(-1).mean()" in compute  # luspo
+    assert 'inputs["num_items_in_batch"].clamp(min=1.0)' in compute  # dapo, cispo, vespo
+    assert "(per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in compute  # bnpo
+    assert 'self.loss_type in ["grpo", "sapo"]' in compute and 'self.loss_type in ["cispo", "dapo", "vespo"]' in compute
+    assert set(TOKEN_LEVEL_LOSSES + ROW_SUM_LOSSES + ROW_MEAN_LOSSES) == {
+        "dapo", "bnpo", "cispo", "vespo", "dr_grpo", "luspo", "grpo", "sapo"}

@@ -52,10 +52,13 @@ class AgenticGRPOConfig(GRPOConfig):
         forks (`str`, *optional*, defaults to `"train"`):
             How the continuation after a history rewrite is trained: `"train"` as a new row, `"skip"` only the main
             line up to the fork is trained.
-        row_weighting (`str`, *optional*, defaults to `"episode"`):
-            `"episode"`: the rows of an episode split its weight (each row's advantage is divided by the number of
-            rows), so an episode cut into many rows does not outweigh a single-row one under sequence-level losses.
-            `"row"`: every row counts fully.
+        row_weighting (`str`, *optional*, defaults to `"auto"`):
+            How an episode's advantage is spread over its rows (an episode becomes several rows when the agent rewrote
+            its history or made a side call). `"auto"`: every sampled token weighs what TRL's `loss_type` would give
+            it if the episode were one sequence (token-level losses such as `"dapo"`: every row carries the full
+            advantage; `"grpo"`: a row carries its share of the episode's sampled tokens; see
+            `trl_agentic/rollout/loss_weights.py`). `"episode"`: the rows split it equally. `"row"`: every row
+            carries it fully.
 
         > Parameters that control logging
 
@@ -86,7 +89,8 @@ class AgenticGRPOConfig(GRPOConfig):
         default="train", metadata={"help": "How continuations after a fork are trained.", "choices": ["train", "skip"]}
     )
     row_weighting: str = field(
-        default="episode", metadata={"help": "Split an episode's weight over its rows.", "choices": ["episode", "row"]}
+        default="auto",
+        metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
 
@@ -105,7 +109,7 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.max_rows_per_episode < 1:
             raise ValueError(f"max_rows_per_episode must be >= 1, got {self.max_rows_per_episode}.")
         for name, allowed in (("side_calls", ("train", "skip")), ("forks", ("train", "skip")),
-                              ("row_weighting", ("episode", "row"))):
+                              ("row_weighting", ("auto", "episode", "row"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if not 0 <= self.endpoint_port < 65536:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
+from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes
 from .trace import EPISODE_STATUSES, Episode
@@ -242,17 +244,17 @@ class AgenticGRPOTrainer(GRPOTrainer):
         rows_results = self._pending_rows
         self._pending_inputs = self._pending_rows = None
 
-        # Every row of an episode carries its advantage; with "episode" weighting, k rows share it.
-        advantages = output["advantages"]
-        num_rows = torch.tensor([max(len(r.rows), 1) for r in rows_results], device=advantages.device)
-        if self.args.row_weighting == "episode":
-            advantages = advantages / num_rows
-        output["advantages"] = advantages
+        # Spread each episode's advantage over its rows so that every sampled token weighs what TRL's loss would give
+        # it if the episode were one sequence (rollout/loss_weights.py); one row per episode leaves TRL's batch as is.
+        advantages = episode_advantages = output["advantages"]
+        scales = [row_advantage_scales([row.num_sampled_tokens for row in result.rows], self.loss_type,
+                                       self.args.row_weighting) or [1.0] for result in rows_results]
+        output["advantages"] = advantages * torch.tensor([s[0] for s in scales], device=advantages.device)
         extra_rows, extra_advantages = [], []
         for i, result in enumerate(rows_results):
-            for row in result.rows[1:]:
+            for row, scale in zip(result.rows[1:], scales[i][1:], strict=True):
                 extra_rows.append(row)
-                extra_advantages.append(advantages[i])
+                extra_advantages.append(advantages[i] * scale)
         # Every rank appends the same number of rows (padding with empty, zero-advantage rows), so the forward passes
         # that score them, and any collective they imply (DDP buffers, ZeRO-3 gathers), match across ranks.
         num_extra = int(self.accelerator.gather(torch.tensor([len(extra_rows)], device=advantages.device)).max())
@@ -263,7 +265,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if extra_rows:
             output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
 
-        self._log_episodes(episodes, rows_results, output["advantages"][: len(episodes)])
+        self._log_episodes(episodes, rows_results, episode_advantages)
         return output
 
     def _append_rows(self, output: dict, rows: list[Row], advantages: torch.Tensor) -> dict:
@@ -292,7 +294,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "completion_ids": right([r.completion_ids for r in rows], pad_id),
             "completion_mask": right([[1] * len(r.completion_ids) for r in rows], 0),
             "tool_mask": right([r.env_mask for r in rows], 1),
-            "sampling_per_token_logps": right([r.logprobs for r in rows], 0.0, torch.float32),
+            # An engine that could not score a token reports None: NaN, as TRL maps it (zeroed in the IS ratio).
+            "sampling_per_token_logps": right(
+                [[math.nan if lp is None else lp for lp in r.logprobs] for r in rows], 0.0, torch.float32
+            ),
         }
         if "old_per_token_logps" in output or "ref_per_token_logps" in output:
             input_ids = torch.cat([new["prompt_ids"], new["completion_ids"]], dim=1)
@@ -306,14 +311,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 if "ref_per_token_logps" in output:
                     new["ref_per_token_logps"] = self._reference_logps(input_ids, attention_mask, completion_width)
         if "importance_sampling_ratio" in output:
-            # Token-level truncated IS (TRL's default mode) for the appended rows.
-            delta = (new["old_per_token_logps"] - new["sampling_per_token_logps"]).clamp(max=50.0)
-            ratio = torch.exp(delta) * new["completion_mask"] * new["tool_mask"]
-            new["importance_sampling_ratio"] = ratio.clamp(max=self.args.vllm_importance_sampling_cap or 3.0)
+            # The rule TRL applied to the main rows (mode, clip bounds, NaN handling), with TRL's shape for the mode:
+            # (B, 1) in sequence_* modes, (B, T) in token_* modes.
+            new["importance_sampling_ratio"] = importance_sampling_ratio(
+                new["old_per_token_logps"], new["sampling_per_token_logps"], new["completion_mask"] * new["tool_mask"],
+                self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                self.vllm_importance_sampling_clip_max,
+            )
 
         merged = dict(output)
         for key, tensor in new.items():
             if key not in output and key not in ("tool_mask", "sampling_per_token_logps"):
+                continue
+            if key == "importance_sampling_ratio" and tensor.size(1) == 1:  # sequence_* modes: one ratio per row
+                merged[key] = torch.cat([output[key], tensor], dim=0)
                 continue
             current = output.get(key)
             if current is None:  # e.g. no tool_mask in TRL's output: ones
@@ -322,7 +333,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     continue
             side = "left" if key.startswith("prompt") else "right"
             width = prompt_width if side == "left" else completion_width
-            fill = {"prompt_ids": pad_id, "completion_ids": pad_id, "tool_mask": 1}.get(key, 0)
+            # Past a row's end a token-level IS ratio is 1, as TRL pads it (a zero difference, exp(0)).
+            fill = {"prompt_ids": pad_id, "completion_ids": pad_id, "tool_mask": 1, "importance_sampling_ratio": 1.0}.get(
+                key, 0
+            )
             merged[key] = torch.cat([widen(current, width, fill, side), widen(tensor, width, fill, side)], dim=0)
         merged["advantages"] = torch.cat([output["advantages"], advantages])
         loss_mask = merged["completion_mask"] * merged["tool_mask"]
@@ -349,12 +363,25 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # every row: the number of micro-steps never depends on the row count, so ranks always agree.
         mode = "train" if self.model.training else "eval"
         if mode == "eval":
-            return self._generate_and_score_completions(generation_batch)
+            num_episodes = len(generation_batch)
+            batch = self._generate_and_score_completions(generation_batch)
+            batch["advantages"] = batch["advantages"] * micro_batch_scale(
+                len(batch["advantages"]), num_episodes, self.loss_type, self.args.row_weighting
+            )
+            return batch
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
+            num_episodes = len(generation_batch)
             generation_batch = self._generate_and_score_completions(generation_batch)
             generation_batch = shuffle_sequence_dict(generation_batch)
-            self._buffered_inputs = split_rows(generation_batch, self.args.steps_per_generation)
+            chunks = split_rows(generation_batch, self.args.steps_per_generation)
+            # Losses normalised by the row count see B_rows rows where TRL would see B_episodes sequences.
+            episodes_per_chunk = num_episodes / self.args.steps_per_generation
+            for chunk in chunks:
+                chunk["advantages"] = chunk["advantages"] * micro_batch_scale(
+                    len(chunk["advantages"]), episodes_per_chunk, self.loss_type, self.args.row_weighting
+                )
+            self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     # Metrics and episode logs
