@@ -4,8 +4,9 @@ Contracts (see DESIGN.md):
 - `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`: `client` already points at the episode.
 - `def agent(client: openai.OpenAI, task: dict) -> Any`: run in a thread.
 - `CommandAgent("python my_agent.py")`: a shell command per episode, with `OPENAI_BASE_URL`, `OPENAI_API_KEY` (the
-  episode key), `OPENAI_MODEL` and `TRL_AGENTIC_TASK` (the task as JSON, also on stdin) in its environment. Its exit
-  status and the last JSON line of its stdout are recorded; a timeout kills its whole process group.
+  episode key), `OPENAI_MODEL` and `TRL_AGENTIC_TASK` (the task as JSON, also on stdin) in a minimal environment (no
+  trainer secrets). Its exit status and the last JSON line of its stdout are recorded; when it exits, or times out,
+  its whole process group is killed.
 The return value reaches the reward functions as `episodes[i].result`.
 """
 
@@ -16,6 +17,8 @@ import inspect
 import json
 import os
 import signal
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,9 +52,13 @@ class AgentCrash(Exception):
 
 @dataclass
 class CallableAgent:
-    """An `async def agent(client, task)` or a plain `def agent(client, task)` (run in a thread)."""
+    """An `async def agent(client, task)` or a plain `def agent(client, task)` (run in a thread of its own)."""
 
     fn: Any
+    # One connection pool for the sync clients of all episodes: building an `openai.OpenAI` with its own pool costs
+    # ~85 ms of CPU (its TLS context), paid while the episode's clock runs.
+    _sync_http_client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         kwargs = dict(base_url=context.base_url, api_key=context.api_key, max_retries=0, timeout=context.timeout)
@@ -60,32 +67,95 @@ class CallableAgent:
                 return await self.fn(openai.AsyncOpenAI(**kwargs, http_client=context.http_client), task)
             async with openai.AsyncOpenAI(**kwargs) as client:
                 return await self.fn(client, task)
-        client = openai.OpenAI(**kwargs)
+        with self._lock:
+            if self._sync_http_client is None:
+                self._sync_http_client = httpx.Client(limits=httpx.Limits(max_connections=None), timeout=None)
+        client = openai.OpenAI(**kwargs, http_client=self._sync_http_client)  # not closed: the pool is shared
+        return await run_in_daemon_thread(lambda: self.fn(client, task))
+
+
+def run_in_daemon_thread(fn) -> asyncio.Future:
+    """Run `fn()` in a new daemon thread and return a future of its result, on the running loop.
+
+    Sync agents get a thread each (the runner's semaphore bounds them to `max_concurrent` episodes), never the loop's
+    default pool: its min(32, cpus + 4) threads queued agents while their episode clocks ran, and `asyncio.run` joined
+    it at exit, so a blocked agent held the rollout (issue #9). A thread whose episode timed out is abandoned: nothing
+    awaits it, and being a daemon it does not hold the interpreter's exit either.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target() -> None:
+        result, error = None, None
         try:
-            return await asyncio.to_thread(self.fn, client, task)
-        finally:
-            client.close()
+            result = fn()
+        except Exception as exception:  # noqa: BLE001 - handed to the awaiting episode
+            error = exception
+        except BaseException as exception:  # noqa: BLE001 - sys.exit() in an agent ends its episode, not the run
+            error = AgentCrash(f"the agent raised {type(exception).__name__}: {exception}")
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the rollout's loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=target, name="trl-agentic-sync-agent", daemon=True).start()
+    return future
+
+
+# What a command agent inherits from the trainer's environment unless told otherwise: enough to run programs, nothing
+# secret (an agent executing model-written shell commands could read HF_TOKEN or cloud keys, issue #9). Plus LC_*.
+INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TZ", "LANG", "LANGUAGE", "TERM")
+COMMAND_STDOUT_LIMIT = 1 << 20  # bytes of stdout kept (the tail: the result is its last JSON line)
+COMMAND_STDERR_LIMIT = 64 << 10
+COMMAND_OUTPUT_GRACE_S = 0.5  # after the command exits, how long its pipes are read before what holds them is killed
+
+
+def command_environment(inherit_env: bool | Sequence[str] = ()) -> dict[str, str]:
+    """The part of this process's environment a command agent gets: `INHERITED_ENV` and `LC_*`, plus the names in
+    `inherit_env` (`True`: everything, an explicit opt-in).
+
+    Example:
+
+    ```python
+    >>> "HF_TOKEN" in command_environment(), "PATH" in command_environment()
+    (False, True)
+    ```
+    """
+    if inherit_env is True:
+        return dict(os.environ)
+    names = set(INHERITED_ENV) | set(inherit_env or ())
+    return {k: v for k, v in os.environ.items() if k in names or k.startswith("LC_")}
 
 
 @dataclass
 class CommandAgent:
     """A shell command run once per episode (any language, any framework that reads `OPENAI_BASE_URL`).
 
+    The command runs in its own process group with a minimal environment: `INHERITED_ENV` (PATH, HOME, locale, ...),
+    the endpoint variables, `env`, and the trainer's variables named in `inherit_env` (`True`: all of them). When it
+    exits, whatever it left running (a background child still holding its stdout) is killed and its result is read;
+    when its episode times out, the whole group is killed.
+
     Example:
 
     ```python
-    >>> agent = CommandAgent("python examples/my_agent.py", env={"AGENT_MAX_STEPS": "8"})
+    >>> agent = CommandAgent("python examples/my_agent.py", env={"AGENT_MAX_STEPS": "8"}, inherit_env=["PYTHONPATH"])
     ```
     """
 
     command: str
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
+    inherit_env: bool | Sequence[str] = ()
 
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         task_json = json.dumps(task, default=str)
         env = {
-            **os.environ,
+            **command_environment(self.inherit_env),
             **self.env,
             "OPENAI_BASE_URL": context.base_url,
             "OPENAI_API_KEY": context.api_key,
@@ -99,19 +169,54 @@ class CommandAgent:
             stderr=asyncio.subprocess.PIPE,
             env=env,
             cwd=self.cwd,
-            start_new_session=True,  # own process group, so a timeout can kill everything it started
+            start_new_session=True,  # own process group, so everything it started can be killed
         )
+        stdout, stderr = bytearray(), bytearray()
+        readers = [asyncio.ensure_future(_read_tail(process.stdout, stdout, COMMAND_STDOUT_LIMIT)),
+                   asyncio.ensure_future(_read_tail(process.stderr, stderr, COMMAND_STDERR_LIMIT))]
+        writer = asyncio.ensure_future(_feed(process.stdin, task_json.encode()))
         try:
-            stdout, stderr = await process.communicate(task_json.encode())
-        except asyncio.CancelledError:
-            _kill_group(process)
-            await process.wait()
-            raise
+            # The command's own exit ends the episode, not the end of its output: a background child holding stdout
+            # used to hide the result until the timeout (issue #9). What it printed before exiting is in the pipe.
+            await _exited(process)
+            _, held = await asyncio.wait(readers, timeout=COMMAND_OUTPUT_GRACE_S)
+        finally:
+            _kill_group(process)  # what it left running, or everything on a timeout
+            for task_ in (*readers, writer):
+                task_.cancel()
+            await _exited(process)
         out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
         metadata = {"exit_code": process.returncode, "stderr_tail": err[-2000:]}
+        if held:
+            metadata["left_processes_killed"] = True
         if process.returncode != 0:
             raise AgentCrash(f"command exited with status {process.returncode}", metadata)
         return {"result": _last_json_line(out), **metadata}
+
+
+async def _exited(process: asyncio.subprocess.Process) -> int:
+    # Not `process.wait()`: it also waits for the pipes to close, which a background child can hold open for ever.
+    delay = 0.005
+    while process.returncode is None:
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.05)
+    return process.returncode
+
+
+async def _read_tail(stream: asyncio.StreamReader, buffer: bytearray, limit: int) -> None:
+    while chunk := await stream.read(1 << 16):
+        buffer += chunk
+        if len(buffer) > limit:
+            del buffer[: len(buffer) - limit]
+
+
+async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
+    try:
+        stream.write(data)
+        await stream.drain()
+        stream.close()
+    except (BrokenPipeError, ConnectionResetError):  # the command does not read its stdin
+        pass
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:

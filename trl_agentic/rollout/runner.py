@@ -1,16 +1,31 @@
-"""Run B×G episodes concurrently against the endpoint, with limits; never lose an episode."""
+"""Run B×G episodes concurrently against the endpoint, with limits; never lose an episode.
+
+An episode's timeout bounds the rollout whatever the agent does (issue #9): the clock starts when the episode starts
+(not while it waits for a concurrency slot); at the deadline the agent is cancelled and given `CANCEL_GRACE_S` to
+end, after which it is abandoned (status `timeout`, `metadata["abandoned"] = True`) rather than awaited: a sync agent's
+thread is left blocked, an async agent that swallows `CancelledError` is never run again once `run_rollout` returns.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import traceback
-from typing import Any, Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 from ..trace import Episode
 from .agents import AgentCrash, EpisodeAgent, EpisodeContext
+
+
+# Seconds a timed-out agent gets to end after it is cancelled (a command agent's process group is killed at once);
+# then it is abandoned, never awaited.
+CANCEL_GRACE_S = 1.0
+
+T = TypeVar("T")
 
 
 class EpisodeServer(Protocol):
@@ -53,10 +68,23 @@ async def run_episode(
     context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
+    # A task of its own rather than `asyncio.wait_for`, which waits for the cancelled agent to end, forever if it
+    # swallows the cancellation (and then takes whatever it returns for a result).
+    run = asyncio.ensure_future(agent.run(context, task))
     try:
-        result = await asyncio.wait_for(agent.run(context, task), timeout=timeout)
-    except asyncio.TimeoutError:
-        status, error = "timeout", f"episode exceeded {timeout:.1f}s"
+        await asyncio.wait({run}, timeout=timeout)
+        if run.done():
+            if run.cancelled():
+                raise RuntimeError("the agent cancelled itself")
+            result = run.result()
+        else:
+            status, error = "timeout", f"episode exceeded {timeout:.1f}s"
+            run.cancel()
+            await asyncio.wait({run}, timeout=CANCEL_GRACE_S)
+            if run.done():
+                _retrieve(run)
+            else:
+                metadata["abandoned"] = True  # it ignored the cancellation: left behind, not awaited
     except AgentCrash as crash:
         status, error, metadata = "agent_error", str(crash), crash.metadata
     except Exception as crash:  # noqa: BLE001 - an agent's crash is data, not a trainer failure
@@ -64,6 +92,8 @@ async def run_episode(
         error = "".join(traceback.format_exception_only(type(crash), crash)).strip()
         metadata = {"traceback": traceback.format_exc()[-4000:]}
     finally:
+        if not run.done():  # the rollout itself is being cancelled
+            run.cancel()
         episode = server.close_episode(session.episode.id, status=status, result=result, error=error)
     episode.metadata.update(metadata)
     episode.metadata.setdefault("agent_seconds", time.monotonic() - started)
@@ -93,3 +123,41 @@ async def run_episodes(
                 return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client)
 
         return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
+
+
+def run_rollout(coroutine: Coroutine[Any, Any, T], cancel_grace_s: float = CANCEL_GRACE_S) -> T:
+    """Run `coroutine` (e.g. `run_episodes(...)`) on a fresh event loop in this thread and return its result.
+
+    `asyncio.run` without its unbounded waits at exit: it cancels the tasks still running and waits for *all* of them
+    (an agent that swallows `CancelledError` held it forever), and joins the default thread pool (a blocked sync agent
+    held it as long as it blocked, issue #9). Here leftover tasks are cancelled, given `cancel_grace_s`, then left
+    behind with the loop, which never runs again.
+
+    Example:
+
+    ```python
+    >>> episodes = run_rollout(run_episodes(server, agent, tasks, timeout=60))
+    ```
+    """
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        try:
+            leftover = asyncio.all_tasks(loop)
+            for task in leftover:
+                task.cancel()
+            if leftover:
+                loop.run_until_complete(asyncio.wait(leftover, timeout=cancel_grace_s))
+            with contextlib.suppress(asyncio.TimeoutError):
+                loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), cancel_grace_s))
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    # Mark the outcome of a cancelled agent as seen (no "exception was never retrieved" at garbage collection).
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,94 @@
+"""Agent adapters: what a command agent can reach, and how its end is decided (issue #9).
+
+Real subprocesses against a real endpoint (uvicorn on loopback, a scripted engine), run the way the trainer runs them.
+"""
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from trl_agentic.rollout.agents import CommandAgent
+from trl_agentic.rollout.runner import run_episodes, run_rollout
+from trl_agentic.tiny_models import build_tiny_tokenizer
+
+from conftest import ScriptedEngine
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    return start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine."), tokenizer)
+
+
+def run(server, agent, timeout=10.0, num_episodes=1):
+    return run_rollout(run_episodes(server, agent, [{"prompt": "p"}] * num_episodes, timeout=timeout))
+
+
+PRINT_ENVIRONMENT = f"{sys.executable} -c 'import json, os; print(json.dumps(dict(os.environ)))'"
+
+
+def test_command_agent_gets_a_minimal_environment(server, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_secret")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+
+    (episode,) = run(server, CommandAgent(PRINT_ENVIRONMENT))
+    env = episode.result["result"]
+    assert episode.status == "ok"
+    assert "HF_TOKEN" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["PATH"] == os.environ["PATH"] and env["LC_ALL"] == "C.UTF-8"
+    assert env["OPENAI_BASE_URL"] == server.base_url and env["OPENAI_API_KEY"].startswith("sk-ep-")
+    assert json.loads(env["TRL_AGENTIC_TASK"]) == {"prompt": "p"}
+
+    # What the user opts into, and nothing else.
+    (episode,) = run(server, CommandAgent(PRINT_ENVIRONMENT, env={"AGENT_STEPS": "3"}, inherit_env=["HF_TOKEN"]))
+    env = episode.result["result"]
+    assert env["AGENT_STEPS"] == "3" and env["HF_TOKEN"] == "hf_secret" and "AWS_SECRET_ACCESS_KEY" not in env
+    (episode,) = run(server, CommandAgent(PRINT_ENVIRONMENT, inherit_env=True))
+    assert episode.result["result"]["AWS_SECRET_ACCESS_KEY"] == "aws_secret"
+
+
+def process_is_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie waits for its (new) parent
+    except FileNotFoundError:
+        return True
+
+
+def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tmp_path):
+    # The command answers and exits 0, but leaves a child that keeps its stdout open for 30 s.
+    script = tmp_path / "agent.sh"
+    script.write_text(textwrap.dedent("""
+        sleep 30 &
+        echo "$!" > child.pid
+        echo '{"answer": 42}'
+    """))
+    started = time.monotonic()
+    (episode,) = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=10)
+    assert episode.status == "ok", episode.error
+    assert episode.result["result"] == {"answer": 42} and episode.result["exit_code"] == 0
+    assert time.monotonic() - started < 5
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while not process_is_gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_is_gone(child)  # what it left running was killed
+
+
+def test_timed_out_command_is_killed_with_its_process_group(server, tmp_path):
+    script = tmp_path / "agent.sh"
+    script.write_text("sleep 30 &\necho \"$!\" > child.pid\nsleep 30\n")
+    started = time.monotonic()
+    episodes = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=1.0)
+    assert [e.status for e in episodes] == ["timeout"]
+    assert time.monotonic() - started < 4
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 5
+    while not process_is_gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_is_gone(child)
