@@ -6,8 +6,10 @@ Nothing here talks to the Hub: submitting needs a network and an account.
 import base64
 import importlib.util
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -62,7 +64,7 @@ def test_dry_run_single_gpu(capsys, monkeypatch):
         capsys, "--config", LORA_RECIPE, "--flavor", "a10g-large", "--hub-model-id", "my-org/calc-lora"
     )
     assert "hf_do_not_print_me" not in json.dumps(submission)
-    assert submission["script"] == "jobs/train.py"
+    assert submission["script"] == "trl_agentic/bundled/jobs/train.py"  # package data, not the checkout's copy
     assert submission["dependencies"] == ["trl-agentic"]
     assert submission["flavor"] == "a10g-large"
     assert submission["timeout"] == "2h"  # never HF's default of 30 minutes
@@ -269,3 +271,57 @@ def test_submit_without_token_fails(monkeypatch, capsys):
     monkeypatch.setattr(huggingface_hub, "run_uv_job", lambda *args, **kwargs: pytest.fail("submitted without a token"))
     assert jobs.main(["submit", "--config", LORA_RECIPE, "--hub-model-id", "o/m", "--detach"]) == 2
     assert "HF_TOKEN" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Package data: submitting works from an installed wheel, outside any checkout
+
+
+def test_bundled_files_equal_the_repository_files():
+    bundled = Path(jobs.BUNDLED_DIR)
+    assert (bundled / "jobs" / "train.py").read_bytes() == (REPO_ROOT / "jobs" / "train.py").read_bytes(), (
+        "trl_agentic/bundled/jobs/train.py differs from jobs/train.py: copy the repository file over it"
+    )
+    repo_configs = sorted(p.name for p in (REPO_ROOT / "recipes" / "accelerate_configs").glob("*.yaml"))
+    assert sorted(p.name for p in (bundled / "accelerate_configs").glob("*.yaml")) == repo_configs
+    for name in repo_configs:
+        assert (bundled / "accelerate_configs" / name).read_bytes() == (
+            REPO_ROOT / "recipes" / "accelerate_configs" / name
+        ).read_bytes(), f"trl_agentic/bundled/accelerate_configs/{name} differs from recipes/accelerate_configs/{name}"
+
+
+@pytest.mark.timeout(180)
+def test_submit_dry_run_from_an_installed_wheel(tmp_path):
+    # Build the wheel from a copy of the sources (the checkout stays untouched), install it on its own, and submit
+    # from a directory outside the repository; the dependencies come from the current environment.
+    source = tmp_path / "source"
+    shutil.copytree(REPO_ROOT / "trl_agentic", source / "trl_agentic", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+                   check=True, capture_output=True, timeout=120)
+    (wheel,) = (tmp_path / "dist").glob("trl_agentic-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
+                   capture_output=True, timeout=120)
+
+    work = tmp_path / "work"  # a user's directory: a recipe, no checkout
+    work.mkdir()
+    shutil.copy(REPO_ROOT / FULL_RECIPE, work / "recipe.yaml")
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_agentic.cli", "jobs", "submit", "--config", "recipe.yaml", "--flavor", "a100x4",
+         "--hub-model-id", "o/m", "--dry-run"],
+        cwd=work, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    submission = json.loads(result.stdout)
+    script = Path(submission["script"])
+    assert script == site / "trl_agentic" / "bundled" / "jobs" / "train.py"  # from the installed wheel
+    assert script.read_bytes() == (REPO_ROOT / "jobs" / "train.py").read_bytes()
+    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]  # zero3, the multi-GPU default for full FT
+    assert base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV]) == (
+        REPO_ROOT / "recipes" / "accelerate_configs" / "zero3.yaml"
+    ).read_bytes()
+    job_config = f"{jobs.JOB_DIR}/{jobs.JOB_ACCELERATE_CONFIG}"
+    assert submission["command"][:4] == ["accelerate", "launch", "--config_file", job_config]

@@ -8,7 +8,8 @@ trl-agentic jobs submit --config recipes/calculator/Qwen2.5-1.5B-Instruct/config
 
 What is submitted (`--dry-run` prints it as JSON and submits nothing):
 
-- the uv script `jobs/train.py`, whose PEP 723 header names the package to install (`--package`, plus the `vllm` and
+- the uv script `jobs/train.py` (the copy bundled with the package, `trl_agentic/bundled/jobs/train.py`, so that
+  submitting works from an installed wheel), whose PEP 723 header names the package to install (`--package`, plus the `vllm` and
   `deepspeed` extras when the recipe or the accelerate config needs them);
 - the recipe itself, base64 in the environment variable `TRL_AGENTIC_RECIPE_B64` (and, on a multi-GPU flavor, the
   accelerate config in `TRL_AGENTIC_ACCELERATE_CONFIG_B64`): the job does not need this checkout;
@@ -28,15 +29,18 @@ import os
 import re
 import sys
 import tempfile
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCRIPT = _REPO_ROOT / "jobs" / "train.py"
-ACCELERATE_CONFIGS_DIR = _REPO_ROOT / "recipes" / "accelerate_configs"
+# Package data (copies of the repository's `jobs/train.py` and `recipes/accelerate_configs/`, kept equal by
+# tests/test_jobs.py): what a submission ships must not depend on a git checkout being around.
+BUNDLED_DIR = Path(resources.files("trl_agentic")) / "bundled"
+DEFAULT_SCRIPT = BUNDLED_DIR / "jobs" / "train.py"
+ACCELERATE_CONFIGS_DIR = BUNDLED_DIR / "accelerate_configs"
 
 # Launch defaults; `jobs/train.py` carries the same values in its `[tool.hf-jobs]` table for `hf jobs uv run`.
 DEFAULT_FLAVOR = "a10g-large"
@@ -193,9 +197,10 @@ def _resolve_accelerate_config(name_or_path: str) -> Path:
     if path.suffix not in (".yaml", ".yml"):
         path = ACCELERATE_CONFIGS_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
+        names = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIGS_DIR.glob("*.yaml")))
         raise ValueError(
-            f"Accelerate config {name_or_path!r} not found (looked for {path}). Pass a name of "
-            f"recipes/accelerate_configs/ (single_gpu, ddp, zero2, zero3) or a path to a YAML file."
+            f"Accelerate config {name_or_path!r} not found (looked for {path}). Pass a bundled name ({names}, as in "
+            "recipes/accelerate_configs/) or a path to a YAML file."
         )
     return path
 
@@ -374,7 +379,8 @@ def make_parser() -> argparse.ArgumentParser:
         "(default: $TRL_AGENTIC_PACKAGE or trl-agentic).",
     )
     sub.add_argument("--network-group", help="Join a network group (e.g. with a `trl vllm-serve` job).")
-    sub.add_argument("--script", default=str(DEFAULT_SCRIPT), help="The uv script to run (default: jobs/train.py).")
+    sub.add_argument("--script", default=str(DEFAULT_SCRIPT),
+                     help="The uv script to run (default: the bundled copy of jobs/train.py).")
     return parser
 
 
