@@ -1,6 +1,7 @@
 """Every client mistake is answered in OpenAI's error format with the right status, never a 5xx or a hang."""
 
 import asyncio
+import http.client
 import json
 
 import httpx
@@ -90,6 +91,14 @@ SCHEMA_VIOLATIONS = {
     "messages not a list": hello(messages="hi"),
     "body is a list": [1, 2],
     "stream not a bool": hello(stream="yes please"),
+    # These were answered 500 (an AttributeError in the validator) or broke the engine batch (issue #9).
+    "tool_choice function not an object": hello(tools=[CALCULATOR_TOOL],
+                                                tool_choice={"type": "function", "function": "calculator"}),
+    "tool_choice without type": hello(tools=[CALCULATOR_TOOL], tool_choice={"function": {"name": "calculator"}}),
+    "seed past int64": hello(seed=2**64),
+    "seed before int64": hello(seed=-(2**63) - 1),
+    "seed + n - 1 past int64": hello(seed=2**63 - 1, n=2),
+    "top_p zero": hello(top_p=0),
 }
 
 
@@ -104,6 +113,20 @@ def test_schema_violations_are_400(server, session, case):
 def test_malformed_json_is_400(server, session):
     for content in (b'{"model": "policy", "messages": [', b"not json at all", b"\xff\xfe\x00", b""):
         assert_error(post(server, "/v1/chat/completions", session.key, content=content), 400, "invalid_json")
+
+
+def test_json_that_cannot_be_written_back_is_400(server, session):
+    """Nesting past the limit (5,000 deep raised RecursionError: 500), non-finite numbers, integers past Python's digit
+    limit and lone surrogates are refused at the boundary, on every route that reads JSON."""
+    body = json.dumps(hello())[:-1]
+    for extra in ('"x": ' + "[" * 5000 + "]" * 5000, '"x": ' + "[" * 65 + "]" * 65, '"temperature": NaN',
+                  '"x": Infinity', '"x": 1e400', '"x": ' + "9" * 5000, '"user": "\\ud800"'):
+        content = f"{body}, {extra}}}".encode()
+        assert_error(post(server, "/v1/chat/completions", session.key, content=content), 400, "invalid_json")
+    nested = ("[" * 5000 + "]" * 5000).encode()
+    assert_error(post(server, "/admin/episodes", server.admin_token, content=nested), 400, "invalid_json")
+    assert session.episode.turns == []
+    assert_still_serves(server)
 
 
 def test_unknown_model_is_404(server, session):
@@ -128,6 +151,53 @@ def test_missing_or_wrong_key_is_401(server):
     server.close_episode(session.episode.id)
     assert_error(post(server, "/v1/chat/completions", session.key, hello()), 401, "invalid_api_key",
                  "authentication_error")
+
+
+def test_server_error_keeps_the_keep_alive_connection_usable(start_server):
+    """A genuine 500 (here: the engine fails) is answered in OpenAI's format, and the same connection serves the next
+    request: uvicorn used to drop it, so a pooled client's next call (another episode's, in a rollout) got a reset."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+
+    def respond(prompt_ids):
+        if "explode" in tokenizer.decode(prompt_ids):
+            raise RuntimeError("the engine failed")
+        return "Fine."
+
+    server = start_server(ScriptedEngine(tokenizer, respond), tokenizer)
+    sessions = [server.open_episode() for _ in range(2)]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    connection.connect()
+    socket_before = connection.sock
+    for session, content in ((sessions[0], "explode"), (sessions[1], "hi"), (sessions[0], "hi")):
+        connection.request("POST", "/v1/chat/completions", json.dumps(hello(messages=[
+            {"role": "user", "content": content}])), {"Authorization": f"Bearer {session.key}",
+                                                      "Content-Type": "application/json"})
+        response = connection.getresponse()
+        body = json.loads(response.read())
+        if content == "explode":
+            assert response.status == 500
+            assert body["error"]["type"] == "server_error" and "the engine failed" in body["error"]["message"]
+        else:
+            assert response.status == 200, body
+        # Either the connection stays open, or the server says it closes it (http.client then reconnects).
+        assert connection.sock is socket_before or response.getheader("connection") == "close"
+    connection.close()
+    assert [len(server.close_episode(s.episode.id).turns) for s in sessions] == [1, 1]
+
+
+def test_path_route_is_a_capability_url_that_refuses_another_episodes_key(server):
+    """`/episodes/{id}/v1/...`: the id is the secret; a placeholder key is ignored, another episode's key is 401."""
+    mine, other = server.open_episode(), server.open_episode()
+    path = f"/episodes/{mine.episode.id}/v1/chat/completions"
+    for key in (None, "EMPTY", "sk-placeholder", mine.key):
+        assert post(server, path, key, hello()).status_code == 200, key
+    for key in (other.key, "sk-ep-guessed"):
+        assert_error(post(server, path, key, hello()), 401, "invalid_api_key", "authentication_error")
+        response = httpx.get(f"{server.url}/episodes/{mine.episode.id}/v1/models",
+                             headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert_error(response, 401, "invalid_api_key", "authentication_error")
+    assert len(server.close_episode(mine.episode.id).turns) == 4
+    assert server.close_episode(other.episode.id).turns == []
 
 
 def test_unknown_episode_path_and_route_are_404(server):

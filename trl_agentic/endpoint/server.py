@@ -71,7 +71,10 @@ class EndpointServer:
         def run():
             self.loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self._server.serve(sockets=[self._socket]))
+            try:
+                self.loop.run_until_complete(self._server.serve(sockets=[self._socket]))
+            finally:
+                self.loop.close()
 
         self._thread = threading.Thread(target=run, name="trl-agentic-endpoint", daemon=True)
         self._thread.start()

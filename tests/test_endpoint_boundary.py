@@ -1,0 +1,221 @@
+"""The endpoint's boundary under a misbehaving agent: nothing one episode sends costs another episode, its own trace,
+or the endpoint's memory (issue #9). Real uvicorn servers, the official `openai` client and raw httpx."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from trl_agentic.endpoint.app import EndpointSettings, create_app
+from trl_agentic.endpoint.chat import ChatRenderer
+from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.sessions import EpisodeLimits
+from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.rollout.rows import episode_to_rows
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+from trl_agentic.trace import Episode, Turn
+
+from conftest import ScriptedEngine
+
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+class SlowEngine(ScriptedEngine):
+    """A scripted engine that takes `delay` seconds per call: calls overlap, clients can give up meanwhile."""
+
+    def __init__(self, tokenizer, respond, delay: float):
+        super().__init__(tokenizer, respond)
+        self.delay = delay
+
+    async def generate(self, prompt_ids, sampling):
+        await asyncio.sleep(self.delay)
+        return await super().generate(prompt_ids, sampling)
+
+
+def hello(content="hi", **extra):
+    return {"model": "policy", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+def post(server, path, key, content: bytes, timeout=30):
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=timeout)
+
+
+def admin(server, method, path, **kwargs):
+    return httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {server.admin_token}"},
+                         timeout=30, **kwargs)
+
+
+def test_out_of_range_seed_is_400_and_its_batch_mates_are_served(start_server, tokenizer):
+    # A real batching engine with a long batch wait: the requests below land in one batch. A seed past int64 used to
+    # fail the batched sampler, and with it every request of the batch (80/80 innocent requests answered 500).
+    engine = TransformersEngine(build_tiny_model(tokenizer), pad_token_id=tokenizer.pad_token_id, batch_wait_s=0.3)
+    server = start_server(engine, tokenizer)
+    sessions = [server.open_episode() for _ in range(5)]
+    bodies = [hello(seed=1), hello(seed=2**64), hello(seed=2), hello(seed=2**63 - 1, n=2), hello()]
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[
+                client.post(f"{server.base_url}/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {s.key}"})
+                for s, body in zip(sessions, bodies)])
+
+    statuses = [r.status_code for r in asyncio.run(send_all())]
+    assert statuses == [200, 400, 200, 400, 200]
+    episodes = [server.close_episode(s.episode.id) for s in sessions]
+    assert [len(e.turns) for e in episodes] == [1, 0, 1, 0, 1]
+
+
+def test_agent_supplied_fields_cannot_destroy_the_trace(start_server, tokenizer):
+    server = start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine."), tokenizer)
+    session = server.open_episode()
+    good = post(server, "/v1/chat/completions", session.key, json.dumps(hello(user="agent-7")).encode())
+    assert good.status_code == 200
+
+    deep = "[" * 500 + "]" * 500
+    hostile = [
+        b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "user": "\\ud800"}',
+        b'{"model": "policy", "messages": [{"role": "user", "content": "\\udfff"}]}',
+        b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": NaN}',
+        b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": -Infinity}',
+        b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": 1e999}',
+        ('{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % deep).encode(),
+        ('{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % ("[" * 5000 + "]" * 5000))
+        .encode(),
+    ]
+    for body in hostile:
+        response = post(server, "/v1/chat/completions", session.key, body)
+        assert response.status_code == 400, (body[:80], response.text)
+        assert response.json()["error"]["code"] == "invalid_json"
+
+    # Whatever reached the trace in-process (a result, a recorded field) is written as valid JSON too.
+    session.record(Turn(index=0, prompt_ids=[1], completion_ids=[2], logprobs=[float("nan")], finish_reason="stop",
+                        requested_sampling={"x": json.loads(deep), "y": float("inf"), "z": "\ud800"},
+                        response_message={"role": "assistant", "content": "ok"}), [], None)
+    fetched = admin(server, "GET", f"/admin/episodes/{session.episode.id}")
+    assert fetched.status_code == 200 and len(fetched.json()["turns"]) == 2
+    closed = admin(server, "POST", f"/admin/episodes/{session.episode.id}/close",
+                   json={"result": {"answer": [[[[1]]]]}})
+    assert closed.status_code == 200
+    episode = Episode.from_dict(json.loads(closed.content, parse_constant=pytest.fail))  # strict JSON: no NaN
+    assert len(episode.turns) == 2 and episode.turns[0].requested_sampling["user"] == "agent-7"
+    assert episode.turns[1].logprobs == ["nan"] and episode.turns[1].requested_sampling["z"] == "?"
+    assert episode.result == {"answer": [[[[1]]]]}
+
+
+def test_token_budget_counts_calls_in_flight(start_server, tokenizer):
+    # 8 concurrent calls of an episode with a budget of 10 sampled tokens: they sampled 80.
+    server = start_server(SlowEngine(tokenizer, lambda prompt: "word " * 30, delay=0.3), tokenizer)
+    session = server.open_episode(limits=EpisodeLimits(max_episode_tokens=10))
+
+    async def eight_calls():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+        return await asyncio.gather(*[client.chat.completions.create(**hello(max_tokens=20)) for _ in range(8)],
+                                    return_exceptions=True)
+
+    results = asyncio.run(eight_calls())
+    served = [r for r in results if not isinstance(r, Exception)]
+    refused = [r for r in results if isinstance(r, openai.BadRequestError)]
+    assert len(served) + len(refused) == 8 and all(r.code == "episode_limit_exceeded" for r in refused)
+    episode = server.close_episode(session.episode.id)
+    assert episode.num_sampled_tokens <= 10 and episode.status == "limit_exceeded"
+
+
+def test_call_finishing_after_close_is_counted_in_the_returned_trace(start_server, tokenizer):
+    server = start_server(SlowEngine(tokenizer, lambda prompt: "Fine.", delay=1.0), tokenizer)
+    session = server.open_episode()
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    outcome = {}
+
+    def late_call():
+        try:
+            outcome["response"] = client.chat.completions.create(**hello())
+        except openai.APIStatusError as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=late_call)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while session.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    episode = server.close_episode(session.episode.id, status="timeout")
+    thread.join(30)
+    assert episode.turns == [] and episode.metadata["late_turns"] == 1
+    assert outcome["error"].status_code == 409 and outcome["error"].code == "episode_closed"
+
+
+def test_disconnected_call_is_cancelled_and_its_retry_continues_the_episode(start_server, tokenizer):
+    engine = SlowEngine(tokenizer, lambda prompt: "Fine.", delay=0.0)
+    server = start_server(engine, tokenizer)
+    session = server.open_episode()
+    messages = [{"role": "user", "content": "hi"}]
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+
+    engine.delay = 3.0  # the next call takes longer than the client is willing to wait
+    impatient = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    engine.delay = 0.0
+    deadline = time.monotonic() + 10
+    while len(session.episode.turns) < 2 and time.monotonic() < deadline:  # the server notices the disconnect
+        time.sleep(0.02)
+    retry = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)  # what SDKs do
+    assert retry.choices[0].message.content == "Fine."
+
+    episode = server.close_episode(session.episode.id)
+    t0, cancelled, t2 = episode.turns
+    assert cancelled.finish_reason == "cancelled" and cancelled.completion_ids == []
+    assert (t2.prompt_source, t2.parent_turn, t2.fork_reason) == ("continued", 0, None)
+    result = episode_to_rows(episode.turns)
+    assert [row.turns for row in result.rows] == [[0, 2]] and result.skipped_turns == [1]  # one row, not a fork
+    assert episode.messages[-1]["content"] == "Fine." and episode.status == "ok"
+
+
+def test_open_episodes_are_capped_and_idle_ones_closed(tokenizer):
+    app = create_app(ScriptedEngine(tokenizer, lambda prompt: "Fine."), ChatRenderer(tokenizer),
+                     EndpointSettings(max_open_episodes=2, episode_idle_timeout=1.5))
+    with EndpointServer(app) as server:
+        opened = [admin(server, "POST", "/admin/episodes", json={}) for _ in range(3)]
+        assert [r.status_code for r in opened[:2]] == [200, 200]
+        assert opened[2].status_code == 429
+        error = opened[2].json()["error"]
+        assert error["code"] == "too_many_open_episodes" and set(error) == {"message", "type", "param", "code"}
+
+        first = opened[0].json()
+        client = openai.OpenAI(base_url=first["base_url"], api_key=first["key"], max_retries=0, timeout=10)
+        client.chat.completions.create(**hello())
+        deadline = time.monotonic() + 10
+        while len(server.registry) and time.monotonic() < deadline:  # no call for 1.5 s: closed
+            time.sleep(0.05)
+        assert len(server.registry) == 0
+        with pytest.raises(openai.AuthenticationError):
+            client.chat.completions.create(**hello())
+        trace = admin(server, "GET", f"/admin/episodes/{first['id']}").json()  # the trace is kept a while
+        assert trace["status"] == "cancelled" and len(trace["turns"]) == 1
+        closed = admin(server, "POST", f"/admin/episodes/{first['id']}/close", json={})
+        assert closed.json()["status"] == "cancelled"
+        assert admin(server, "GET", f"/admin/episodes/{first['id']}").status_code == 404
+        assert admin(server, "POST", "/admin/episodes", json={}).status_code == 200  # room again
+
+
+def test_empty_stop_string_stops_nothing_in_either_spelling(start_server, tokenizer):
+    server = start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine. Thanks."), tokenizer)
+    session = server.open_episode()
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=10)
+    answers = [client.chat.completions.create(**hello(max_tokens=20, stop=stop)).choices[0] for stop in ("", [""])]
+    assert [(a.message.content, a.finish_reason) for a in answers] == [("Fine. Thanks.", "stop")] * 2
+    first, second = server.close_episode(session.episode.id).turns
+    assert first.completion_ids == second.completion_ids
