@@ -45,7 +45,7 @@ import httpx
 from .endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, build_engine, launch_endpoint
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
-from .rollout.runner import run_episode
+from .rollout.runner import run_episode, run_rollout
 from .tasks import TaskSuite, get_task
 from .trace import EPISODE_STATUSES, Episode
 
@@ -428,7 +428,7 @@ class Evaluator:
         with torch.random.fork_rng():
             if seed is not None:
                 torch.manual_seed(seed)
-            return asyncio.run(self._run_episodes())
+            return run_rollout(self._run_episodes())  # a hung agent cannot hold the evaluation (issue 9)
 
     async def _run_episodes(self) -> list[Episode]:
         from tqdm.auto import tqdm
