@@ -1,6 +1,7 @@
 """`trl-agentic serve` as a real process: open an episode with the admin API, call it with the openai client, close it
 and get the recorded Episode back."""
 
+import os
 import re
 import socket
 import subprocess
@@ -29,26 +30,38 @@ def test_parser_defaults_and_overrides():
     assert (args.temperature, args.max_turns, args.chat_template_kwargs) == (0.7, 4, {"enable_thinking": False})
 
 
-def test_serve_process(tmp_path):
+def start_serve(log, *flags, env=None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = tmp_path / "serve.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "trl_agentic.cli", "serve", "--model", "tiny:qwen2_5", "--port", str(port),
-             "--max-tokens", "8", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "trl_agentic.cli", "serve", "--model", "tiny:qwen2_5", "--port", str(port), *flags],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
         )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, f"serve exited early:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"serve did not come up:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def stop_serve(process) -> None:
+    process.terminate()
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, f"serve exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve did not come up:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_serve_process(tmp_path):
+    log = tmp_path / "serve.log"
+    process, url = start_serve(log, "--max-tokens", "8", "--log-level", "warning")
+    try:
         printed = log.read_text()
         token = re.search(r"admin token: (\S+)", printed).group(1)
         assert f"curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {token}'" in printed
@@ -76,10 +89,33 @@ def test_serve_process(tmp_path):
         with pytest.raises(openai.AuthenticationError):  # the key died with the episode
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_serve(process)
     assert process.returncode is not None
+
+
+def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path):
+    """A token the user chose is not printed; episode ids (the secret of the path route) are not in the access log;
+    `--max-open-episodes` answers 429 beyond the cap (issue #9)."""
+    args = make_parser().parse_args(["--model", "m"])
+    assert (args.max_open_episodes, args.episode_idle_timeout) == (4096, 1800.0)  # bounded by default
+    token = "sk-admin-chosen-by-the-user"
+    log = tmp_path / "serve.log"
+    process, url = start_serve(log, "--max-tokens", "4", "--log-level", "info", "--max-open-episodes", "1",
+                               "--episode-idle-timeout", "60",
+                               env={**os.environ, "TRL_AGENTIC_ADMIN_TOKEN": token})
+    try:
+        admin = {"Authorization": f"Bearer {token}"}
+        opened = httpx.post(f"{url}/admin/episodes", json={}, headers=admin, timeout=10).json()
+        refused = httpx.post(f"{url}/admin/episodes", json={}, headers=admin, timeout=10)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_open_episodes"
+        client = openai.OpenAI(base_url=opened["path_base_url"], api_key="EMPTY", max_retries=0, timeout=60)
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}])
+        assert httpx.post(f"{url}/admin/episodes/{opened['id']}/close", headers=admin, timeout=10).status_code == 200
+        time.sleep(0.5)  # let the access log reach the file
+        printed = log.read_text()
+        assert "admin token: as given ($TRL_AGENTIC_ADMIN_TOKEN)" in printed
+        assert "Authorization: Bearer $TRL_AGENTIC_ADMIN_TOKEN" in printed
+        assert token not in printed and opened["id"] not in printed and opened["key"] not in printed
+        assert "/episodes/ep-<redacted>/v1/chat/completions" in printed  # the access log is there, redacted
+    finally:
+        stop_serve(process)

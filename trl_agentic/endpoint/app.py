@@ -51,6 +51,7 @@ from .sessions import (
     EpisodeRegistry,
     EpisodeSession,
     TooManyOpenEpisodesError,
+    redact_episode_ids,
 )
 
 
@@ -448,7 +449,8 @@ class _ServerErrors:
         except Exception as error:  # noqa: BLE001 - a bug or an engine failure, never the client's mistake
             if started:
                 raise
-            logger.exception("Internal error while serving %s %s", scope.get("method"), scope.get("path"))
+            logger.exception("Internal error while serving %s %s", scope.get("method"),
+                             redact_episode_ids(scope.get("path", "")))
             response = JSONResponse(error_body(f"Internal error: {type(error).__name__}: {error}", "server_error",
                                                code="internal_error"), status_code=500)
             await response(scope, receive, send)

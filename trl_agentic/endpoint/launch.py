@@ -90,6 +90,8 @@ def create_endpoint_app(
     chat_template_kwargs: dict[str, Any] | None = None,
     served_model_name: str = SERVED_MODEL_NAME,
     admin_token: str | None = None,
+    max_open_episodes: int | None = None,
+    episode_idle_timeout: float | None = None,
 ) -> FastAPI:
     """The endpoint app (routes, renderer, settings) over `engine`, not yet listening: [`launch_endpoint`] starts it
     in-process, `trl-agentic serve` hands it to uvicorn.
@@ -105,12 +107,17 @@ def create_endpoint_app(
         chat_template_kwargs: extra chat-template variables, e.g. `{"enable_thinking": False}`.
         served_model_name: the `model` agents send; others are answered 404.
         admin_token: bearer token of the `/admin` routes (default: a random one).
+        max_open_episodes: most episodes open at once, more are answered 429 (`None`: no cap).
+        episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
+            (`None`: never).
     """
     settings = EndpointSettings(
         served_model_names=[served_model_name],
         default_max_tokens=default_max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
         overrides=SamplingOverrides(temperature=temperature, top_p=top_p, top_k=top_k or None, max_tokens=max_tokens),
         default_limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
+        max_open_episodes=max_open_episodes,
+        episode_idle_timeout=episode_idle_timeout,
     )
     if admin_token is not None:
         settings.admin_token = admin_token
@@ -131,6 +138,8 @@ def launch_endpoint(
     chat_template_kwargs: dict[str, Any] | None = None,
     served_model_name: str = SERVED_MODEL_NAME,
     admin_token: str | None = None,
+    max_open_episodes: int | None = None,
+    episode_idle_timeout: float | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> EndpointServer:
@@ -160,6 +169,8 @@ def launch_endpoint(
         chat_template_kwargs=chat_template_kwargs,
         served_model_name=served_model_name,
         admin_token=admin_token,
+        max_open_episodes=max_open_episodes,
+        episode_idle_timeout=episode_idle_timeout,
     )
     return EndpointServer(app, host=host, port=port).start()
 

@@ -8,6 +8,10 @@ trl-agentic serve --model tiny:qwen2_5            # a tiny random model built lo
 Agents never see the admin token: whoever runs them opens an episode with it (`POST /admin/episodes`), hands the
 agent the returned `base_url` and `key` (any OpenAI client works), and closes the episode to get every recorded
 token back (`POST /admin/episodes/{id}/close` returns the Episode JSON).
+
+State is bounded: at most `--max-open-episodes` episodes at once (429 beyond), and an episode without a call for
+`--episode-idle-timeout` seconds is closed with status `cancelled`. The admin token is printed only when `serve`
+generated it; episode ids (the secret of the `/episodes/{id}/v1` route) are redacted from the access log.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from .launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_T
 
 
 ADMIN_TOKEN_ENV = "TRL_AGENTIC_ADMIN_TOKEN"
+# A standalone endpoint serves agents that may never close their episodes: keep its state bounded by default.
+DEFAULT_MAX_OPEN_EPISODES = 4096
+DEFAULT_EPISODE_IDLE_TIMEOUT = 1800.0
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -58,6 +65,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-turns", type=int, default=None, help="Default cap on model calls per episode.")
     parser.add_argument("--max-episode-tokens", type=int, default=None,
                         help="Default cap on sampled tokens per episode.")
+    parser.add_argument("--max-open-episodes", type=int, default=DEFAULT_MAX_OPEN_EPISODES,
+                        help="Most episodes open at once; opening more is answered 429 (0: no cap).")
+    parser.add_argument("--episode-idle-timeout", type=float, default=DEFAULT_EPISODE_IDLE_TIMEOUT,
+                        help="Seconds without a call after which an episode is closed with status 'cancelled' "
+                             "(0: never).")
     parser.add_argument("--chat-template-kwargs", type=json.loads, default=None,
                         help='JSON object of extra chat-template variables, e.g. \'{"enable_thinking": false}\'.')
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
@@ -72,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..tiny_models import load_model_and_tokenizer
     from .launch import build_engine, create_endpoint_app
+    from .server import uvicorn_log_config
 
     # Model
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,7 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
-    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or f"sk-admin-{secrets.token_urlsafe(32)}"
+    # Print the admin token only when it is ours: one the user chose may live in shell history, logs or a job's
+    # output, and stays where they put it.
+    if args.admin_token:
+        admin_token, shown_token, origin = args.admin_token, "<your --admin-token>", "as given (--admin-token)"
+    elif os.environ.get(ADMIN_TOKEN_ENV):
+        admin_token, shown_token = os.environ[ADMIN_TOKEN_ENV], f"${ADMIN_TOKEN_ENV}"
+        origin = f"as given (${ADMIN_TOKEN_ENV})"
+    else:
+        admin_token = shown_token = origin = f"sk-admin-{secrets.token_urlsafe(32)}"
     app = create_endpoint_app(
         engine,
         tokenizer,
@@ -103,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         chat_template_kwargs=args.chat_template_kwargs,
         served_model_name=args.served_model_name,
         admin_token=admin_token,
+        max_open_episodes=args.max_open_episodes or None,
+        episode_idle_timeout=args.episode_idle_timeout or None,
     )
     if not app.state.renderer.can_parse_tools:
         print(f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
@@ -112,16 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{host}:{args.port}"
     print(
         f"trl-agentic endpoint: serving {args.model!r} as {args.served_model_name!r} on {url} ({device}, {dtype})\n"
-        f"admin token: {admin_token}\n"
+        f"admin token: {origin}\n"
         f"open an episode:\n"
-        f"  curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {admin_token}' "
+        f"  curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {shown_token}' "
         f"-H 'Content-Type: application/json' -d '{{}}'\n"
         f"then point any OpenAI client at the returned base_url with the returned key, and close the episode to get "
         f"its tokens:\n"
-        f"  curl -s -X POST {url}/admin/episodes/<id>/close -H 'Authorization: Bearer {admin_token}'",
+        f"  curl -s -X POST {url}/admin/episodes/<id>/close -H 'Authorization: Bearer {shown_token}'",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                log_config=uvicorn_log_config())
     return 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import socket
 import threading
 import time
@@ -12,7 +14,32 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from .sessions import EpisodeLimits, EpisodeSession
+from .sessions import EpisodeLimits, EpisodeSession, redact_episode_ids
+
+
+class RedactEpisodeIds(logging.Filter):
+    """Logging filter: episode ids in a record's arguments (paths of uvicorn's access log) become `ep-<redacted>`.
+
+    The id in `/episodes/{id}/v1/...` is the secret of the path route (a capability URL): it must not end up in logs.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_episode_ids(a) if isinstance(a, str) else a for a in record.args)
+        if isinstance(record.msg, str):
+            record.msg = redact_episode_ids(record.msg)
+        return True
+
+
+def uvicorn_log_config() -> dict:
+    """uvicorn's default logging configuration, with episode ids redacted from the access log."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_episode_ids"] = {"()": RedactEpisodeIds}
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("redact_episode_ids")
+    return config
 
 
 class EndpointServer:

@@ -7,6 +7,7 @@ an episode without a call for `idle_timeout` seconds is closed with status `canc
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -17,6 +18,22 @@ from typing import Any
 from ..trace import Episode, Turn
 from .chat import ChatRenderer, RenderedContext, common_prefix_length
 from .protocol import comparable_message, template_message
+
+
+_EPISODE_ID = re.compile(r"ep-[0-9a-f]{32}")
+
+
+def redact_episode_ids(text: str) -> str:
+    """`text` with every episode id replaced by `ep-<redacted>` (ids are the secret of the path route).
+
+    Example:
+
+    ```python
+    >>> redact_episode_ids("POST /episodes/ep-0123456789abcdef0123456789abcdef/v1/chat/completions")
+    'POST /episodes/ep-<redacted>/v1/chat/completions'
+    ```
+    """
+    return _EPISODE_ID.sub("ep-<redacted>", text)
 
 
 # Why a turn was rendered fresh although the episode had earlier turns.
