@@ -175,7 +175,8 @@ def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, token
         return [1.0] * len(prompts)
 
     trainer = AgenticGRPOTrainer(model, agent=flaky_agent, reward_funcs=constant_reward,
-                                 args=config(tmp_path, max_steps=1, episode_timeout=3, steps_per_generation=2),  # 2 tasks
+                                 args=config(tmp_path, max_steps=1, episode_timeout=3, steps_per_generation=2,  # 2 tasks
+                                             agent_columns=["prompt", "a"]),  # the agent reads `a`
                                  train_dataset=dataset(2), processing_class=tokenizer)
     try:
         trainer.train()
@@ -194,6 +195,48 @@ def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, token
     assert len(timed_out["episode"]["turns"]) == 1  # the call it made before hanging is kept
     metrics = trainer.state.log_history[0]
     assert metrics["episodes/status_agent_error"] == 0.25 and metrics["episodes/status_timeout"] == 0.25
+
+
+def test_agent_sees_only_its_columns_and_whatever_it_returns_is_logged(tmp_path, tokenizer):
+    """The agent's task holds `agent_columns` only: the checker's `answer` never reaches it, while every column reaches
+    the reward functions. An episode without a model call is flagged (`episodes/no_model_calls`), and whatever the
+    agent returns (NaN, a lone surrogate, a cycle, 5,000-deep nesting) is written to the episode log as valid JSON
+    instead of crashing training (issue #9)."""
+    deep = []
+    for _ in range(5000):
+        deep = [deep]
+    cycle = {}
+    cycle["self"] = cycle
+
+    async def answer_stealing_agent(client, task):
+        return {"keys": sorted(task), "answer": task.get("answer"), "nan": float("nan"), "text": "\ud800",
+                "cycle": cycle, "deep": deep}
+
+    columns_seen = []
+
+    def answer_reward(prompts, completions, answer, episodes, **kwargs):
+        columns_seen.extend(answer)
+        return [1.0 if ep.result["answer"] == a else 0.0 for ep, a in zip(episodes, answer, strict=True)]
+
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)}
+                               for i in range(2)])
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=answer_stealing_agent, reward_funcs=answer_reward,
+                                 args=config(tmp_path, max_steps=1, steps_per_generation=2), train_dataset=train,
+                                 processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(set(columns_seen)) == ["0", "2"]
+    lines = (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # strict JSON
+    assert len(records) == 4
+    for record in records:
+        result = record["episode"]["result"]
+        assert result["keys"] == ["prompt"] and result["answer"] is None
+        assert result["nan"] == "nan" and result["text"] == "?" and isinstance(result["deep"], list)
+        assert record["episode"]["metadata"]["rewards"] == {"answer_reward": 0.0}
+    assert trainer.state.log_history[0]["episodes/no_model_calls"] == 1.0
 
 
 @pytest.mark.parametrize("kind", ["kl", "lora"])

@@ -30,7 +30,8 @@ def base_bodies() -> list[dict]:
     call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}
     return [
         {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-        {"model": "policy", "messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3"}],
+        {"model": "policy", "messages": [{"role": "system", "content": "Use tools."},
+                                         {"role": "user", "content": "2+3"}],
          "tools": [CALCULATOR_TOOL], "tool_choice": "auto", "max_tokens": 8},
         {"model": "policy", "messages": [{"role": "user", "content": "2+3"}, {"role": "assistant", "content": None,
                                                                              "tool_calls": [call]},

@@ -191,7 +191,8 @@ def test_forked_episodes_weigh_every_sampled_token_as_one_sequence(tmp_path, pol
     trainer = AgenticGRPOTrainer(
         policy_path, agent=rewriting_agent, reward_funcs=episode_reward, train_dataset=dataset(),
         args=AgenticGRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, steps_per_generation=1,
-                               gradient_accumulation_steps=1, **dict(KNOBS, per_device_train_batch_size=4)),
+                               gradient_accumulation_steps=1, agent_columns=["prompt", "a"],  # the agent reads `a`
+                               **dict(KNOBS, per_device_train_batch_size=4)),
     )
     train = dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]

@@ -27,8 +27,13 @@ class AgenticGRPOConfig(GRPOConfig):
         max_episode_tokens (`int` or `None`, *optional*, defaults to `None`):
             Most sampled tokens in one episode (over all its calls). `None`: no limit beyond `max_turns`.
         episode_timeout (`float`, *optional*, defaults to `300.0`):
-            Wall-clock seconds an episode may run; then the agent is cancelled (a command agent's process group is
-            killed) and the episode ends with status `timeout`.
+            Wall-clock seconds an episode may run, counted from its start (not while it waits for a slot); then the
+            agent is cancelled (a command agent's process group is killed), given a second to end and otherwise
+            abandoned, and the episode ends with status `timeout`.
+        agent_columns (`list[str]`, *optional*, defaults to `["prompt"]`):
+            Dataset columns the agent's `task` dict holds. The others (the checker's `answer`, `expected`, ...) never
+            reach the agent; every column still reaches the reward functions. Bundled tasks declare theirs
+            (`TaskSuite.agent_columns`, added by `trl-agentic train`).
 
         > Parameters that control the endpoint the agents talk to
 
@@ -40,6 +45,12 @@ class AgenticGRPOConfig(GRPOConfig):
             How long the embedded engine waits for concurrent requests to join a batch.
         max_generation_batch_size (`int`, *optional*, defaults to `64`):
             Most requests the embedded engine samples together.
+        max_open_episodes (`int` or `None`, *optional*, defaults to `None`):
+            Most episodes open at once on the endpoint (more are refused, 429). `None`: no cap beyond
+            `max_concurrent_episodes`, which the trainer's own rollouts never exceed.
+        episode_idle_timeout (`float` or `None`, *optional*, defaults to `None`):
+            Seconds without a model call after which the endpoint closes an episode with status `cancelled`. `None`:
+            never (`episode_timeout` already bounds the trainer's episodes).
 
         > Parameters that control how episodes become training rows
 
@@ -93,6 +104,15 @@ class AgenticGRPOConfig(GRPOConfig):
         metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
+    agent_columns: list[str] = field(
+        default_factory=lambda: ["prompt"], metadata={"help": "Dataset columns the agent's task holds."}
+    )
+    max_open_episodes: int | None = field(
+        default=None, metadata={"help": "Most episodes open at once on the endpoint (429 beyond); None = no cap."}
+    )
+    episode_idle_timeout: float | None = field(
+        default=None, metadata={"help": "Seconds without a call before an episode is closed; None = never."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -116,3 +136,12 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(f"endpoint_port must be in [0, 65535] (0 = pick a free port), got {self.endpoint_port}.")
         if self.use_vllm and self.vllm_mode not in ("server", "colocate"):
             raise ValueError(f"vllm_mode must be 'server' or 'colocate', got {self.vllm_mode!r}.")
+        if self.max_open_episodes is not None and self.max_open_episodes < self.max_concurrent_episodes:
+            raise ValueError(
+                f"max_open_episodes ({self.max_open_episodes}) must be >= max_concurrent_episodes "
+                f"({self.max_concurrent_episodes}), or None: the rollout opens that many episodes at once."
+            )
+        if self.episode_idle_timeout is not None and self.episode_idle_timeout <= 0:
+            raise ValueError(
+                f"episode_idle_timeout must be > 0 seconds or None (never), got {self.episode_idle_timeout}."
+            )

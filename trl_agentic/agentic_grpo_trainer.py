@@ -13,8 +13,6 @@ TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (com
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
 import os
 from collections import Counter
@@ -38,8 +36,8 @@ from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
 from .rollout.rows import Row, episode_to_rows
-from .rollout.runner import run_episodes
-from .trace import EPISODE_STATUSES, Episode
+from .rollout.runner import run_episodes, run_rollout
+from .trace import EPISODE_STATUSES, Episode, json_text
 
 
 def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -150,6 +148,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             max_turns=args.max_turns,
             max_episode_tokens=args.max_episode_tokens,
             chat_template_kwargs=self.chat_template_kwargs,
+            max_open_episodes=args.max_open_episodes,
+            episode_idle_timeout=args.episode_idle_timeout,
             host=args.endpoint_host,
             port=args.endpoint_port,
         )
@@ -180,7 +180,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """TRL's `rollout_func`: run one episode per generation slot and return its main row (plus the episodes)."""
         inputs = self._pending_inputs
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
-        tasks = [{k: v for k, v in example.items()} for example in inputs]
+        # The agent sees only the columns meant for it: the checker's (`answer`, `expected`) stay on this side, where
+        # every column still reaches the reward functions (issue #9: an agent returning task["answer"] scored 1.0).
+        missing = [c for c in self.args.agent_columns if c not in inputs[0]]
+        if missing:
+            raise ValueError(f"agent_columns names {missing}, which the dataset does not have; its columns are "
+                             f"{sorted(inputs[0])}. Fix `agent_columns`.")
+        tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
         with unwrap_model_for_generation(
             self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
         ) as unwrapped_model:
@@ -189,9 +195,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = unwrapped_model
             self.engine.policy_version = self.state.global_step
-            # A thread of its own: `asyncio.run` also works when the caller already runs an event loop (notebooks).
+            # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
+            # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
             episodes = self._rollout_pool.submit(
-                asyncio.run,
+                run_rollout,
                 run_episodes(
                     self.endpoint,
                     self.agent,
@@ -413,6 +420,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         for index, status in enumerate(EPISODE_STATUSES):
             if status != "running":
                 self._metrics[mode][f"episodes/status_{status}"].append(all_status.get(index, 0) / total)
+        # Episodes whose agent never called the model: whatever they scored, it says nothing about the policy.
+        no_calls = torch.tensor([float(not ep.turns) for ep in episodes], device=device)
+        self._metrics[mode]["episodes/no_model_calls"].append(self.accelerator.gather(no_calls).mean().item())
 
         if self._episode_log_dir is not None:
             self._episode_log_dir.mkdir(parents=True, exist_ok=True)
@@ -428,7 +438,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                         "skipped_turns": result.skipped_turns,
                         "capped_turns": result.capped_turns,
                     }
-                    f.write(json.dumps(record, default=str) + "\n")
+                    f.write(json_text(record) + "\n")  # whatever the agent returned: valid JSON, never a crash
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
