@@ -47,6 +47,8 @@ class Turn:
         sampling: the sampling parameters actually used.
         requested_sampling: what the agent asked for (recorded, not necessarily obeyed).
         wall_time: seconds spent serving the call.
+        wire_format: the API the call came in: `"chat_completions"`, `"responses"` or `"anthropic_messages"`
+            (`request_messages` and `response_message` are in the chat-completions shape whatever it was).
     """
 
     index: int
@@ -67,6 +69,7 @@ class Turn:
     sampling: dict[str, Any] = field(default_factory=dict)
     requested_sampling: dict[str, Any] = field(default_factory=dict)
     wall_time: float = 0.0
+    wire_format: str = "chat_completions"
 
     @property
     def num_tool_calls(self) -> int:

@@ -178,14 +178,23 @@ class ChatRenderer:
         return Continuation(glue=glue, suffix=self.encode(text[match.end() :]))
 
     def parse(
-        self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict] | None, parse_tools: bool = True
+        self,
+        completion_ids: list[int],
+        prompt_ids: list[int],
+        tools: list[dict] | None,
+        parse_tools: bool = True,
+        split_reasoning: bool = False,
     ) -> tuple[dict[str, Any], bool]:
         """Parse sampled ids into an OpenAI assistant message. Returns `(message, malformed_tool_call)`.
 
         A completion that cannot be parsed (e.g. a broken tool call) is returned as plain text, never an error.
+        With `split_reasoning`, a thinking model's reasoning becomes `reasoning_content` even when no tools are parsed
+        (the Responses and Anthropic formats return it as an item / block of its own).
         """
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         if not (parse_tools and tools and self.can_parse_tools):
+            if split_reasoning and self.can_parse_tools:
+                return self._parse_reasoning(completion_ids, prompt_ids, text), False
             return {"role": "assistant", "content": text}, False
         try:
             parsed = self.tokenizer.parse_response(completion_ids, prefix=prompt_ids, tools=tools)
@@ -218,6 +227,21 @@ class ChatRenderer:
                 for c in calls
             ]
         return message, False
+
+    def _parse_reasoning(self, completion_ids: list[int], prompt_ids: list[int], text: str) -> dict[str, Any]:
+        # Reasoning only: whatever else the parser finds (a tool call the request did not offer) stays in the text.
+        try:
+            parsed = self.tokenizer.parse_response(completion_ids, prefix=prompt_ids, tools=None)
+        except Exception:  # noqa: BLE001 - unparseable: the text as it is
+            return {"role": "assistant", "content": text}
+        if not isinstance(parsed, dict) or parsed.get("tool_calls") or not parsed.get("reasoning_content"):
+            return {"role": "assistant", "content": text}
+        content = parsed.get("content") or ""
+        if isinstance(content, str) and self.tokenizer.eos_token:
+            content = content.removesuffix(self.tokenizer.eos_token)
+        if not isinstance(content, str) or not isinstance(parsed["reasoning_content"], str):
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content, "reasoning_content": parsed["reasoning_content"]}
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

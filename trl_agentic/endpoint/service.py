@@ -1,0 +1,417 @@
+"""The format-neutral model call: a `Conversation` in, recorded turns and the assistant messages out.
+
+Every wire format (`chat_completions.py`, `responses.py`, `anthropic_messages.py`) converts its request into a
+`Conversation` (OpenAI chat messages + function tools + sampling, the lingua franca of chat templates) and shapes the
+`Completion` it gets back into its own response or event stream. Everything that decides tokens happens here, once:
+episode limits, prompt planning (token-in continuation or a recorded fork, `sessions.py`), `tool_choice` forcing,
+sampling with the trainer's overrides, stop strings, parsing the reply, and recording the turn with the wire format
+it came in. A format is an adapter, never a second copy of the pipeline (DESIGN.md), so token-exact continuation,
+forks and masks hold whichever format an agent speaks.
+
+Example:
+
+```python
+>>> service = CompletionService(engine, renderer, EndpointSettings())
+>>> conversation = Conversation(messages=[{"role": "user", "content": "Hi"}], wire_format="chat_completions")
+>>> completion = await service.complete(session, conversation, request)
+>>> completion.choices[0].message
+{'role': 'assistant', 'content': 'Hello!'}
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from jinja2 import TemplateError
+from pydantic import BaseModel, ValidationError
+
+from ..generation.engine import GenerationEngine, GenerationOutput, SamplingParams
+from ..trace import Turn
+from . import SERVED_MODEL_NAME
+from .chat import ChatRenderer
+from .protocol import parse_json_body, template_message
+from .sessions import EpisodeClosedError, EpisodeLimits, EpisodeSession
+
+
+# The wire formats a turn can come in (`Turn.wire_format`).
+CHAT_COMPLETIONS = "chat_completions"
+RESPONSES = "responses"
+ANTHROPIC_MESSAGES = "anthropic_messages"
+WIRE_FORMATS = (CHAT_COMPLETIONS, RESPONSES, ANTHROPIC_MESSAGES)
+
+
+@dataclass
+class SamplingOverrides:
+    """Sampling set by the server (the trainer), whatever the agent asks for. `None` = use the request's value."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_tokens: int | None = None  # cap on tokens per call (the request may ask for fewer)
+
+
+@dataclass
+class EndpointSettings:
+    """How the endpoint serves: model names, admin token, defaults and caps.
+
+    Args:
+        served_model_names: values of `model` the endpoint answers to (others get 404 `model_not_found`).
+        admin_token: bearer token of the `/admin` routes (episodes are opened and closed with it).
+        default_max_tokens: `max_tokens` of a request that sets none.
+        max_body_bytes: larger request bodies are answered 413.
+        overrides: sampling the trainer imposes, whatever the request asks for.
+        default_limits: limits of an episode opened without its own.
+        max_open_episodes: most episodes open at once; opening one more is answered 429 (`None`: no cap).
+        episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
+            (`None`: never); its trace stays retrievable through the admin routes for a while.
+    """
+
+    served_model_names: list[str] = field(default_factory=lambda: [SERVED_MODEL_NAME])
+    admin_token: str = field(default_factory=lambda: f"sk-admin-{secrets.token_urlsafe(32)}")
+    default_max_tokens: int = 512
+    max_body_bytes: int = 4 * 1024 * 1024
+    overrides: SamplingOverrides = field(default_factory=SamplingOverrides)
+    default_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    max_open_episodes: int | None = None
+    episode_idle_timeout: float | None = None
+
+
+class APIError(Exception):
+    """A request the endpoint answers with an error; `app.py` writes it in the shape of the route's wire format.
+
+    `type_`, `code` and `param` are OpenAI's fields; the Anthropic shape derives its `type` from `status`.
+    """
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+
+@dataclass
+class Conversation:
+    """One model call in no particular wire format: what every adapter turns its request into.
+
+    Args:
+        messages: the conversation as OpenAI chat messages (dicts; recorded as the turn's `request_messages`).
+        tools: function tools in the chat-completions shape (`{"type": "function", "function": {...}}`).
+        tool_choice: `"auto"`, `"none"`, `"required"` or `None`.
+        forced_tool_name: the function the model must call (a named tool choice), if any.
+        max_tokens: tokens the request asks for at most (`None`: the endpoint's default).
+        temperature, top_p, top_k, seed: the request's sampling (the trainer's overrides win).
+        n: choices to sample.
+        stop: stop strings (the returned text ends before the first one found).
+        top_logprobs: most likely alternatives to report per sampled token.
+        requested: what the agent asked for besides messages and tools (recorded as `requested_sampling`).
+        wire_format: the format the request came in (`WIRE_FORMATS`), recorded on the turn.
+        split_reasoning: parse a thinking model's reasoning out of the reply even without tools (formats with a
+            reasoning item or block); Chat Completions only does so when tools are parsed, as it always has.
+        messages_param: the request field holding the conversation, named in errors about it.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    forced_tool_name: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int = 0
+    requested: dict[str, Any] = field(default_factory=dict)
+    wire_format: str = CHAT_COMPLETIONS
+    split_reasoning: bool = False
+    messages_param: str = "messages"
+
+
+@dataclass
+class Choice:
+    """One sampled answer: the assistant message (chat shape), why it ended, and what was sampled.
+
+    `finish_reason` is `"stop"`, `"length"` or `"tool_calls"`; `stop_sequence` is the stop string that ended it, if
+    one did; `output` holds the sampled ids and logprobs (cut after a stop string).
+    """
+
+    message: dict[str, Any]
+    finish_reason: str
+    output: GenerationOutput
+    stop_sequence: str | None = None
+
+
+@dataclass
+class Completion:
+    """What a model call returned, for an adapter to shape: the choices and the token counts."""
+
+    choices: list[Choice]
+    prompt_tokens: int
+    policy_version: int
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(choice.output.token_ids) for choice in self.choices)
+
+
+class CompletionService:
+    """Serves model calls of episodes: plans the prompt, samples, parses and records. Format-neutral.
+
+    Args:
+        engine: the generation engine (shared by every route).
+        renderer: the chat template renderer of the served tokenizer.
+        settings: the endpoint's settings (overrides, defaults, caps).
+    """
+
+    def __init__(self, engine: GenerationEngine, renderer: ChatRenderer, settings: EndpointSettings):
+        self.engine, self.renderer, self.settings = engine, renderer, settings
+        self.tokenizer = renderer.tokenizer
+
+    # Request bodies
+
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, 413 past `max_body_bytes` (checked on the declared length and while reading)."""
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body of {declared} bytes is over the limit of {limit}.",
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body is over the limit of {limit} bytes.", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def parse_json(raw: bytes, required: bool = True) -> Any:
+        """Strict JSON (`protocol.parse_json_body`), 400 otherwise; an empty optional body is `None`."""
+        if not raw.strip() and not required:
+            return None
+        try:
+            return parse_json_body(raw)
+        except ValueError as error:
+            raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
+
+    @staticmethod
+    def validate(model: type[BaseModel], body: Any):
+        """`model.model_validate(body)`, the first problem as a 400 naming the field."""
+        try:
+            return model.model_validate(body)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(400, f"Invalid request: {param or 'body'}: {first.get('msg')}", param=param or None,
+                           code="invalid_request") from None
+
+    def check_model(self, model: str) -> None:
+        if model not in self.settings.served_model_names:
+            raise APIError(404, f"The model {model!r} does not exist; this endpoint serves "
+                                f"{self.settings.served_model_names}.", code="model_not_found", param="model")
+
+    # Model calls
+
+    def count_prompt_tokens(self, messages: list[dict], tools: list[dict] | None) -> int:
+        """Tokens of the prompt these messages render to (without continuation: what a fresh call would cost)."""
+        try:
+            return len(self.renderer.render([template_message(m) for m in messages], tools))
+        except _TEMPLATE_ERRORS as error:
+            raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
+                           code="template_error") from None
+
+    async def complete(self, session: EpisodeSession, conversation: Conversation, request: Request) -> Completion:
+        """Sample `conversation.n` answers to `conversation` in `session` and record them as turns.
+
+        Raises `APIError` for what the request did (limits, context overflow, a template that rejects it, a client
+        that went away: 499) and when the episode closed meanwhile (409, the answer is not recorded).
+        """
+        engine, renderer, settings = self.engine, self.renderer, self.settings
+        n = conversation.n
+        limits = session.limits
+        if limits.max_turns is not None and len(session.episode.turns) + session.in_flight + n > limits.max_turns:
+            session.flags.add("limit_exceeded")
+            raise APIError(400, f"Episode limit reached: at most {limits.max_turns} model calls.",
+                           code="episode_limit_exceeded")
+        budget = None
+        if limits.max_episode_tokens is not None:
+            # Each of the n choices may use an equal share of what is left, counting what calls in flight may sample.
+            left = limits.max_episode_tokens - session.episode.num_sampled_tokens - session.reserved_tokens
+            budget = left // n
+            if budget <= 0:
+                session.flags.add("limit_exceeded")
+                raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
+                               code="episode_limit_exceeded")
+
+        raw_messages, tools = conversation.messages, conversation.tools
+        messages = [template_message(m) for m in raw_messages]
+        try:
+            plan = session.plan_prompt(renderer, messages, tools)
+        except _TEMPLATE_ERRORS as error:
+            # The template is code run on what the agent sent: any of these is the request's doing.
+            raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
+                           code="template_error") from None
+        # tool_choice "required" / a named function: start the assistant turn with the template's tool-call opening
+        # (prompt tokens, not sampled) so the model can only complete a call.
+        forced: list[int] = []
+        if tools and (conversation.tool_choice == "required" or conversation.forced_tool_name) and (
+            renderer.can_parse_tools
+        ):
+            forced = renderer.tool_call_prefix(tools, conversation.forced_tool_name)
+        prompt_ids = plan.prompt_ids + forced
+        context = engine.max_context_length
+        if len(prompt_ids) >= context:
+            session.flags.add("context_overflow")
+            raise APIError(400, f"This model's maximum context length is {context} tokens; the "
+                                f"{conversation.messages_param} take {len(prompt_ids)}.",
+                           code="context_length_exceeded", param=conversation.messages_param)
+
+        overrides = settings.overrides
+        caps = [conversation.max_tokens or settings.default_max_tokens, context - len(prompt_ids)]
+        caps += [c for c in (overrides.max_tokens, budget) if c is not None]
+        sampling = SamplingParams(
+            max_tokens=min(caps),
+            temperature=_first(overrides.temperature, conversation.temperature, 1.0),
+            top_p=_first(overrides.top_p, conversation.top_p, 1.0),
+            top_k=_first(overrides.top_k, conversation.top_k, 0),
+            seed=conversation.seed,
+            stop_token_ids=sorted(renderer.end_of_turn_ids),
+            top_logprobs=conversation.top_logprobs,
+        )
+
+        reserved = sampling.max_tokens * n if budget is not None else 0
+        try:
+            session.start_call(n, reserved)
+        except EpisodeClosedError:
+            raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key") from None
+        started = time.monotonic()
+
+        def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
+            return Turn(
+                index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids if out else [],
+                logprobs=out.logprobs if out else [], finish_reason=finish, policy_version=engine.policy_version,
+                request_messages=raw_messages, request_tools=tools, response_message=message,
+                prompt_source=plan.source, parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
+                malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
+                requested_sampling=conversation.requested, wall_time=time.monotonic() - started,
+                wire_format=conversation.wire_format,
+            )
+
+        generation = asyncio.ensure_future(asyncio.gather(*[
+            engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i)) for i in range(n)
+        ]))
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({generation, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            generation.cancel()
+            session.finish_call(n, reserved, [])
+            raise
+        finally:
+            disconnected.cancel()
+        if not generation.done():
+            # The client went away: stop sampling, and record the call as cancelled (never trained, never a parent),
+            # so that a retry of the same request continues from the last answer the agent actually received.
+            generation.cancel()
+            cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.context) for _ in range(n)]
+            session.finish_call(n, reserved, cancelled)
+            raise APIError(499, "The client closed the connection before the answer was ready.",
+                           code="client_closed_request")
+        try:
+            outputs = generation.result()
+        except BaseException:
+            session.finish_call(n, reserved, [])
+            raise
+
+        choices, turns = [], []
+        for out in outputs:
+            out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
+            message, malformed = renderer.parse(forced + out.token_ids, plan.prompt_ids, tools,
+                                                parse_tools=conversation.tool_choice != "none",
+                                                split_reasoning=conversation.split_reasoning)
+            if stopped_text is not None:
+                message = {"role": "assistant", "content": stopped_text}
+            finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
+            turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.context))
+            choices.append(Choice(message, finish, out, stop))
+        if not session.finish_call(n, reserved, turns):
+            raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",
+                           code="episode_closed")
+        return Completion(choices, len(prompt_ids), engine.policy_version)
+
+
+_TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # Once the body is read, the next ASGI message of a request is its client disconnecting.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _with_seed(sampling: SamplingParams, seed: int | None, i: int) -> SamplingParams:
+    if seed is None or i == 0:
+        return sampling
+    return SamplingParams(**{**sampling.to_dict(), "seed": seed + i})
+
+
+def apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]
+                       ) -> tuple[GenerationOutput, str | None, str | None]:
+    """Cut the sampled ids after the token that completes the first stop string (those tokens were sampled and are
+    kept); the returned content ends before the stop string, as OpenAI does. Returns `(output, content, stop)`,
+    `content` and `stop` `None` when no stop string was found."""
+    if not stops:
+        return out, None, None
+    text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return out, None, None
+    position, stop = min(hits)
+    pieces = text_pieces(tokenizer, out.token_ids)
+    if "".join(piece for _, piece in pieces) != text:  # the decoder is not incremental: decode prefixes instead
+        ends = [(k, len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)))
+                for k in range(1, len(out.token_ids) + 1)]
+    else:
+        ends, length = [], 0
+        for k, piece in pieces:
+            length += len(piece)
+            ends.append((k, length))
+    k = next((k for k, length in ends if length >= position + len(stop)), len(out.token_ids))
+    top = out.top_logprobs[:k] if out.top_logprobs is not None else None
+    return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top), text[:position], stop
+
+
+def text_pieces(tokenizer, token_ids: list[int]) -> list[tuple[int, str]]:
+    """The decoded text as `(end, piece)` pairs, `piece` completed by `token_ids[:end]`, in linear time.
+
+    Incremental detokenization (as vLLM does it): each step decodes only the tokens since the previous piece, with
+    one piece of left context (so tokenizers that drop a leading space still add up), and holds back text that ends
+    in an incomplete UTF-8 character.
+    """
+    pieces, prefix_start, read_start = [], 0, 0
+    for k in range(len(token_ids)):
+        prefix = tokenizer.decode(token_ids[prefix_start:read_start], skip_special_tokens=True)
+        text = tokenizer.decode(token_ids[prefix_start : k + 1], skip_special_tokens=True)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            pieces.append((k + 1, text[len(prefix) :]))
+            prefix_start, read_start = read_start, k + 1
+    return pieces
+
+
+def content_pieces(tokenizer, token_ids: list[int], content: str) -> list[str]:
+    """Split `content` into per-token pieces for streaming; one piece when they don't add up to it (e.g. content
+    parsed out of a tool call, or after reasoning)."""
+    if not content:
+        return []
+    pieces = [piece for _, piece in text_pieces(tokenizer, token_ids)]
+    return pieces if "".join(pieces) == content else [content]
