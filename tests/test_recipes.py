@@ -39,6 +39,25 @@ def _write_recipe(tmp_path: Path, **overrides) -> Path:
     return path
 
 
+def test_resume_from_checkpoint_true_means_the_latest_checkpoint(tmp_path):
+    """`--resume_from_checkpoint true` resumes the latest checkpoint-N of output_dir, as in TRL's scripts (it used to
+    reach the trainer as the path "true"); `false` starts from scratch; a path is kept (issue #9)."""
+    from trl_agentic.scripts.train import resume_checkpoint
+
+    def parsed(value):
+        _, training_args, _ = make_parser().parse_args_and_config(
+            ["--config", str(CPU_RECIPE), "--output_dir", str(tmp_path), "--resume_from_checkpoint", value])
+        return training_args
+
+    with pytest.raises(ValueError, match="no checkpoint-N directory"):
+        resume_checkpoint(parsed("true"))
+    for step in (2, 10, 9):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    assert resume_checkpoint(parsed("true")) == str(tmp_path / "checkpoint-10")
+    assert resume_checkpoint(parsed("false")) is None
+    assert resume_checkpoint(parsed(str(tmp_path / "checkpoint-2"))) == str(tmp_path / "checkpoint-2")
+
+
 def test_recipes_exist():
     names = {_name(path) for path in TRAINING_RECIPES}
     assert {

@@ -471,13 +471,15 @@ def test_files_agent_cleans_up_when_the_client_fails(tmp_path, monkeypatch):
 def test_demonstrations_replayed_by_the_agent_score_full_marks(task_name, tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     suite = get_task(task_name)
+    # The agent works from the columns its suite declares, none of the checker's (issue #9: `answer` leaked).
+    assert not {"answer", "expected", "expression"} & set(suite.agent_columns)
     rows = suite.build_dataset("train", size=6, seed=3)
     demos = suite.demonstrations(6, seed=3)
     episodes, completions = [], []
     for row, demo in zip(rows, demos, strict=True):
         assert demo["messages"][: len(row["prompt"])] == row["prompt"]
         client = ScriptedClient(demo_replies(demo))
-        result = asyncio.run(suite.agent(client, row))
+        result = asyncio.run(suite.agent(client, {column: row[column] for column in suite.agent_columns}))
         assert client.replies == []  # the agent consumed the whole demonstration
         completion = client.requests[-1]["messages"][len(row["prompt"]) :]
         # The agent's transcript matches the demonstration (up to ids and the dict/JSON form of the arguments).

@@ -17,7 +17,21 @@ Example:
 
 from __future__ import annotations
 
-from .utils import episode_for, final_assistant_text, is_scorable, message_text, unscorable_unless_ok
+from .utils import (
+    RewardModelFunc,
+    episode_for,
+    final_assistant_text,
+    is_scorable,
+    message_text,
+    unscorable_unless_ok,
+)
 
 
-__all__ = ["episode_for", "final_assistant_text", "is_scorable", "message_text", "unscorable_unless_ok"]
+__all__ = [
+    "RewardModelFunc",
+    "episode_for",
+    "final_assistant_text",
+    "is_scorable",
+    "message_text",
+    "unscorable_unless_ok",
+]

@@ -94,8 +94,9 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
 
     A crashed, timed-out or cut-off episode says nothing about the policy's skill at the task: with `None` it is left
     out of the group baseline (advantage 0) instead of being trained on as a silent 0. A function that scores failed
-    episodes itself (e.g. a penalty for timeouts) declares `scores_failed_episodes = True` and is returned unwrapped,
-    and so is anything that is not a plain callable (a reward model, a model id).
+    episodes itself (e.g. a penalty for timeouts) declares `scores_failed_episodes = True` and is returned unwrapped.
+    A reward model (a model id or an `nn.Module`, as TRL accepts them) becomes a [`RewardModelFunc`] first, so the
+    rule holds for it too (TRL would otherwise score failed episodes with it, issue #9).
 
     Example:
 
@@ -108,7 +109,9 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
     """
     from torch import nn
 
-    if not callable(reward_func) or isinstance(reward_func, nn.Module):
+    if isinstance(reward_func, str | nn.Module):
+        reward_func = RewardModelFunc(reward_func)
+    if not callable(reward_func):
         return reward_func
     if getattr(reward_func, "scores_failed_episodes", False):
         return reward_func
@@ -131,3 +134,57 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
             return mask(rewards, episodes) if episodes is not None else rewards
 
     return wrapped
+
+
+class RewardModelFunc:
+    """A reward model as a reward function, scoring the way TRL's `GRPOTrainer` scores an `nn.Module` reward: prompt +
+    completion rendered with the reward model's chat template (conversational data) or concatenated, then the first
+    logit of a one-label sequence classifier.
+
+    Args:
+        model: a model id or path (loaded with `AutoModelForSequenceClassification`, `num_labels=1`, as TRL does) or a
+            loaded sequence classifier.
+        tokenizer: its tokenizer (default: loaded from the model's `name_or_path`).
+
+    The model runs on the accelerator's device of the run (moved there at the first call), one full copy per process.
+
+    Example:
+
+    ```python
+    >>> reward = unscorable_unless_ok("my-org/my-reward-model")  # a RewardModelFunc, failed episodes left unscored
+    ```
+    """
+
+    def __init__(self, model, tokenizer=None):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if isinstance(model, str):
+            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        if tokenizer is None:
+            if not name or name == type(model).__name__:
+                raise ValueError(f"The reward model {type(model).__name__} has no name_or_path to load its tokenizer "
+                                 "from; pass RewardModelFunc(model, tokenizer=...).")
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.pad_token_id = tokenizer.pad_token_id
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.__name__ = name.rstrip("/").split("/")[-1]  # the name TRL logs a reward model under
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        import torch
+        from accelerate import PartialState
+        from trl.data_utils import apply_chat_template, is_conversational
+
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [apply_chat_template({"messages": p + c}, self.tokenizer)["text"]
+                     for p, c in zip(prompts, completions, strict=True)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        device = PartialState().device
+        self.model.to(device)
+        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().tolist()

@@ -19,12 +19,41 @@ The recipe YAML supplies defaults for the fields of [`ScriptArguments`], [`Agent
 
 from __future__ import annotations
 
+import os
 import sys
 
 from trl import ModelConfig
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
 from trl_agentic.recipes import ScriptArguments, agent_from_recipe, make_parser, resolve_reward_funcs
+
+
+def resume_checkpoint(training_args: AgenticGRPOConfig) -> str | None:
+    """The checkpoint `--resume_from_checkpoint` names: `true` means the latest `checkpoint-N` in `output_dir` (as in
+    TRL's scripts; the string "true" reached the trainer as a path), `false` none, anything else a path.
+
+    Example:
+
+    ```python
+    >>> resume_checkpoint(AgenticGRPOConfig(output_dir="out", resume_from_checkpoint="true"))
+    'out/checkpoint-500'
+    ```
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    value = training_args.resume_from_checkpoint
+    if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
+        return None
+    if str(value).strip().lower() not in ("true", "yes", "1", "latest"):
+        return str(value)
+    output_dir = training_args.output_dir
+    latest = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+    if latest is None:
+        raise ValueError(
+            f"resume_from_checkpoint={value!r} resumes the latest checkpoint in output_dir, but {output_dir!r} holds no "
+            "checkpoint-N directory; pass the path of a checkpoint, or drop the flag to start from scratch."
+        )
+    return latest
 
 
 def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_args: ModelConfig) -> None:
@@ -42,6 +71,8 @@ def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_ar
     task = get_task(script_args.task)
     agent = agent_from_recipe(script_args, task)
     reward_funcs = resolve_reward_funcs(script_args, task)
+    # The agent's task: the columns the recipe names plus those the task suite declares its agent needs.
+    training_args.agent_columns = list(dict.fromkeys([*training_args.agent_columns, *task.agent_columns]))
 
     # Model
     if model_args.model_name_or_path is None:
@@ -83,7 +114,7 @@ def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_ar
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
     trainer.accelerator.print("Training completed.")
 
     # Save and push to the Hub

@@ -37,14 +37,16 @@ class TaskSuite:
         build_dataset: `build_dataset(split="train", size=256, seed=0, **knobs) -> datasets.Dataset`. Rows have a
             conversational `prompt` (system + user message) and the checker's columns. `"train"` and `"eval"` are
             disjoint whatever `size` and `seed`.
-        agent: `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`, where `task` is one dataset row. The
-            model name sent is `task.get("model") or SERVED_MODEL_NAME` (`trl_agentic.endpoint`). The return value
-            reaches the reward functions as `Episode.result`.
+        agent: `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`, where `task` holds the
+            `agent_columns` of one dataset row. The model name sent is `task.get("model") or SERVED_MODEL_NAME`
+            (`trl_agentic.endpoint`). The return value reaches the reward functions as `Episode.result`.
         reward_funcs: TRL-signature checkers `f(prompts, completions, **kwargs) -> list[float | None]`; they read
             `kwargs["episodes"]` and the dataset columns, and return `None` for episodes that did not end `"ok"`.
         demonstrations: `demonstrations(n, seed=0) -> [{"messages": [...], "tools": [...]}]`: full successful
             conversations (train split only) for an SFT warm start; tool-call arguments are dicts, as chat templates
             expect.
+        agent_columns: the dataset columns the agent needs (`AgenticGRPOConfig.agent_columns`); the others, the
+            checker's, never reach it.
     """
 
     name: str
@@ -54,6 +56,7 @@ class TaskSuite:
     agent: Callable
     reward_funcs: list[Callable]
     demonstrations: Callable[..., list[dict[str, Any]]]
+    agent_columns: tuple[str, ...] = ("prompt",)
 
 
 # Name -> "module:attribute", imported on first use so that `import trl_agentic.tasks` stays cheap.

@@ -415,6 +415,7 @@ def make_calculator_suite(
         agent=agent,
         reward_funcs=[calculator_correct],
         demonstrations=functools.partial(calculator_demonstrations, **knobs),
+        agent_columns=("prompt",),  # the question; `expression` and `answer` are the checker's
     )
 
 

@@ -475,6 +475,7 @@ def make_files_suite(kinds: Sequence[str] = KINDS, max_rounds: int = 8) -> TaskS
         agent=agent,
         reward_funcs=[files_correct],
         demonstrations=functools.partial(files_demonstrations, kinds=kinds),
+        agent_columns=("prompt", "files"),  # the initial workspace; `expected` is the checker's
     )
 
 

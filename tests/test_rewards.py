@@ -1,0 +1,43 @@
+"""Reward functions: the unscorable rule holds for every form TRL accepts, reward models included (issue #9)."""
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from trl_agentic.rewards.utils import RewardModelFunc, unscorable_unless_ok
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+from trl_agentic.trace import Episode
+
+
+def tiny_reward_model(path):
+    """A one-label sequence classifier saved with its tokenizer, as a reward model on the Hub would be."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    config = build_tiny_model(tokenizer).config
+    config.num_labels, config.pad_token_id = 1, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def test_reward_model_given_as_id_or_module_leaves_failed_episodes_unscored(tmp_path):
+    model, tokenizer = tiny_reward_model(tmp_path / "rm")
+    prompts = [[{"role": "user", "content": "What is 2 + 3?"}]] * 3
+    completions = [[{"role": "assistant", "content": "The answer is 5."}], [{"role": "assistant", "content": "6"}],
+                   [{"role": "assistant", "content": "The answer is 5."}]]
+    episodes = [Episode(id="a", status="ok"), Episode(id="b", status="ok"), Episode(id="c", status="timeout")]
+
+    # What TRL's GRPOTrainer computes for an nn.Module reward (chat template, right padding, first logit).
+    texts = [tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+    inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    with torch.inference_mode():
+        expected = model.eval()(**inputs).logits[:, 0].tolist()
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")  # a module, as TRL accepts it
+    for given in (str(tmp_path / "rm"), loaded):
+        reward = unscorable_unless_ok(given)
+        assert callable(reward) and reward.__name__ == "rm"  # the name TRL logs it under
+        scores = reward(prompts, completions, episodes=episodes)
+        assert scores[2] is None  # the timed-out episode is not scored
+        assert torch.allclose(torch.tensor(scores[:2]), torch.tensor(expected[:2]), atol=1e-5)
+    assert isinstance(RewardModelFunc(model, tokenizer=tokenizer), RewardModelFunc)  # a module without a path
