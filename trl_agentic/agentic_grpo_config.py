@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -76,6 +77,35 @@ class AgenticGRPOConfig(GRPOConfig):
         log_episodes (`bool`, *optional*, defaults to `False`):
             Write every episode (turns, messages, rewards, advantage, rows with their masks) as JSONL under
             `output_dir/episodes/`.
+
+        > Parameters that control the alarms (trl_agentic/alarms.py) and the held-out evaluation
+
+        alarms (`bool`, *optional*, defaults to `True`):
+            Check the training metrics at every log for reward hacking (reward rising while held-out success does
+            not), length drift, spikes of malformed tool calls or unscorable episodes, entropy collapse and a low split
+            rate. Each is logged as `alarms/<name>` (1.0 while it holds), warned about once when it starts, and listed
+            in `output_dir/alarms.json` and `trainer.alarms`.
+        held_out_eval_steps (`int`, *optional*, defaults to `0`):
+            Evaluate the policy on `eval_dataset` (a split never trained on) before training, every this many steps
+            and at the last step, and log `held_out/success` (successes over all episodes). `0`: never; the
+            `reward_hacking` alarm needs it.
+        held_out_num_samples (`int`, *optional*, defaults to `1`):
+            Episodes per held-out task.
+        alarm_window (`int`, *optional*, defaults to `10`):
+            Logged steps averaged on each side of an alarm's comparison.
+        alarm_reward_rise (`float`, *optional*, defaults to `0.1`):
+            Rise of the training reward (reward units) that counts as "rising" for `reward_hacking` and
+            `length_drift`.
+        alarm_held_out_min_gain (`float`, *optional*, defaults to `0.02`):
+            Gain of held-out success (0.02 = 2 points) expected while the training reward rises.
+        alarm_length_growth (`float`, *optional*, defaults to `0.5`):
+            Relative growth of sampled tokens or turns per episode that counts as drift when reward does not rise.
+        alarm_spike (`float`, *optional*, defaults to `0.1`):
+            Rise of the malformed-tool-call share of model calls, or of the unscorable share of episodes, that alarms.
+        alarm_entropy_ratio (`float`, *optional*, defaults to `0.1`):
+            Entropy collapse: recent token entropy below this fraction of its level at the start of training.
+        alarm_min_split_rate (`float`, *optional*, defaults to `0.25`):
+            Least share of groups whose rewards differ (`1 - frac_reward_zero_std`) over the last `alarm_window` logs.
     """
 
     max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})
@@ -104,6 +134,22 @@ class AgenticGRPOConfig(GRPOConfig):
         metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
+    alarms: bool = field(
+        default=True, metadata={"help": "Check training metrics for reward hacking, drift, spikes, collapse."}
+    )
+    held_out_eval_steps: int = field(
+        default=0, metadata={"help": "Evaluate on eval_dataset every this many steps (0 = never)."}
+    )
+    held_out_num_samples: int = field(default=1, metadata={"help": "Episodes per held-out task."})
+    alarm_window: int = field(default=10, metadata={"help": "Logged steps averaged on each side of an alarm check."})
+    alarm_reward_rise: float = field(default=0.1, metadata={"help": "Reward rise that counts as rising."})
+    alarm_held_out_min_gain: float = field(
+        default=0.02, metadata={"help": "Held-out success gain expected while the reward rises."}
+    )
+    alarm_length_growth: float = field(default=0.5, metadata={"help": "Relative length/turns growth that is drift."})
+    alarm_spike: float = field(default=0.1, metadata={"help": "Rise of the malformed or unscorable share that alarms."})
+    alarm_entropy_ratio: float = field(default=0.1, metadata={"help": "Entropy below this x its start collapses."})
+    alarm_min_split_rate: float = field(default=0.25, metadata={"help": "Least share of groups with differing rewards."})
     agent_columns: list[str] = field(
         default_factory=lambda: ["prompt"], metadata={"help": "Dataset columns the agent's task holds."}
     )
@@ -145,3 +191,12 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"episode_idle_timeout must be > 0 seconds or None (never), got {self.episode_idle_timeout}."
             )
+        if self.held_out_eval_steps < 0 or self.held_out_num_samples < 1 or self.alarm_window < 1:
+            raise ValueError(
+                "held_out_eval_steps must be >= 0 (0 = never), held_out_num_samples >= 1 and alarm_window >= 1; got "
+                f"{self.held_out_eval_steps}, {self.held_out_num_samples} and {self.alarm_window}."
+            )
+        for name in ("alarm_reward_rise", "alarm_held_out_min_gain", "alarm_length_growth", "alarm_spike",
+                     "alarm_entropy_ratio", "alarm_min_split_rate"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")

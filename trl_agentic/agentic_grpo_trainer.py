@@ -27,6 +27,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .agentic_grpo_config import AgenticGRPOConfig
+from .alarms import attach_alarms
 from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
 from .endpoint.launch import build_engine, launch_endpoint
 from .generation.engine import GenerationEngine
@@ -156,6 +157,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._pending_inputs: list[dict] | None = None
         self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
+
+        # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms.py)
+        self.alarms_callback = attach_alarms(self) if args.alarms else None
+        self.alarms = self.alarms_callback.alarms if self.alarms_callback else []  # also in output_dir/alarms.json
 
     def _default_engine(self, args: AgenticGRPOConfig) -> GenerationEngine:
         context = args.vllm_max_model_length or self.accelerator.unwrap_model(self.model).config.max_position_embeddings

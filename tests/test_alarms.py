@@ -1,0 +1,223 @@
+"""Alarms: each fires on a history built to trigger it and stays silent on a real, healthy one; one real run with a
+gameable reward raises `reward_hacking` through the trainer's callback and held-out evaluation."""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+from transformers import TrainerControl, TrainerState
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.alarms import (
+    ALARM_NAMES,
+    AlarmsCallback,
+    AlarmSettings,
+    TrainingAlarm,
+    check_alarms,
+    history_from_episode_records,
+    history_from_log_history,
+    reward_hacking,
+)
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+# Real per-step metrics of the demo's GRPO phase (79 steps, seed 0; see "source" in the file): reward 0.52 -> 0.65
+# (10-step means), split rate ~0.7, 35 sampled tokens and 1.9 turns per episode, malformed calls falling.
+HEALTHY = json.loads((Path(__file__).parent / "data" / "demo_run_history.json").read_text())["history"]
+# Held-out success the demo measured at steps 0 and 50 (seed 0, README / docs/demo_held_out_success.png).
+DEMO_HELD_OUT = [(0, 0.35), (50, 0.66)]
+
+
+def healthy_history() -> dict[str, list[tuple[int, float]]]:
+    return {name: [(int(step), float(value)) for step, value in points] for name, points in HEALTHY.items()}
+
+
+def with_series(history, name, change):
+    """`history` with `name`'s value at each step replaced by `change(step, value)`."""
+    return {**history, name: [(step, change(step, value)) for step, value in history[name]]}
+
+
+def names(history, settings=None):
+    return [alarm.name for alarm in check_alarms(history, settings)]
+
+
+def test_silent_on_every_prefix_of_a_healthy_demo_run():
+    history = healthy_history()
+    history["held_out/success"] = DEMO_HELD_OUT
+    last = history["reward"][-1][0]
+    for step in range(last + 1):  # as the callback sees it, log after log
+        prefix = {name: [(s, v) for s, v in points if s <= step] for name, points in history.items()}
+        assert names(prefix) == [], f"false alarm at step {step}"
+
+
+def test_reward_hacking_fires_when_reward_rises_and_held_out_stays_flat_or_falls():
+    # A gameable checker: the same run, with the reward climbing +0.01 per step while held-out success does not move.
+    gamed = with_series(healthy_history(), "reward", lambda step, value: min(1.0, value + 0.01 * step))
+    for held_out in ([(0, 0.35), (50, 0.35)], [(0, 0.35), (50, 0.30)]):
+        alarms = check_alarms({**gamed, "held_out/success": held_out})
+        assert [a.name for a in alarms] == ["reward_hacking"]
+        assert alarms[0].step == 50 and alarms[0].evidence["reward_after"] - alarms[0].evidence["reward_before"] > 0.3
+    # Held-out success following the reward: silent. Without a held-out measure there is nothing to check against.
+    assert names({**gamed, "held_out/success": [(0, 0.35), (50, 0.66)]}) == []
+    assert names(gamed) == []
+
+
+def test_reward_hacking_compares_with_every_earlier_evaluation():
+    reward = [(s, 0.3 if s <= 40 else 0.8) for s in range(1, 81)]
+    # Held-out rose early (0 -> 40) then stayed flat while the reward jumped (40 -> 80).
+    alarm = reward_hacking(reward, [(0, 0.1), (40, 0.5), (80, 0.5)])
+    assert alarm is not None and alarm.evidence["from_step"] == 40
+
+
+def test_length_drift_fires_on_growing_episodes_without_reward():
+    history = healthy_history()
+    longer = with_series(history, "episodes/sampled_tokens_mean",
+                         lambda step, value: value * (1 + max(0, step - 40) / 20))  # 35 -> ~100 tokens by step 78
+    assert names(longer) == ["length_drift"]
+    more_turns = with_series(history, "episodes/turns_mean", lambda step, value: value + max(0, step - 50) / 10)
+    alarms = check_alarms(more_turns)
+    assert [a.name for a in alarms] == ["length_drift"] and "turns per episode" in alarms[0].message
+    # The same growth while the reward climbs is not drift.
+    paid = with_series(longer, "reward", lambda step, value: value + 0.01 * step)
+    assert names(paid) == []
+
+
+def test_malformed_tool_call_and_unscorable_spikes():
+    history = healthy_history()
+    last = history["reward"][-1][0]
+    malformed = with_series(history, "episodes/malformed_tool_calls_mean",
+                            lambda step, value: 0.8 if step > last - 5 else value)  # 0.8 of ~1.9 calls
+    assert names(malformed) == ["malformed_tool_calls"]
+    failing = with_series(history, "episodes/unscorable", lambda step, value: 0.3 if step > last - 5 else value)
+    assert names(failing) == ["unscorable_episodes"]
+    # Without `episodes/unscorable`, episodes that did not end ok count (they are unscorable by default).
+    no_unscorable = {k: v for k, v in history.items() if k != "episodes/unscorable"}
+    timeouts = with_series(no_unscorable, "episodes/status_ok", lambda step, value: 0.6 if step > last - 5 else 1.0)
+    assert names(timeouts) == ["unscorable_episodes"]
+    # One bad step is noise, not a spike.
+    blip = with_series(history, "episodes/unscorable", lambda step, value: 0.3 if step == last else value)
+    assert names(blip) == []
+
+
+def test_entropy_collapse():
+    history = healthy_history()
+    collapsed = with_series(history, "entropy", lambda step, value: value * 0.05 if step > 60 else value)
+    assert names(collapsed) == ["entropy_collapse"]
+    # The healthy run's entropy halves (0.116 -> 0.061 nats): sharpening, not collapse.
+    assert names(history) == []
+
+
+def test_low_split_rate():
+    # `trl-agentic demo --seed 3` (issue #11): zero-std groups 1.00 step after step.
+    dead = with_series(healthy_history(), "frac_reward_zero_std", lambda step, value: 1.0)
+    alarms = check_alarms(dead)
+    assert [a.name for a in alarms] == ["low_split_rate"] and alarms[0].evidence["split_rate"] == 0.0
+    assert names(with_series(healthy_history(), "frac_reward_zero_std", lambda step, value: 0.7)) == []  # 30% split
+    assert names(dead, AlarmSettings(min_split_rate=0.0)) == []
+
+
+def test_history_from_log_history_skips_eval_and_non_numbers():
+    log_history = [{"reward": 0.5, "step": 1, "eval_reward": 0.1, "note": "x"}, {"reward": None, "step": 2},
+                   {"train_runtime": 3.0, "step": 2}]
+    assert history_from_log_history(log_history) == {"reward": [(1, 0.5)], "train_runtime": [(2, 3.0)]}
+
+
+def test_history_from_episode_records_recomputes_the_trainer_metrics():
+    def record(step, task, sample, reward, status="ok"):
+        turn = {"completion_ids": [1, 2], "logprobs": [-0.5, -1.5], "malformed_tool_call": sample == 0}
+        return {"step": step, "mode": "train", "episode": {
+            "task_index": task, "group_index": sample, "turns": [turn], "status": status,
+            "metadata": {"rewards": {"f": reward}}}}
+
+    records = [record(1, 0, 0, 1.0), record(1, 1, 1, 0.0), record(1, 2, 0, None, "timeout"), record(1, 3, 1, None)]
+    history = history_from_episode_records(records)
+    assert history["reward"] == [(2, 0.5)]  # over the scorable episodes, logged when step 1's update completes
+    assert history["frac_reward_zero_std"] == [(2, 0.5)]  # group 0 split (1.0, 0.0); group 1 had nothing scored
+    assert history["episodes/unscorable"] == [(2, 0.5)] and history["episodes/status_ok"] == [(2, 0.75)]
+    assert history["episodes/malformed_tool_calls_mean"] == [(2, 0.5)] and history["entropy"] == [(2, 1.0)]
+
+
+def test_callback_logs_warns_once_clears_and_writes_the_summary(tmp_path):
+    args = AgenticGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    callback, state, control = AlarmsCallback(AlarmSettings(window=3)), TrainerState(), TrainerControl()
+    logged = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, zero_std in enumerate([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0], start=1):
+            state.global_step = step
+            logs = {"reward": 0.5, "frac_reward_zero_std": zero_std}
+            state.log_history.append({**logs, "step": step})
+            callback.on_log(args, state, control, logs=logs)
+            logged.append(logs["alarms/low_split_rate"])
+            assert set(ALARM_NAMES) <= {k.removeprefix("alarms/") for k in state.log_history[-1]}
+    assert logged == [0, 0, 1, 1, 0, 0, 0, 0, 0, 1]  # 3-step means: fires at 3, clears at 5, fires again at 10
+    assert len([w for w in caught if issubclass(w.category, TrainingAlarm)]) == 2
+    assert [(a["name"], a["step"], a["last_step"]) for a in callback.alarms] == [
+        ("low_split_rate", 3, 4), ("low_split_rate", 10, 10)]
+    summary = json.loads((tmp_path / "alarms.json").read_text())
+    assert summary["alarms"] == callback.alarms and summary["checks"] == list(ALARM_NAMES)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real run
+
+
+async def one_call_agent(client, task):
+    response = await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=8)
+    return response.choices[0].message.content or ""
+
+
+def answer_looks_like_a_number(prompts, completions, episodes, **kwargs):
+    """Gameable on purpose: pays for the answer's format (the share of its characters that are digits), not for its
+    value. A policy learns to print digits long before it learns to multiply."""
+    return [sum(c.isdigit() for c in ep.result) / max(len(ep.result), 1) for ep in episodes]
+
+
+def correct_answer(prompts, completions, episodes, answer, **kwargs):
+    return [float(ep.result.strip() == expected) for ep, expected in zip(episodes, answer, strict=True)]
+
+
+def tasks(start, n):
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} * {i + 3}?"}],
+                               "answer": str(i * (i + 3))} for i in range(start, start + n)])
+
+
+def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path):
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), max_steps=12, learning_rate=5e-2,  # a big lr: the tiny model games it in ~8 steps
+        num_generations=4, per_device_train_batch_size=8, max_completion_length=8,  # 2 tasks x 4 episodes per step
+        held_out_eval_steps=4, alarm_window=3,  # held-out at steps 0, 4, 8, 12; 3-step means
+        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+    )
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer), agent=one_call_agent, reward_funcs=answer_looks_like_a_number, args=args,
+        train_dataset=tasks(10, 8), processing_class=tokenizer,
+        eval_dataset=tasks(50, 4),  # held out: never trained on
+    )
+    # The held-out evaluation uses the trainer's agent with a strict checker (a custom AlarmsCallback could pass any).
+    trainer.alarms_callback.held_out.reward_funcs = [correct_answer]
+    try:
+        with pytest.warns(TrainingAlarm, match="reward_hacking"):
+            trainer.train()
+    finally:
+        trainer.close()
+
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    # The TRL metric names the detectors read (a rename in TRL would silence them).
+    assert {"reward", "frac_reward_zero_std", "entropy", "episodes/sampled_tokens_mean", "episodes/turns_mean",
+            "episodes/malformed_tool_calls_mean", "episodes/status_ok"} <= logs[0].keys()
+    assert logs[-1]["reward"] - logs[0]["reward"] > 0.5  # the training reward was gamed...
+    held_out = {step: value for step, value in trainer.alarms_callback.history["held_out/success"]}
+    assert sorted(held_out) == [0, 4, 8, 12] and set(held_out.values()) == {0.0}  # ...held-out success was not
+    # Logged with the step's metrics (the evaluation before training arrives with the first log).
+    assert {entry["step"]: entry["held_out/success"] for entry in logs if "held_out/success" in entry} == {
+        1: 0.0, 4: 0.0, 8: 0.0, 12: 0.0}
+    fired = {alarm["name"]: alarm for alarm in trainer.alarms}
+    assert "reward_hacking" in fired and fired["reward_hacking"]["step"] in (4, 8, 12)
+    assert logs[-1]["alarms/reward_hacking"] == 1.0 and logs[0]["alarms/reward_hacking"] == 0.0
+    summary = json.loads((tmp_path / "alarms.json").read_text())
+    assert [a["name"] for a in summary["alarms"]] == [a["name"] for a in trainer.alarms]
+    assert summary["held_out_success"][0] == [0, 0.0]
