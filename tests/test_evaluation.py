@@ -190,6 +190,7 @@ SUITE = TaskSuite(
     agent=one_call_agent,
     reward_funcs=[first_samples_correct],
     demonstrations=None,
+    agent_columns=("prompt", "crash"),  # `correct` is the checker's
 )
 
 

@@ -396,6 +396,12 @@ class Evaluator:
         # Tasks, task-major: the num_samples episodes of a task are consecutive (one group)
         self.num_tasks, self.num_samples = len(dataset), num_samples
         self.tasks = [dict(row) for row in dataset for _ in range(num_samples)]
+        # The agent sees its suite's `agent_columns` only, as in training; the checkers get every column (issue #9).
+        missing = [c for c in self.suite.agent_columns if c not in self.tasks[0]]
+        if missing:
+            raise ValueError(f"The suite's agent_columns {missing} are not columns of the dataset "
+                             f"{sorted(self.tasks[0])}.")
+        self.agent_tasks = [{c: task[c] for c in self.suite.agent_columns} for task in self.tasks]
         self.concurrency, self.episode_timeout, self.progress = concurrency, episode_timeout, progress
         self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens,
                          "max_turns": max_turns}
@@ -442,7 +448,7 @@ class Evaluator:
 
             async def one(i: int) -> Episode:
                 async with semaphore:
-                    episode = await run_episode(self.server, self.agent, self.tasks[i], i // self.num_samples,
+                    episode = await run_episode(self.server, self.agent, self.agent_tasks[i], i // self.num_samples,
                                                 i % self.num_samples, self.episode_timeout, http_client=http_client)
                 statuses[episode.status] += 1
                 bar.update(1)

@@ -8,7 +8,7 @@ Routes:
   (the agent only ever holds its episode key or id).
 
 The path route is a capability URL: the episode id (128 random bits) is the secret, kept out of access logs
-(`server.redact_episode_ids`). A request on it that carries an episode key must carry that episode's key (401
+(`server.RedactEpisodeIds`). A request on it that carries an episode key must carry that episode's key (401
 otherwise); placeholder keys (`EMPTY`, `sk-...`) that agents send when they must send something are ignored.
 
 Nothing an agent sends can cost another episode (issue #9): bodies are strict JSON with bounded nesting and sampling
