@@ -1,8 +1,10 @@
-"""The OpenAI-compatible endpoint that records every token: `create_app(...) -> FastAPI`.
+"""The OpenAI- and Anthropic-compatible endpoint that records every token: `create_app(...) -> FastAPI`.
 
-Routes:
-- `POST /v1/chat/completions`, `GET /v1/models` (episode by `Authorization: Bearer <episode key>`), and the same under
-  `/episodes/{episode_id}/v1/...` (episode by path).
+Routes (each wire format is an adapter over one format-neutral model call, `service.py`):
+- `POST /v1/chat/completions` (`chat_completions.py`), `POST /v1/responses` (`responses.py`), `POST /v1/messages` and
+  `POST /v1/messages/count_tokens` (`anthropic_messages.py`), `GET /v1/models`: the episode by its key
+  (`Authorization: Bearer <episode key>`, or `x-api-key: <episode key>` as the `anthropic` SDK sends it), and the same
+  under `/episodes/{episode_id}/v1/...` (episode by path).
 - `GET /health`.
 - `POST /admin/episodes`, `GET /admin/episodes/{id}`, `POST /admin/episodes/{id}/close`, guarded by the admin token
   (the agent only ever holds its episode key or id).
@@ -10,6 +12,9 @@ Routes:
 The path route is a capability URL: the episode id (128 random bits) is the secret, kept out of access logs
 (`server.RedactEpisodeIds`). A request on it that carries an episode key must carry that episode's key (401
 otherwise); placeholder keys (`EMPTY`, `sk-...`) that agents send when they must send something are ignored.
+
+Errors come in the shape of the route's format: OpenAI's `{"error": {...}}`, or Anthropic's
+`{"type": "error", "error": {...}}` on the `/v1/messages` routes.
 
 Nothing an agent sends can cost another episode (issue #9): bodies are strict JSON with bounded nesting and sampling
 fields in range (4xx otherwise), a batch survives one failing member (`generation/batching.py`), and a genuine server
@@ -30,9 +35,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ..generation.engine import GenerationEngine
 from ..trace import EPISODE_STATUSES, json_text
+from . import anthropic_messages
 from .chat import ChatRenderer
 from .chat_completions import serve_chat_completions
 from .protocol import CloseEpisodeRequest, OpenEpisodeRequest, error_body
+from .responses import serve_responses
 from .service import APIError, CompletionService, EndpointSettings, SamplingOverrides
 from .sessions import (
     EpisodeLimits,
@@ -80,25 +87,26 @@ def create_app(
     service = app.state.service = CompletionService(engine, renderer, settings)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, error: APIError):
-        return JSONResponse(error_body(error.message, error.type, error.param, error.code), status_code=error.status)
+    async def _api_error(request: Request, error: APIError):
+        return _error_response(request.url.path, error)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _):
-        return JSONResponse(error_body(f"Unknown route {request.url.path}", code="not_found"), status_code=404)
+        return _error_response(request.url.path, APIError(404, f"Unknown route {request.url.path}", code="not_found"))
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, _):
-        return JSONResponse(error_body(f"Method {request.method} not allowed on {request.url.path}"), status_code=405)
+        return _error_response(request.url.path,
+                               APIError(405, f"Method {request.method} not allowed on {request.url.path}"))
 
     # Episodes
 
     def episode_from_key(request: Request) -> EpisodeSession:
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer ") or not header[7:].strip():
-            raise APIError(401, "Missing API key: send the episode key as 'Authorization: Bearer <key>'.",
-                           "authentication_error", "missing_api_key")
-        session = registry.by_key(header[7:].strip())
+        key = _episode_key(request)
+        if not key:
+            raise APIError(401, "Missing API key: send the episode key as 'Authorization: Bearer <key>' (or "
+                                "'x-api-key: <key>').", "authentication_error", "missing_api_key")
+        session = registry.by_key(key)
         if session is None:
             raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
         return session
@@ -108,8 +116,7 @@ def create_app(
         if session is None or session.closed:
             raise APIError(404, "Unknown or closed episode (the id in the path).", "invalid_request_error",
                            "episode_not_found")
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        key = _episode_key(request)
         if key.startswith("sk-ep-") and not secrets.compare_digest(key.encode(), session.key.encode()):
             raise APIError(401, "This episode key belongs to another episode than the one in the path.",
                            "authentication_error", "invalid_api_key")
@@ -153,6 +160,36 @@ def create_app(
     async def chat_completions_by_path(episode_id: str, request: Request):
         session = episode_from_path(episode_id, request)
         return await serve_chat_completions(service, session, await service.read_body(request), request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        session = episode_from_key(request)
+        return await serve_responses(service, session, await service.read_body(request), request)
+
+    @app.post("/episodes/{episode_id}/v1/responses")
+    async def responses_by_path(episode_id: str, request: Request):
+        session = episode_from_path(episode_id, request)
+        return await serve_responses(service, session, await service.read_body(request), request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        session = episode_from_key(request)
+        return await anthropic_messages.serve_messages(service, session, await service.read_body(request), request)
+
+    @app.post("/episodes/{episode_id}/v1/messages")
+    async def messages_by_path(episode_id: str, request: Request):
+        session = episode_from_path(episode_id, request)
+        return await anthropic_messages.serve_messages(service, session, await service.read_body(request), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        episode_from_key(request)
+        return await anthropic_messages.count_tokens(service, await service.read_body(request))
+
+    @app.post("/episodes/{episode_id}/v1/messages/count_tokens")
+    async def count_tokens_by_path(episode_id: str, request: Request):
+        episode_from_path(episode_id, request)
+        return await anthropic_messages.count_tokens(service, await service.read_body(request))
 
     @app.post("/admin/episodes")
     async def open_episode(request: Request):
@@ -204,8 +241,29 @@ def create_app(
     return app
 
 
+def _episode_key(request: Request) -> str:
+    """The key a request carries: `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic's)."""
+    header = request.headers.get("authorization", "")
+    if header.lower().startswith("bearer ") and header[7:].strip():
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _is_anthropic_route(path: str) -> bool:
+    return path.endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+def _error_response(path: str, error: APIError) -> JSONResponse:
+    """`error` in the shape of the route's wire format."""
+    if _is_anthropic_route(path):
+        body = anthropic_messages.error_body(error.status, error.message)
+    else:
+        body = error_body(error.message, error.type, error.param, error.code)
+    return JSONResponse(body, status_code=error.status)
+
+
 class _ServerErrors:
-    """Answer an unexpected exception with a 500 in OpenAI's format, on a connection that stays usable.
+    """Answer an unexpected exception with a 500 in the route's format, on a connection that stays usable.
 
     FastAPI's `exception_handler(Exception)` answers too, but Starlette re-raises afterwards and uvicorn then drops
     the keep-alive connection: with the rollout's shared HTTP pool, another episode's next call on that connection got
@@ -233,8 +291,8 @@ class _ServerErrors:
                 raise
             logger.exception("Internal error while serving %s %s", scope.get("method"),
                              redact_episode_ids(scope.get("path", "")))
-            response = JSONResponse(error_body(f"Internal error: {type(error).__name__}: {error}", "server_error",
-                                               code="internal_error"), status_code=500)
+            response = _error_response(scope.get("path", ""), APIError(
+                500, f"Internal error: {type(error).__name__}: {error}", "server_error", code="internal_error"))
             await response(scope, receive, send)
 
 

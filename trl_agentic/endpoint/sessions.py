@@ -98,6 +98,9 @@ class EpisodeSession:
     last_active: float = field(default_factory=time.monotonic)
     flags: set[str] = field(default_factory=set)  # "context_overflow", "limit_exceeded"
     late_turns: int = 0  # choices still being sampled when the episode closed (dropped, counted in the trace)
+    # Responses API (`previous_response_id`): response id -> (the id it continued, the messages it added: its input
+    # items and its answer, as chat messages). Lives and dies with the episode.
+    responses: dict[str, tuple[str | None, list[dict]]] = field(default_factory=dict)
     _histories: list[_TurnHistory] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -1,0 +1,320 @@
+"""`POST /v1/responses`: the OpenAI Responses API, as an adapter over `service.py`.
+
+What the OpenAI Agents SDK (its default model provider) and Codex-style agents speak. The request's `instructions`
+and `input` items become chat messages; the answer becomes output items; `stream: true` emits the Responses event
+sequence after the whole answer is sampled (what is recorded is identical whether or not it streams).
+
+Input items → chat messages (one assistant message per run of assistant-side items, so that the items we returned,
+sent back, are exactly the assistant message we recorded and the next prompt continues its tokens):
+
+| item                                   | chat message                                              |
+|----------------------------------------|-----------------------------------------------------------|
+| `message` user / system / developer    | that role, text parts joined                              |
+| `reasoning` (`content` or `summary`)   | `reasoning_content` of the assistant message that follows |
+| `message` assistant (`output_text`)    | assistant `content`                                       |
+| `function_call` (`call_id`, arguments) | a `tool_calls` entry of that assistant message            |
+| `function_call_output`                 | a `tool` message                                          |
+
+Output items: `reasoning` (a thinking model's `<think>` text, as `reasoning_text` content), `message` with one
+`output_text` part (always present unless the answer is tool calls only), one `function_call` per tool call.
+
+`previous_response_id` works within an episode: the episode keeps what each stored response (`store` not false) added
+to the conversation, and a request naming one is that conversation + its own `input` (its own `instructions` only, as
+OpenAI does). Only function tools are served; images, files and audio are a 400 (the policy reads text).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .service import RESPONSES, APIError, Choice, Completion, CompletionService, Conversation, content_pieces
+from .sessions import EpisodeSession
+
+
+class ResponsesRequest(BaseModel):
+    """The request body of `POST /v1/responses`. Unknown fields are accepted and recorded (`include`, `text`,
+    `reasoning`, `truncation`, `metadata`, ...); sampling is the trainer's."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str
+    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    store: bool | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    background: bool | None = None
+
+
+async def serve_responses(service: CompletionService, session: EpisodeSession, raw: bytes, request: Request):
+    """Answer one Responses request body `raw` in `session` (a dict, or a streaming response)."""
+    req = service.validate(ResponsesRequest, service.parse_json(raw))
+    service.check_model(req.model)
+    for name in ("conversation", "prompt"):
+        if getattr(req, name) is not None:
+            raise APIError(400, f"'{name}' is not supported by this endpoint: send the conversation as 'input' "
+                                "(and 'previous_response_id').", param=name, code="unsupported_parameter")
+    if req.background:
+        raise APIError(400, "Background responses are not supported by this endpoint.", param="background",
+                       code="unsupported_parameter")
+    tools = chat_tools(req.tools)
+    tool_choice, forced = _tool_choice(req.tool_choice, tools)
+
+    history = _stored_conversation(session, req.previous_response_id)
+    added = input_messages(req.input)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages = system + history + added
+    if not messages:
+        raise APIError(400, "The request has no input: send 'input' (a string or a list of items).", param="input")
+    conversation = Conversation(
+        messages=messages,
+        tools=tools,
+        tool_choice=tool_choice,
+        forced_tool_name=forced,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_logprobs=req.top_logprobs or 0,
+        requested={k: v for k, v in req.model_dump(exclude_none=True).items()
+                   if k not in ("input", "tools", "instructions")},
+        wire_format=RESPONSES,
+        split_reasoning=True,
+        messages_param="input",
+    )
+    completion = await service.complete(session, conversation, request)
+    (choice,) = completion.choices
+
+    response_id = f"resp_{uuid.uuid4().hex}"
+    if req.store is not False:
+        session.responses[response_id] = (req.previous_response_id, added + [choice.message])
+    body = response_body(req, response_id, int(time.time()), output_items(choice), completion, choice)
+    if not req.stream:
+        return body
+    return StreamingResponse(_sse(_stream_events(service.tokenizer, body, choice)), media_type="text/event-stream")
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (`{"type": "function", "name", "parameters", ...}`) in the chat-completions shape,
+    keys in the order the chat format sends them (templates render the schema as JSON, key order included)."""
+    if not tools:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}] has type {tool.get('type')!r}; this endpoint serves function tools only "
+                                "(hosted tools such as web_search run on OpenAI's servers).", param=f"tools[{i}]",
+                           code="unsupported_tool")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise APIError(400, f"tools[{i}] needs a 'name'.", param=f"tools[{i}].name")
+        function = {"name": tool["name"]}
+        for key in ("description", "parameters", "strict"):
+            if tool.get(key) is not None:
+                function[key] = tool[key]
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise APIError(400, f"tools[{i}].parameters must be a JSON schema object.", param=f"tools[{i}].parameters")
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str | None, str | None]:
+    if choice is None or isinstance(choice, str):
+        if choice == "required" and not tools:
+            raise APIError(400, "tool_choice 'required' needs 'tools'.", param="tool_choice")
+        return choice, None
+    name = choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError(400, f"Unsupported tool_choice {choice!r}: use 'auto', 'none', 'required' or "
+                            "{'type': 'function', 'name': ...}.", param="tool_choice")
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise APIError(400, f"tool_choice names function {name!r}, which is not in 'tools'.", param="tool_choice")
+    return None, name
+
+
+def _stored_conversation(session: EpisodeSession, response_id: str | None) -> list[dict]:
+    """The messages of the stored response `response_id` and of those it continued, oldest first."""
+    chain, current = [], response_id
+    while current is not None:
+        if current not in session.responses:
+            raise APIError(400, f"Previous response with id {current!r} not found (in this episode, stored with "
+                                "'store' not false).", param="previous_response_id",
+                           code="previous_response_not_found")
+        current, messages = session.responses[current]
+        chain.append(messages)
+    return [m for messages in reversed(chain) for m in messages]
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages (see the module's table); 400 naming the item it cannot take."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    assistant: dict[str, Any] | None = None  # the assistant message the current run of items builds
+
+    def open_assistant(*blocking: str) -> dict[str, Any]:
+        nonlocal assistant
+        if assistant is None or any(assistant.get(key) for key in blocking):
+            assistant = {"role": "assistant", "content": None}
+            messages.append(assistant)
+        return assistant
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', not "
+                                    f"{role!r}.", param=f"{where}.role")
+            text = _text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                open_assistant("content", "tool_calls")["content"] = text
+            else:
+                assistant = None
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = _text(parts, f"{where}.content", separator="\n\n")
+            if reasoning:
+                open_assistant("content", "tool_calls", "reasoning_content")["reasoning_content"] = reasoning
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise APIError(400, f"{where} (a function_call) needs '{key}' as a string.", param=f"{where}.{key}")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            open_assistant().setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, f"{where} (a function_call_output) needs 'call_id'.", param=f"{where}.call_id")
+            assistant = None
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output"), f"{where}.output")})
+        else:
+            raise APIError(400, f"{where} has type {kind!r}; this endpoint takes 'message', 'function_call', "
+                                "'function_call_output' and 'reasoning' items.", param=f"{where}.type",
+                           code="unsupported_item")
+    for message in messages:
+        if message["role"] == "assistant" and message["content"] is None and not message.get("tool_calls"):
+            message["content"] = ""
+    return messages
+
+
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
+               "reasoning_text": "text", "summary_text": "text"}
+
+
+def _text(content: Any, where: str, separator: str = "") -> str:
+    """The text of a content field: a string, or its text parts joined with `separator`."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of content parts.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = _TEXT_PARTS.get(kind)
+        if key is None or not isinstance(part.get(key), str):
+            if kind in ("input_image", "input_file", "input_audio"):
+                raise APIError(400, f"{where}[{j}] is an {kind} part; the served model reads text only.",
+                               param=f"{where}[{j}]", code="unsupported_content")
+            raise APIError(400, f"{where}[{j}] is not a text part (type {kind!r}).", param=f"{where}[{j}]")
+        texts.append(part[key])
+    return separator.join(texts)
+
+
+def output_items(choice: Choice) -> list[dict[str, Any]]:
+    """The output items of one answer: reasoning, message (unless only tool calls), function calls."""
+    message = choice.message
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}],
+                      "status": "completed"})
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
+                                   "logprobs": []}]})
+    for call in calls:
+        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": "completed"})
+    return items
+
+
+def response_body(req: ResponsesRequest, response_id: str, created: int, output: list[dict], completion: Completion,
+                  choice: Choice) -> dict[str, Any]:
+    incomplete = choice.finish_reason == "length"
+    usage = {"input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+    return {
+        "id": response_id, "object": "response", "created_at": created,
+        "status": "incomplete" if incomplete else "completed", "background": False, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id, "reasoning": None, "store": req.store is not False,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "top_p": req.top_p if req.top_p is not None else 1.0, "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
+        "usage": usage, "metadata": {}, "user": None,
+    }
+
+
+def _stream_events(tokenizer, body: dict[str, Any], choice: Choice):
+    """The Responses event sequence of a finished answer, as `(event type, data)`."""
+    sequence = iter(range(1 << 62))
+
+    def event(kind: str, **data) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": next(sequence), **data}
+
+    started = {**body, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
+    for index, item in enumerate(body["output"]):
+        ids = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                                "content": []})
+            part = item["content"][0]
+            yield event("response.content_part.added", **ids, content_index=0,
+                        part={**part, "text": ""})
+            for piece in content_pieces(tokenizer, choice.output.token_ids, part["text"]):
+                yield event("response.output_text.delta", **ids, content_index=0, delta=piece, logprobs=[])
+            yield event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[])
+            yield event("response.content_part.done", **ids, content_index=0, part=part)
+        elif item["type"] == "reasoning":
+            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                                "content": []})
+            text = item["content"][0]["text"]
+            yield event("response.reasoning_text.delta", **ids, content_index=0, delta=text)
+            yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
+        else:  # function_call
+            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                                "arguments": ""})
+            yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+            yield event("response.function_call_arguments.done", **ids, name=item["name"],
+                        arguments=item["arguments"])
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
+
+
+async def _sse(events):
+    for data in events:
+        yield f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
