@@ -50,3 +50,17 @@ def test_sampling_parameters_are_validated_before_they_reach_a_batch():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     SamplingParams(seed=-(2**63), temperature=0.0, top_p=1.0)  # the edges are fine
+
+
+def test_row_of_a_disconnected_caller_stops_sampling(tokenizer):
+    # The batcher sets a row's event when its caller is cancelled (the client disconnected); the engine frees the row.
+    import threading
+
+    engine = TransformersEngine(build_tiny_model(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    prompt = tokenizer.encode("Hello there", add_special_tokens=False)
+    gone, waiting = threading.Event(), threading.Event()
+    gone.set()
+    sampling = SamplingParams(max_tokens=20, seed=0, stop_token_ids=[])
+    outputs = engine.generate_batch([prompt, prompt], [sampling, sampling], cancelled=[gone, waiting])
+    assert (outputs[0].finish_reason, outputs[0].token_ids) == ("cancelled", [])
+    assert (outputs[1].finish_reason, len(outputs[1].token_ids)) == ("length", 20)
