@@ -5,6 +5,7 @@ import json
 import sys
 import textwrap
 
+import anthropic
 import httpx
 import pytest
 import torch
@@ -330,3 +331,45 @@ def test_config_errors_say_how_to_fix(tmp_path):
         config(tmp_path, max_turns=0)
     with pytest.raises(ValueError, match="forks must be one of"):
         config(tmp_path, forks="sometimes")
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+async def anthropic_tool_agent(client: anthropic.AsyncAnthropic, task):
+    """`tool_agent` written with the anthropic SDK: the annotation is what gets it an anthropic client."""
+    messages = list(task["prompt"])
+    for _ in range(3):
+        reply = await client.messages.create(model="policy", max_tokens=6, messages=messages, tools=ANTHROPIC_TOOLS)
+        messages.append({"role": "assistant", "content": reply.content})
+        calls = [block for block in reply.content if block.type == "tool_use"]
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "42"}
+                                                     for b in calls] or "Use the add tool."})
+    return reply.stop_reason
+
+
+def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
+    model = build_tiny_model(tokenizer)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = AgenticGRPOTrainer(model, agent=anthropic_tool_agent, reward_funcs=length_reward,
+                                 args=config(tmp_path), train_dataset=dataset(), processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "parameters did not change"
+
+    records = read_episode_log(tmp_path)
+    assert len(records) == 4  # 2 steps x (1 task x 2 episodes)
+    for record in records:
+        turns = record["episode"]["turns"]
+        assert record["episode"]["status"] == "ok", record["episode"]["error"]
+        assert [t["wire_format"] for t in turns] == ["anthropic_messages"] * 3
+        assert [t["prompt_source"] for t in turns] == ["rendered", "continued", "continued"]
+        (row,) = record["rows"]
+        assert row["prompt_ids"] + row["completion_ids"] == turns[2]["prompt_ids"] + turns[2]["completion_ids"]
+        sampled = [(tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
+        assert [(tok, lp) for tok, mask, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"])
+                if mask] == sampled
+    assert trainer.state.log_history[0]["episodes/forks_mean"] == 0.0

@@ -9,9 +9,10 @@ import sys
 import textwrap
 import time
 
+import anthropic
 import pytest
 
-from trl_agentic.rollout.agents import CommandAgent
+from trl_agentic.rollout.agents import CallableAgent, CommandAgent, resolve_agent
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
@@ -42,6 +43,7 @@ def test_command_agent_gets_a_minimal_environment(server, monkeypatch):
     assert "HF_TOKEN" not in env and "AWS_SECRET_ACCESS_KEY" not in env
     assert env["PATH"] == os.environ["PATH"] and env["LC_ALL"] == "C.UTF-8"
     assert env["OPENAI_BASE_URL"] == server.base_url and env["OPENAI_API_KEY"].startswith("sk-ep-")
+    assert env["ANTHROPIC_BASE_URL"] == server.url and env["ANTHROPIC_API_KEY"] == env["OPENAI_API_KEY"]
     assert json.loads(env["TRL_AGENTIC_TASK"]) == {"prompt": "p"}
 
     # What the user opts into, and nothing else.
@@ -50,6 +52,44 @@ def test_command_agent_gets_a_minimal_environment(server, monkeypatch):
     assert env["AGENT_STEPS"] == "3" and env["HF_TOKEN"] == "hf_secret" and "AWS_SECRET_ACCESS_KEY" not in env
     (episode,) = run(server, CommandAgent(PRINT_ENVIRONMENT, inherit_env=True))
     assert episode.result["result"]["AWS_SECRET_ACCESS_KEY"] == "aws_secret"
+
+
+ANTHROPIC_COMMAND = textwrap.dedent("""
+    import json, os, anthropic
+    client = anthropic.Anthropic(max_retries=0)  # ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY from the environment
+    reply = client.messages.create(model=os.environ["ANTHROPIC_MODEL"], max_tokens=8,
+                                   messages=[{"role": "user", "content": "Hi."}])
+    print(json.dumps(reply.content[0].text))
+""")
+
+
+def test_agents_written_with_the_anthropic_sdk(server, tmp_path):
+    """A command agent reads the ANTHROPIC_* variables; a Python agent gets an anthropic client when its first
+    parameter says so (async or sync), or when `CallableAgent(client="anthropic")` does."""
+    script = tmp_path / "anthropic_agent.py"
+    script.write_text(ANTHROPIC_COMMAND)
+
+    async def async_agent(client: anthropic.AsyncAnthropic, task):
+        return (await client.messages.create(model="policy", max_tokens=8, messages=[
+            {"role": "user", "content": task["prompt"]}])).content[0].text
+
+    def sync_agent(client: "anthropic.Anthropic", task):
+        return client.messages.create(model="policy", max_tokens=8, messages=[
+            {"role": "user", "content": task["prompt"]}]).content[0].text
+
+    def unannotated_agent(client, task):
+        return sync_agent(client, task)
+
+    agents = [CommandAgent(f"{sys.executable} {script}"), async_agent, sync_agent,
+              CallableAgent(unannotated_agent, client="anthropic")]
+    for agent in agents:
+        (episode,) = run(server, resolve_agent(agent))
+        assert episode.status == "ok", episode.error
+        result = episode.result["result"] if isinstance(agent, CommandAgent) else episode.result
+        assert result == "Fine."
+        assert [turn.wire_format for turn in episode.turns] == ["anthropic_messages"]
+    with pytest.raises(ValueError, match="client='gemini'"):
+        CallableAgent(unannotated_agent, client="gemini")
 
 
 def process_is_gone(pid: int) -> bool:

@@ -3,9 +3,12 @@
 Contracts (see DESIGN.md):
 - `async def agent(client: openai.AsyncOpenAI, task: dict) -> Any`: `client` already points at the episode.
 - `def agent(client: openai.OpenAI, task: dict) -> Any`: run in a thread.
+- `async def agent(client: anthropic.AsyncAnthropic, task: dict)` (or `anthropic.Anthropic`, sync): an agent whose
+  first parameter is annotated with an `anthropic` client gets one, pointed at the episode's `/v1/messages`
+  (`CallableAgent(fn, client="anthropic")` says so explicitly). Needs `pip install trl-agentic[anthropic]`.
 - `CommandAgent("python my_agent.py")`: a shell command per episode, with `OPENAI_BASE_URL`, `OPENAI_API_KEY` (the
-  episode key), `OPENAI_MODEL` and `TRL_AGENTIC_TASK` (the task as JSON, also on stdin) in a minimal environment (no
-  trainer secrets). Its exit status and the last JSON line of its stdout are recorded; when it exits, or times out,
+  episode key), `OPENAI_MODEL`, `ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY`, `ANTHROPIC_MODEL` and `TRL_AGENTIC_TASK`
+  (the task as JSON, also on stdin) in a minimal environment (no trainer secrets). Its exit status and the last JSON line of its stdout are recorded; when it exits, or times out,
   its whole process group is killed.
 The return value reaches the reward functions as `episodes[i].result`.
 """
@@ -37,6 +40,11 @@ class EpisodeContext:
     # Shared by the episodes of one rollout (connection reuse); agents must not close it.
     http_client: httpx.AsyncClient | None = None
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The base URL for the `anthropic` SDK, which appends `/v1/messages` itself: `base_url` without `/v1`."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
 
 class EpisodeAgent(Protocol):
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any: ...
@@ -50,17 +58,45 @@ class AgentCrash(Exception):
         self.metadata = metadata or {}
 
 
+AGENT_CLIENTS = ("openai", "anthropic")
+
+
 @dataclass
 class CallableAgent:
-    """An `async def agent(client, task)` or a plain `def agent(client, task)` (run in a thread of its own)."""
+    """An `async def agent(client, task)` or a plain `def agent(client, task)` (run in a thread of its own).
+
+    Args:
+        fn: the agent function.
+        client: the SDK client it receives, `"openai"` or `"anthropic"`; `None` (default) reads it from the annotation
+            of its first parameter (`anthropic.AsyncAnthropic` / `anthropic.Anthropic`: anthropic, otherwise openai).
+
+    Example:
+
+    ```python
+    >>> async def agent(client: anthropic.AsyncAnthropic, task):
+    ...     message = await client.messages.create(model="policy", max_tokens=256, messages=task["prompt"])
+    ...     return message.content[0].text
+    >>> CallableAgent(agent).client
+    'anthropic'
+    ```
+    """
 
     fn: Any
+    client: str | None = None
     # One connection pool for the sync clients of all episodes: building an `openai.OpenAI` with its own pool costs
     # ~85 ms of CPU (its TLS context), paid while the episode's clock runs.
     _sync_http_client: httpx.Client | None = field(default=None, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        if self.client is None:
+            self.client = agent_client(self.fn)
+        if self.client not in AGENT_CLIENTS:
+            raise ValueError(f"CallableAgent(client={self.client!r}): use one of {list(AGENT_CLIENTS)}.")
+
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
+        if self.client == "anthropic":
+            return await self._run_anthropic(context, task)
         kwargs = dict(base_url=context.base_url, api_key=context.api_key, max_retries=0, timeout=context.timeout)
         if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
             if context.http_client is not None:
@@ -72,6 +108,45 @@ class CallableAgent:
                 self._sync_http_client = httpx.Client(limits=httpx.Limits(max_connections=None), timeout=None)
         client = openai.OpenAI(**kwargs, http_client=self._sync_http_client)  # not closed: the pool is shared
         return await run_in_daemon_thread(lambda: self.fn(client, task))
+
+    async def _run_anthropic(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
+        # A client per episode: the `anthropic` SDK runs on its own HTTP stack (not httpx), so it cannot share the
+        # rollout's connection pool.
+        try:
+            import anthropic
+        except ImportError:
+            raise ImportError("This agent takes an anthropic client: pip install 'trl-agentic[anthropic]'.") from None
+        kwargs = dict(base_url=context.anthropic_base_url, api_key=context.api_key, max_retries=0,
+                      timeout=context.timeout)
+        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+            async with anthropic.AsyncAnthropic(**kwargs) as client:
+                return await self.fn(client, task)
+
+        def run_sync():
+            with anthropic.Anthropic(**kwargs) as client:
+                return self.fn(client, task)
+
+        return await run_in_daemon_thread(run_sync)
+
+
+def agent_client(fn: Any) -> str:
+    """`"anthropic"` when the first parameter of `fn` is annotated with an `anthropic` client class, else `"openai"`.
+
+    Example:
+
+    ```python
+    >>> def agent(client: "anthropic.AsyncAnthropic", task): ...
+    >>> agent_client(agent), agent_client(lambda client, task: None)
+    ('anthropic', 'openai')
+    ```
+    """
+    parameters = list(inspect.signature(fn).parameters.values())
+    if not parameters:
+        return "openai"
+    annotation = parameters[0].annotation
+    # A class, or its name as a string under `from __future__ import annotations`.
+    name = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return "anthropic" if name.rsplit(".", 1)[-1] in ("Anthropic", "AsyncAnthropic") else "openai"
 
 
 def run_in_daemon_thread(fn) -> asyncio.Future:
@@ -133,7 +208,8 @@ def command_environment(inherit_env: bool | Sequence[str] = ()) -> dict[str, str
 
 @dataclass
 class CommandAgent:
-    """A shell command run once per episode (any language, any framework that reads `OPENAI_BASE_URL`).
+    """A shell command run once per episode (any language, any framework that reads `OPENAI_BASE_URL` or
+    `ANTHROPIC_BASE_URL`).
 
     The command runs in its own process group with a minimal environment: `INHERITED_ENV` (PATH, HOME, locale, ...),
     the endpoint variables, `env`, and the trainer's variables named in `inherit_env` (`True`: all of them). When it
@@ -160,6 +236,9 @@ class CommandAgent:
             "OPENAI_BASE_URL": context.base_url,
             "OPENAI_API_KEY": context.api_key,
             "OPENAI_MODEL": context.model,
+            "ANTHROPIC_BASE_URL": context.anthropic_base_url,
+            "ANTHROPIC_API_KEY": context.api_key,
+            "ANTHROPIC_MODEL": context.model,
             "TRL_AGENTIC_TASK": task_json,
         }
         process = await asyncio.create_subprocess_shell(
