@@ -106,11 +106,12 @@ def fuzz(server, num_requests: int) -> dict:
 
     counts = {"requests": 0, "5xx": 0, "connection_errors": 0, "traces_unreadable": 0, "2xx": 0, "4xx": 0}
     admin = {"Authorization": f"Bearer {server.admin_token}"}
-    seed = 0
+    seed, opened = 0, []
     while counts["requests"] < num_requests:
         rng = random.Random(seed)
         seed += 1
         session = server.open_episode()
+        opened.clear()
         routes = [("/v1/chat/completions", {"Authorization": f"Bearer {session.key}"}),
                   (f"/episodes/{session.episode.id}/v1/chat/completions", {}), ("/admin/episodes", admin)]
         with httpx.Client(base_url=server.url, timeout=30) as client:
@@ -119,19 +120,22 @@ def fuzz(server, num_requests: int) -> dict:
                 content = generator.encode(rng, generator.mutate(rng, rng.choice(generator.base_bodies())))
                 counts["requests"] += 1
                 try:
-                    status = client.post(path, content=content,
-                                         headers={**headers, "Content-Type": "application/json"}).status_code
+                    response = client.post(path, content=content,
+                                           headers={**headers, "Content-Type": "application/json"})
                 except httpx.HTTPError:
                     counts["connection_errors"] += 1
                     continue
+                status = response.status_code
                 counts["5xx" if status >= 500 else "4xx" if status >= 400 else "2xx"] += 1
+                if path == "/admin/episodes" and status == 200:
+                    opened.append(response.json()["id"])
             try:
                 closed = client.post(f"/admin/episodes/{session.episode.id}/close", headers=admin, json={})
                 json.loads(closed.content, parse_constant=float.fromhex)  # strict: NaN would raise
                 counts["traces_unreadable"] += closed.status_code != 200
             except (httpx.HTTPError, ValueError):
                 counts["traces_unreadable"] += 1
-        for episode_id in [s.episode.id for s in list(server.registry._by_id.values())]:  # admin-opened ones
+        for episode_id in opened:  # the fuzz opened these through the admin route
             server.close_episode(episode_id)
     counts["sessions"] = seed
     return counts
