@@ -3,12 +3,17 @@
 ```bash
 python benchmarks/endpoint_benchmark.py                      # ~1 min on 2 CPU cores
 python benchmarks/endpoint_benchmark.py --model tiny:qwen2_5:128x4 --episodes 64
+python benchmarks/endpoint_benchmark.py --sections c          # wire formats only
 ```
 
 (a) Per-call overhead: a zero-cost engine (fixed tokens, instantly) behind the real endpoint (uvicorn on loopback),
     N sequential calls of multi-turn episodes, each call continuing the previous one (token-in continuation: one
     render + tokenizing the new messages). Measured at the client, over a kept-alive HTTP connection (raw httpx) and
     through the official `openai` client. Early and late turns are shown apart: the cost must not grow with history.
+(c) Per-call overhead of each wire format against Chat Completions, in the same run: the same zero-cost engine and
+    the same tool episodes spoken as Chat Completions, Responses and Anthropic Messages, one call of each format in
+    turn (so load on the machine hits all three alike), one client at a time (c1). Raw httpx shows the endpoint's own
+    cost; the official clients (`openai` chat / responses, `anthropic`) add theirs. Goal: p50 <= 1.2x Chat Completions.
 (b) Tiny-model throughput: the same multi-turn episodes with the embedded TransformersEngine, 32 concurrent agents
     (asyncio + AsyncOpenAI, one key each) vs one agent at a time; sampled tokens/s and episodes/s, and their ratio.
 """
@@ -20,6 +25,7 @@ import asyncio
 import statistics
 import time
 
+import anthropic
 import httpx
 import openai
 import torch
@@ -97,6 +103,104 @@ def overhead(calls: int, turns: int, use_openai: bool) -> dict:
             "late_p50": statistics.median(late), "forks": forks, "calls": len(all_ms)}
 
 
+RESPONSES_TOOL = {"type": "function", **TOOL["function"]}
+ANTHROPIC_TOOL = {"name": "calculator", "description": TOOL["function"]["description"],
+                  "input_schema": TOOL["function"]["parameters"]}
+SYSTEM, QUESTION = "Use the calculator.", "What is 2 + 3, then 3 more, many times?"
+WIRE_FORMATS = ("chat_completions", "responses", "anthropic_messages")
+
+
+class FormatEpisode:
+    """One tool episode spoken in one wire format, a call at a time: the request body of the next call, the call
+    through raw httpx or the format's official client, and the history update an agent makes with the answer."""
+
+    def __init__(self, server: EndpointServer, wire_format: str, http: httpx.Client):
+        self.server, self.format, self.http = server, wire_format, http
+        self.session = server.open_episode()
+        self.turn = 0
+        self.history: list = ([{"role": "system", "content": SYSTEM}] if wire_format == "chat_completions" else [])
+        self.history.append({"role": "user", "content": QUESTION})
+        if wire_format == "anthropic_messages":
+            self.client = anthropic.Anthropic(base_url=server.url, api_key=self.session.key, max_retries=0,
+                                              http_client=anthropic.DefaultHttpxClient())
+        else:
+            self.client = openai.OpenAI(base_url=server.base_url, api_key=self.session.key, max_retries=0,
+                                        http_client=openai.DefaultHttpxClient())
+
+    def body(self) -> dict:
+        if self.format == "chat_completions":
+            return {"model": "policy", "messages": self.history, "tools": [TOOL], "max_tokens": 64}
+        if self.format == "responses":
+            return {"model": "policy", "instructions": SYSTEM, "input": self.history, "tools": [RESPONSES_TOOL],
+                    "max_output_tokens": 64}
+        return {"model": "policy", "system": SYSTEM, "messages": self.history, "tools": [ANTHROPIC_TOOL],
+                "max_tokens": 64}
+
+    def call(self, use_sdk: bool) -> float:
+        """One call; returns its latency in ms, measured at the client."""
+        body = self.body()
+        start = time.perf_counter()
+        if use_sdk:
+            if self.format == "chat_completions":
+                answer = self.client.chat.completions.create(**body).model_dump(exclude_none=True)
+            elif self.format == "responses":
+                answer = self.client.responses.create(**body).model_dump(exclude_none=True)
+            else:
+                answer = self.client.messages.create(**body).model_dump(exclude_none=True)
+        else:
+            path = {"chat_completions": "/v1/chat/completions", "responses": "/v1/responses",
+                    "anthropic_messages": "/v1/messages"}[self.format]
+            answer = self.http.post(f"{self.server.url}{path}", json=body,
+                                    headers={"Authorization": f"Bearer {self.session.key}"}).json()
+        ms = (time.perf_counter() - start) * 1000
+        result = f"{5 + 3 * self.turn}"
+        if self.format == "chat_completions":
+            message = answer["choices"][0]["message"]
+            self.history += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                                       "content": result}]
+        elif self.format == "responses":
+            (call,) = [item for item in answer["output"] if item["type"] == "function_call"]
+            self.history += answer["output"] + [{"type": "function_call_output", "call_id": call["call_id"],
+                                                 "output": result}]
+        else:
+            (call,) = [block for block in answer["content"] if block["type"] == "tool_use"]
+            self.history += [{"role": "assistant", "content": answer["content"]},
+                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
+                                                           "content": result}]}]
+        self.turn += 1
+        return ms
+
+    def close(self) -> int:
+        self.client.close()
+        episode = self.server.close_episode(self.session.episode.id)
+        assert {turn.wire_format for turn in episode.turns} == {self.format}
+        return episode.num_forks
+
+
+def wire_format_overhead(calls: int, turns: int, use_sdk: bool) -> dict:
+    """p50/p99 per format over `calls` calls each, and forks; the formats take turns call by call."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    server = EndpointServer(create_app(ZeroCostEngine(tokenizer), ChatRenderer(tokenizer))).start()
+    latencies = {name: [] for name in WIRE_FORMATS}
+    forks = 0
+    try:
+        with httpx.Client(timeout=30) as http:
+            for name in WIRE_FORMATS:  # warm-up: first-call costs (template compilation, imports) out of the way
+                episode = FormatEpisode(server, name, http)
+                episode.call(use_sdk)
+                episode.close()
+            while len(latencies[WIRE_FORMATS[0]]) < calls:
+                episodes = [FormatEpisode(server, name, http) for name in WIRE_FORMATS]
+                for _ in range(min(turns, calls - len(latencies[WIRE_FORMATS[0]]))):
+                    for episode in episodes:
+                        latencies[episode.format].append(episode.call(use_sdk))
+                forks += sum(episode.close() for episode in episodes)
+    finally:
+        server.stop()
+    return {"forks": forks, **{name: {"p50": statistics.median(ms), "p99": percentile(ms, 99), "calls": len(ms)}
+                               for name, ms in latencies.items()}}
+
+
 def throughput(model_spec: str, episodes: int, agent_turns: int, max_tokens: int) -> dict:
     model, tokenizer = load_model_and_tokenizer(model_spec)
     model.eval()
@@ -147,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=32, help="agents in (b)")
     parser.add_argument("--agent-turns", type=int, default=4, help="calls per episode in (b)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per call in (b)")
+    parser.add_argument("--sections", default="a,b,c", help="which of (a), (b), (c) to run, comma-separated")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
                              "threads already share the cores (0 = torch's default)")
@@ -154,15 +259,41 @@ def main(argv: list[str] | None = None) -> None:
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
 
+    sections = set(args.sections.split(","))
+    if "a" in sections:
+        print_overhead(args)
+    if "c" in sections:
+        print_wire_formats(args)
+    if "b" in sections:
+        print_throughput(args)
+
+
+def print_wire_formats(args) -> None:
+    results = {"httpx": wire_format_overhead(args.calls, args.turns, use_sdk=False),
+               "official client": wire_format_overhead(args.calls, args.turns, use_sdk=True)}
+    forks = sum(r["forks"] for r in results.values())
+    print(f"(c) overhead per call by wire format, zero-cost engine, c1, {args.calls} calls per format, episodes of "
+          f"{args.turns} continued turns, formats taking turns (forks: {forks})")
+    print(f"    {'client':<17}{'format':<20}{'p50 ms':>9}{'p99 ms':>9}{'p50 / chat':>12}")
+    for client, result in results.items():
+        chat = result["chat_completions"]["p50"]
+        for name in WIRE_FORMATS:
+            r = result[name]
+            print(f"    {client:<17}{name:<20}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['p50'] / chat:>11.2f}x")
+
+
+def print_overhead(args) -> None:
     raw = overhead(args.calls, args.turns, use_openai=False)
     sdk = overhead(args.calls, args.turns, use_openai=True)
-    tput = throughput(args.model, args.episodes, args.agent_turns, args.max_tokens)
-
     print(f"(a) endpoint overhead per call, zero-cost engine, {raw['calls']} sequential calls, episodes of "
           f"{args.turns} continued turns (forks: {raw['forks'] + sdk['forks']})")
     print(f"    {'client':<14}{'p50 ms':>9}{'p99 ms':>9}{'turns 0-4 p50':>16}{'last 5 p50':>13}")
     for name, r in (("httpx", raw), ("openai", sdk)):
         print(f"    {name:<14}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['early_p50']:>16.2f}{r['late_p50']:>13.2f}")
+
+
+def print_throughput(args) -> None:
+    tput = throughput(args.model, args.episodes, args.agent_turns, args.max_tokens)
     print(f"(b) {args.model}: {args.episodes} episodes x {args.agent_turns} calls x {args.max_tokens} tokens, "
           f"{torch.get_num_threads()} torch thread(s)")
     print(f"    {'mode':<14}{'tokens/s':>10}{'episodes/s':>12}{'seconds':>9}{'max batch':>11}")

@@ -5,11 +5,22 @@ import asyncio
 import json
 
 import pytest
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIProvider,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from agents.models import openai_provider
 from openai import AsyncOpenAI
 
+from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.rows import episode_to_rows
+from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
 from conftest import CALCULATOR_TOOL_AGENTS_SDK, TOOL_SYSTEM_PROMPT, ScriptedEngine
@@ -165,3 +176,21 @@ def test_agents_sdk_default_provider_round_trips_reasoning(start_server, default
     assert_episode_continues(episode)
     echoed = episode.turns[1].request_messages[2]
     assert echoed["role"] == "assistant" and echoed["reasoning_content"] == "Add them."
+
+
+def test_agents_sdk_in_process_agent_over_two_rollouts(server):
+    """The README's in-process pattern: the agent hands the SDK's default provider the client it is given. Two
+    rollouts (two training steps, each on a fresh event loop) both work, and speak the Responses API."""
+    set_tracing_disabled(True)
+
+    async def agent(client, task):
+        bot = Agent(name="calculator agent", instructions=TOOL_SYSTEM_PROMPT, tools=[calculator_tool([])],
+                    model="policy", model_settings=ModelSettings(temperature=0.0, max_tokens=48))
+        run_config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
+        return (await Runner.run(bot, task["question"], max_turns=6, run_config=run_config)).final_output
+
+    for _ in range(2):
+        (episode,) = run_rollout(run_episodes(server, resolve_agent(agent), [{"question": "What is 2 + 3?"}]))
+        assert episode.status == "ok" and episode.result == "The answer is 5."
+        assert len(episode.turns) == 2
+        assert_episode_continues(episode)

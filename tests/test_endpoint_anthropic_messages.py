@@ -158,3 +158,16 @@ def test_invalid_json_and_missing_key_in_anthropic_shape(start_server, tokenizer
     response = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"model": "policy"},
                           headers={"x-api-key": session.key})
     assert response.status_code == 400 and response.json()["type"] == "error"
+
+
+def test_server_error_in_anthropic_shape(start_server, tokenizers):
+    def broken(prompt):
+        raise RuntimeError("engine down")
+
+    tokenizer = tokenizers["qwen2_5"]
+    server = start_server(ScriptedEngine(tokenizer, broken), tokenizer)
+    session = server.open_episode()
+    with pytest.raises(anthropic.InternalServerError) as error:
+        client_for(server, session).messages.create(model="policy", max_tokens=5, messages=USER)
+    assert error.value.body["type"] == "error" and error.value.body["error"]["type"] == "api_error"
+    assert "engine down" in error.value.body["error"]["message"]
