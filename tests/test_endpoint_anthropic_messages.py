@@ -6,16 +6,19 @@ A scripted engine makes the model side exact (each family's own tool-call format
 """
 
 import itertools
+import random
 
 import anthropic
 import httpx
 import pytest
 
 from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.trace import Episode
 
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, tool_call_text
-from test_endpoint_responses import assert_token_exact
+from test_endpoint_fuzz import SEED
+from test_endpoint_responses import assert_token_exact, fuzz_cases
 
 
 # The calculator as an Anthropic tool.
@@ -171,3 +174,35 @@ def test_server_error_in_anthropic_shape(start_server, tokenizers):
         client_for(server, session).messages.create(model="policy", max_tokens=5, messages=USER)
     assert error.value.body["type"] == "error" and error.value.body["error"]["type"] == "api_error"
     assert "engine down" in error.value.body["error"]["message"]
+
+
+def test_fuzzed_messages_bodies_never_get_a_5xx(start_server, tokenizers):
+    tokenizer = tokenizers["qwen2_5"]
+    server = scripted_server(start_server, tokenizer, itertools.repeat(tool_call_text("qwen2_5", {"expression": "1"})))
+    session = server.open_episode()
+    bodies = [
+        {"model": "policy", "max_tokens": 8, "messages": USER},
+        {"model": "policy", "max_tokens": 8, "system": [{"type": "text", "text": "Use tools."}],
+         "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"}, "stream": True, "stop_sequences": ["\n"],
+         "messages": [{"role": "user", "content": [{"type": "text", "text": "2+3"}]},
+                      {"role": "assistant", "content": [
+                          {"type": "thinking", "thinking": "t", "signature": "s"},
+                          {"type": "tool_use", "id": "toolu_0", "name": "calculator", "input": {"expression": "1"}}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_0", "content": "1",
+                                                    "is_error": False}]}]},
+    ]
+    fields = ["model", "max_tokens", "messages", "system", "tools", "tool_choice", "stop_sequences", "temperature",
+              "top_p", "top_k", "stream", "metadata", "thinking", "extra"]
+    refused = 0
+    with httpx.Client(base_url=server.url, timeout=30) as client:  # one keep-alive connection throughout
+        for k, content in enumerate(fuzz_cases(random.Random(SEED), bodies, fields, "messages", 150)):
+            path = "/v1/messages/count_tokens" if k % 10 == 9 else "/v1/messages"
+            response = client.post(path, content=content, headers={"x-api-key": session.key})
+            assert response.status_code < 500, (content[:300], response.text[:500])
+            refused += response.status_code >= 400
+            if response.status_code >= 400:
+                body = response.json()
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    episode = server.close_episode(session.episode.id)
+    assert Episode.from_json(episode.to_json()).turns  # some calls were served, and the trace serialises
+    assert refused  # and some refused

@@ -7,6 +7,7 @@ A scripted engine makes the model side exact (each family's own tool-call format
 
 import itertools
 import json
+import random
 
 import httpx
 import openai
@@ -14,9 +15,11 @@ import pytest
 
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.trace import Episode
 
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, assert_continues, tool_call_text
+from test_endpoint_fuzz import SEED, encode, hostile_value
 
 
 # The calculator as a Responses function tool (the chat-completions `TOOL`, flattened).
@@ -174,3 +177,54 @@ def test_keys_and_path_route(start_server, tokenizers):
             model="policy", input="Hello.")
     episode = server.close_episode(session.episode.id)
     assert [t.wire_format for t in episode.turns] == ["responses"]
+
+
+def fuzz_cases(rng, bodies, fields, nested_key, num_cases):
+    """Mutated copies of valid bodies: a top-level field set hostile, deleted or added, or an item of `nested_key`
+    (input items / messages) and one of its content parts corrupted; then encoded as `test_endpoint_fuzz` does."""
+    for _ in range(num_cases):
+        body = json.loads(json.dumps(rng.choice(bodies)))
+        for _ in range(rng.randint(1, 3)):
+            action = rng.random()
+            items = body.get(nested_key)
+            if action < 0.4:
+                body[rng.choice(fields)] = hostile_value(rng)
+            elif action < 0.5 and body:
+                body.pop(rng.choice(sorted(body)))
+            elif isinstance(items, list) and items and isinstance(item := rng.choice(items), dict):
+                target = item
+                parts = item.get("content")
+                if isinstance(parts, list) and parts and isinstance(parts[0], dict) and rng.random() < 0.5:
+                    target = rng.choice(parts)
+                target[rng.choice(sorted(target) + ["type", "x"])] = hostile_value(rng)
+        yield encode(rng, body)
+
+
+def test_fuzzed_responses_bodies_never_get_a_5xx(start_server, tokenizers):
+    tokenizer = tokenizers["qwen2_5"]
+    server = scripted_server(start_server, tokenizer, itertools.repeat(tool_call_text("qwen2_5", {"expression": "1"})))
+    session = server.open_episode()
+    call = {"type": "function_call", "call_id": "call_0", "name": "calculator", "arguments": '{"expression": "1"}'}
+    bodies = [
+        {"model": "policy", "input": "hi", "max_output_tokens": 8},
+        {"model": "policy", "instructions": "Use tools.", "tools": [RESPONSES_TOOL], "tool_choice": "auto",
+         "input": [{"role": "user", "content": [{"type": "input_text", "text": "2+3"}]},
+                   {"type": "reasoning", "id": "rs_0", "summary": [{"type": "summary_text", "text": "t"}]},
+                   {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
+                   call, {"type": "function_call_output", "call_id": "call_0", "output": "1"}],
+         "stream": True, "max_output_tokens": 8},
+    ]
+    fields = ["model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
+              "store", "stream", "previous_response_id", "parallel_tool_calls", "include", "text", "extra"]
+    refused = 0
+    with httpx.Client(base_url=server.url, timeout=30) as client:  # one keep-alive connection throughout
+        for content in fuzz_cases(random.Random(SEED), bodies, fields, "input", 150):
+            response = client.post("/v1/responses", content=content,
+                                   headers={"Authorization": f"Bearer {session.key}"})
+            assert response.status_code < 500, (content[:300], response.text[:500])
+            refused += response.status_code >= 400
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    episode = server.close_episode(session.episode.id)
+    assert Episode.from_json(episode.to_json()).turns  # some calls were served, and the trace serialises
+    assert refused  # and some refused

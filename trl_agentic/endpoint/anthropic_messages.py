@@ -148,7 +148,7 @@ def _tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) -> tup
         return "required", None
     if kind == "tool":
         name = choice.get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names tool {name!r}, which is not in 'tools'.", param="tool_choice")
         return None, name
     raise APIError(400, f"Unsupported tool_choice type {kind!r}: use 'auto', 'any', 'tool' or 'none'.",

@@ -227,7 +227,7 @@ def _text(content: Any, where: str, separator: str = "") -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        key = _TEXT_PARTS.get(kind)
+        key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
             if kind in ("input_image", "input_file", "input_audio"):
                 raise APIError(400, f"{where}[{j}] is an {kind} part; the served model reads text only.",
