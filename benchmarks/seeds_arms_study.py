@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="outputs/seeds_arms_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing in seconds.")
+    parser.add_argument("--report-only", action="store_true",
+                        help="Print the table from the seed*.json files already in --output-dir.")
     parser.add_argument("--one-seed", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     output_dir = Path(args.output_dir)
@@ -156,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         record = run_seed(args.one_seed, demo_argv, output_dir, args.cache_dir)
         (output_dir / f"seed{args.one_seed}.json").write_text(json.dumps(record, indent=2))
+        return 0
+
+    if args.report_only:
+        records = [json.loads((output_dir / f"seed{s}.json").read_text()) for s in args.seeds]
+        wall = sum(r["seconds"] for r in records) / max(args.jobs, 1)
+        print(format_report(records, wall).replace("min wall", "min of worker time / jobs"))
         return 0
 
     started = time.monotonic()

@@ -196,6 +196,7 @@ def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, token
     assert len(timed_out["episode"]["turns"]) == 1  # the call it made before hanging is kept
     metrics = trainer.state.log_history[0]
     assert metrics["episodes/status_agent_error"] == 0.25 and metrics["episodes/status_timeout"] == 0.25
+    assert metrics["episodes/unscorable"] == 0.5  # the crash and the timeout
 
 
 def test_agent_sees_only_its_columns_and_whatever_it_returns_is_logged(tmp_path, tokenizer):

@@ -428,6 +428,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Episodes whose agent never called the model: whatever they scored, it says nothing about the policy.
         no_calls = torch.tensor([float(not ep.turns) for ep in episodes], device=device)
         self._metrics[mode]["episodes/no_model_calls"].append(self.accelerator.gather(no_calls).mean().item())
+        # Episodes no reward function could score (failed, or every checker returned None): no advantage, no signal.
+        unscorable = torch.tensor(
+            [float(all(v is None for v in (ep.metadata.get("rewards") or {None: None}).values())) for ep in episodes],
+            device=device,
+        )
+        self._metrics[mode]["episodes/unscorable"].append(self.accelerator.gather(unscorable).mean().item())
 
         if self._episode_log_dir is not None:
             self._episode_log_dir.mkdir(parents=True, exist_ok=True)
