@@ -86,3 +86,17 @@ def test_one_resolve_agent():
     defining = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                 if "def resolve_agent(" in p.read_text()]
     assert defining == ["rollout/agents.py"]
+
+
+def test_wire_formats_are_adapters_over_the_service():
+    """One internal path (DESIGN.md): each wire format's module imports the service, never the app or another format,
+    and the service knows no wire format's module."""
+    adapters = ["chat_completions", "responses", "anthropic_messages"]
+
+    def endpoint_modules(path: Path) -> set[str]:  # `trl_agentic.endpoint.x.Name` -> `x`
+        return {n.split(".")[2] for n in imported_modules(path) if n.startswith("trl_agentic.endpoint.")}
+
+    for adapter in adapters:
+        names = endpoint_modules(PACKAGE / "endpoint" / f"{adapter}.py")
+        assert "service" in names and not names & ({"app", *adapters} - {adapter}), adapter
+    assert not endpoint_modules(PACKAGE / "endpoint" / "service.py") & {"app", *adapters}
