@@ -30,34 +30,13 @@ import httpx
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
-from trl_agentic.generation.engine import GenerationOutput, SamplingParams
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
 
-TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-
-
-class ZeroCostEngine:
-    """Returns the same tool call, instantly: what is measured is the endpoint, the runner and the agents."""
-
-    def __init__(self, tokenizer):
-        text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
-        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        self.max_context_length = 1 << 20
-        self.policy_version = 0
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        return GenerationOutput(list(self.ids), [-0.1] * len(self.ids), "stop")
+# The same zero-cost engine and tool as the endpoint benchmark: what is measured is the endpoint, runner and agents.
+from endpoint_benchmark import TOOL, ZeroCostEngine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 async def three_turn_agent(client, task):

@@ -12,28 +12,17 @@ import anthropic
 import httpx
 import pytest
 
-from trl_agentic.tiny_models import build_tiny_tokenizer
 from trl_agentic.trace import Episode
 
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, tool_call_text
 from test_endpoint_fuzz import SEED
-from test_endpoint_responses import assert_token_exact, fuzz_cases
+from test_endpoint_responses import assert_token_exact, fuzz_cases, scripted_server, tokenizers  # noqa: F401
 
 
 # The calculator as an Anthropic tool.
 ANTHROPIC_TOOL = {"name": "calculator", "description": TOOL["function"]["description"],
                   "input_schema": TOOL["function"]["parameters"]}
-
-
-@pytest.fixture(scope="module")
-def tokenizers():
-    return {family: build_tiny_tokenizer(family) for family in ("qwen2_5", "llama3_2", "qwen3")}
-
-
-def scripted_server(start_server, tokenizer, script, **settings):
-    script = iter(script)
-    return start_server(ScriptedEngine(tokenizer, lambda prompt: next(script)), tokenizer, **settings)
 
 
 def client_for(server, session):
