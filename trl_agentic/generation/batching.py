@@ -5,9 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .engine import GenerationOutput, SamplingParams
+from .engine import GenerationOutput, SamplingParams, TokenCallback
+
+
+# What a sampling thread calls with each chunk of one row: marshalled to the row's event loop (see `_Request.emit`).
+RowEmitter = Callable[[list[int], list[float]], None]
 
 
 @dataclass
@@ -15,16 +20,38 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
+    on_token: TokenCallback | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)  # read by the sampling thread
+    streamed: int = 0  # tokens handed to `on_token` so far (updated on the event loop)
+
+    def emit(self, token_ids: list[int], logprobs: list[float]) -> None:
+        """Thread-safe: hand a chunk to `on_token` on the request's loop. `call_soon_threadsafe` runs callbacks in
+        the order they were scheduled, so chunks keep their order and all precede the future's resolution."""
+        if self.on_token is not None:
+            self.future.get_loop().call_soon_threadsafe(self._deliver, token_ids, logprobs)
+
+    def _deliver(self, token_ids: list[int], logprobs: list[float]) -> None:
+        self.streamed += len(token_ids)
+        if not self.future.done():
+            self.on_token(token_ids, logprobs)
+
+    def resolve(self, output: GenerationOutput) -> None:
+        """On the loop: flush what the engine did not stream, then resolve the future."""
+        if self.future.done():
+            return
+        if self.on_token is not None and self.streamed < len(output.token_ids):
+            self._deliver(output.token_ids[self.streamed :], output.logprobs[self.streamed :])
+        self.future.set_result(output)
 
 
 class DynamicBatcher:
     """Queue concurrent requests; a worker takes everything waiting (up to `max_batch_size`, after waiting at most
     `batch_wait_s` for company) and runs the subclass's synchronous `generate_batch` in a worker thread.
 
-    Subclasses set `max_batch_size`, `batch_wait_s` and implement `generate_batch(prompts, samplings, cancelled)`;
-    `cancelled[i]` is set when the caller of row `i` went away (its client disconnected): the row may stop early, its
-    output is discarded.
+    Subclasses set `max_batch_size`, `batch_wait_s` and implement `generate_batch(prompts, samplings, cancelled,
+    emitters)`; `cancelled[i]` is set when the caller of row `i` went away (its client disconnected): the row may stop
+    early, its output is discarded. `emitters[i](token_ids, logprobs)` streams row `i`'s newly sampled chunk to its
+    caller (thread-safe); what a subclass does not stream is sent in one chunk before the request resolves.
 
     One request must never cost the others of its batch: when `generate_batch` raises, the batch is retried in halves
     until the failing request fails alone (issue #9: one bad seed failed 80 innocent requests).
@@ -43,6 +70,7 @@ class DynamicBatcher:
         prompts: list[list[int]],
         samplings: list[SamplingParams],
         cancelled: list[threading.Event] | None = None,
+        emitters: list[RowEmitter] | None = None,
     ) -> list[GenerationOutput]:
         raise NotImplementedError
 
@@ -60,9 +88,11 @@ class DynamicBatcher:
                 pass
             self._worker = None
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, on_token: TokenCallback | None = None
+    ) -> GenerationOutput:
         await self.start()
-        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future())
+        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), on_token)
         await self._queue.put(request)
         try:
             return await request.future
@@ -93,10 +123,13 @@ class DynamicBatcher:
         try:
             outputs = await asyncio.to_thread(
                 self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
-                [r.cancelled for r in batch],
+                [r.cancelled for r in batch], [r.emit for r in batch],
             )
         except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not to the worker
             batch = [r for r in batch if not r.future.done()]
+            for request in [r for r in batch if r.streamed]:  # a retry would stream its tokens twice
+                request.future.set_exception(error)
+            batch = [r for r in batch if not r.streamed]
             if len(batch) == 1:
                 batch[0].future.set_exception(error)
             elif batch:  # one member may be the cause: halves until it fails alone, the others are served
@@ -105,5 +138,4 @@ class DynamicBatcher:
                 await self._run_isolating(batch[half:])
             return
         for request, output in zip(batch, outputs, strict=True):
-            if not request.future.done():
-                request.future.set_result(output)
+            request.resolve(output)

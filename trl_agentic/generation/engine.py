@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Receives each newly sampled chunk of one request, in order: `(token_ids, logprobs)`, one logprob per id. Called on
+# the event loop that awaits `generate`, before `generate` returns; it must not block (queue the chunk, return).
+TokenCallback = Callable[[list[int], list[float]], None]
 
 
 @dataclass
@@ -67,13 +72,32 @@ class GenerationEngine(Protocol):
     """Generates completions for token-id prompts.
 
     `generate` is awaited from many concurrent requests; implementations batch them. `policy_version` identifies
-    the weights that sampled (the trainer's global step).
+    the weights that sampled (the trainer's global step); the trainer sets it before each rollout, and an engine that
+    keeps state computed with the weights (a KV cache) drops that state when it changes.
+
+    Streaming: when `on_token` is given, `generate` calls `on_token(token_ids, logprobs)` with each newly sampled chunk
+    of this request, in order, on the event loop that awaits `generate` (engines that sample in a thread marshal
+    the call with `loop.call_soon_threadsafe`), and every chunk arrives before `generate` returns. The chunks
+    concatenate to the returned `GenerationOutput.token_ids` / `.logprobs`, which still hold everything. An engine
+    that cannot stream (the vLLM server engine) calls it once, with everything, just before returning; a request that
+    fails may have streamed some chunks before its exception.
+
+    Example:
+
+    ```python
+    >>> chunks = []
+    >>> out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=8), on_token=lambda ids, lps: chunks.append(ids))
+    >>> sum(chunks, []) == out.token_ids
+    True
+    ```
     """
 
     max_context_length: int
     policy_version: int
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput: ...
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, on_token: TokenCallback | None = None
+    ) -> GenerationOutput: ...
 
     async def start(self) -> None: ...
 

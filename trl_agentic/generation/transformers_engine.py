@@ -13,7 +13,7 @@ import threading
 import torch
 from transformers import PreTrainedModel
 
-from .batching import DynamicBatcher
+from .batching import DynamicBatcher, RowEmitter
 from .engine import GenerationOutput, SamplingParams
 
 
@@ -61,20 +61,26 @@ class TransformersEngine(DynamicBatcher):
         prompts: list[list[int]],
         samplings: list[SamplingParams],
         cancelled: list[threading.Event] | None = None,
+        emitters: list[RowEmitter] | None = None,
     ) -> list[GenerationOutput]:
         """Sample a completion for each prompt (synchronously). Rows differ in length and sampling parameters; a row
-        whose `cancelled` event is set stops sampling (finish reason `"cancelled"`)."""
+        whose `cancelled` event is set stops sampling (finish reason `"cancelled"`); `emitters[i]` gets each token of
+        row `i` as it is sampled."""
         with self.model_lock:
             was_training = self.model.training
             self.model.eval()
             try:
-                return self._sample(prompts, samplings, cancelled)
+                return self._sample(prompts, samplings, cancelled, emitters)
             finally:
                 if was_training:
                     self.model.train()
 
     def _sample(
-        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled: list[threading.Event] | None
+        self,
+        prompts: list[list[int]],
+        samplings: list[SamplingParams],
+        cancelled: list[threading.Event] | None,
+        emitters: list[RowEmitter] | None,
     ) -> list[GenerationOutput]:
         device = next(self.model.parameters()).device
         batch_size = len(prompts)
@@ -123,6 +129,8 @@ class TransformersEngine(DynamicBatcher):
                 next_ids[i] = token
                 tokens[i].append(token)
                 logprobs[i].append(logps[i, token].item())
+                if emitters is not None:
+                    emitters[i]([token], [logprobs[i][-1]])
                 if tops[i] is not None:
                     values, ids = torch.topk(logps[i], samplings[i].top_logprobs)
                     tops[i].append(list(zip(ids.tolist(), values.tolist())))

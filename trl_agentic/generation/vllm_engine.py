@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from .batching import DynamicBatcher
-from .engine import GenerationOutput, SamplingParams
+from .engine import GenerationOutput, SamplingParams, TokenCallback
 
 
 def _parse_choice(choice: dict[str, Any]) -> GenerationOutput:
@@ -95,7 +95,10 @@ class VLLMServerEngine:
             payload["seed"] = sampling.seed
         return payload
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, on_token: TokenCallback | None = None
+    ) -> GenerationOutput:
+        """Generate through the server (one non-streaming call: `on_token` gets everything at once, at the end)."""
         await self.start()
         response = await self._client.post(f"{self.base_url}/v1/completions", json=self.payload(prompt_ids, sampling))
         if response.status_code != 200:
@@ -104,7 +107,10 @@ class VLLMServerEngine:
         if "prompt_token_ids" in choice and choice["prompt_token_ids"] is not None:
             if list(choice["prompt_token_ids"]) != list(prompt_ids):
                 raise ValueError("The vLLM server changed the prompt token ids; token-in generation must be exact.")
-        return _parse_choice(choice)
+        output = _parse_choice(choice)
+        if on_token is not None:
+            on_token(output.token_ids, output.logprobs)
+        return output
 
 
 class VLLMColocateEngine(DynamicBatcher):
@@ -120,9 +126,10 @@ class VLLMColocateEngine(DynamicBatcher):
         self._init_batching()
 
     def generate_batch(
-        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled=None
+        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled=None, emitters=None
     ) -> list[GenerationOutput]:
-        # `cancelled` rows are not stopped early (one `llm.generate` call); their outputs are discarded.
+        # `cancelled` rows are not stopped early (one `llm.generate` call); their outputs are discarded. Nothing is
+        # streamed (`emitters` unused): the batcher sends each output in one chunk before resolving its request.
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
