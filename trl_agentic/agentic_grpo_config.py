@@ -72,6 +72,25 @@ class AgenticGRPOConfig(GRPOConfig):
             `trl_agentic/rollout/loss_weights.py`). `"episode"`: the rows split it equally. `"row"`: every row
             carries it fully.
 
+        > Parameters that control which tasks are sampled (trl_agentic/task_sampling.py)
+
+        task_sampling (`str`, *optional*, defaults to `"uniform"`):
+            `"uniform"`: TRL's sampler (the dataset shuffled, each task once per epoch). `"adaptive"`: each group's task
+            is chosen where its episodes are likely to disagree (running success near the middle), per difficulty
+            bucket and per task ([`AdaptiveTaskSampler`]): easier or harder buckets as the model improves, the target
+            never starved.
+        difficulty_column (`str` or `None`, *optional*, defaults to `"difficulty"`):
+            Dataset column with each task's difficulty (numbers, larger = harder). When the dataset has it, the
+            `sampling/*` metrics are logged per bucket whatever `task_sampling` is.
+        target_difficulty (`float` or `None`, *optional*, defaults to `None`):
+            The difficulty the run is for: it gets at least `target_min_share` of the groups. `None`: the hardest.
+        target_min_share (`float`, *optional*, defaults to `0.25`):
+            Least share of groups drawn from the target difficulty.
+        sampling_explore (`float`, *optional*, defaults to `0.1`):
+            Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
+        sampling_memory (`int`, *optional*, defaults to `16`):
+            Recent groups a bucket's success estimate mostly reflects.
+
         > Parameters that control logging
 
         log_episodes (`bool`, *optional*, defaults to `False`):
@@ -133,6 +152,18 @@ class AgenticGRPOConfig(GRPOConfig):
         default="auto",
         metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
+    task_sampling: str = field(
+        default="uniform", metadata={"help": "How tasks are chosen.", "choices": ["uniform", "adaptive"]}
+    )
+    difficulty_column: str | None = field(
+        default="difficulty", metadata={"help": "Dataset column with each task's difficulty (numbers)."}
+    )
+    target_difficulty: float | None = field(
+        default=None, metadata={"help": "Difficulty never starved by adaptive sampling (None = the hardest)."}
+    )
+    target_min_share: float = field(default=0.25, metadata={"help": "Least share of groups at the target difficulty."})
+    sampling_explore: float = field(default=0.1, metadata={"help": "Share of groups spread evenly over buckets."})
+    sampling_memory: int = field(default=16, metadata={"help": "Recent groups a bucket's estimate reflects."})
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
     alarms: bool = field(
         default=True, metadata={"help": "Check training metrics for reward hacking, drift, spikes, collapse."}
@@ -190,6 +221,13 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.episode_idle_timeout is not None and self.episode_idle_timeout <= 0:
             raise ValueError(
                 f"episode_idle_timeout must be > 0 seconds or None (never), got {self.episode_idle_timeout}."
+            )
+        if self.task_sampling not in ("uniform", "adaptive"):
+            raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")
+        if not (0 <= self.target_min_share <= 1 and 0 <= self.sampling_explore <= 1 and self.sampling_memory >= 1):
+            raise ValueError(
+                "target_min_share and sampling_explore must be in [0, 1] and sampling_memory >= 1; got "
+                f"{self.target_min_share}, {self.sampling_explore} and {self.sampling_memory}."
             )
         if self.held_out_eval_steps < 0 or self.held_out_num_samples < 1 or self.alarm_window < 1:
             raise ValueError(

@@ -38,6 +38,7 @@ from .rollout.agents import resolve_agent
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
+from .task_sampling import AdaptiveTaskSampler, group_split_rate
 from .trace import EPISODE_STATUSES, Episode, json_text
 
 
@@ -179,6 +180,66 @@ class AgenticGRPOTrainer(GRPOTrainer):
             max_context_length=context,
         )
 
+    # Task sampling
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's `RepeatSampler`, or with `task_sampling="adaptive"` an [`AdaptiveTaskSampler`] with the same index
+        layout, kept across calls so its estimates survive a new dataloader."""
+        if self.args.task_sampling != "adaptive":
+            return super()._get_train_sampler(dataset)
+        if getattr(self, "task_sampler", None) is None:
+            dataset = dataset if dataset is not None else self.train_dataset
+            columns = list(self.args.agent_columns)
+            if self.args.difficulty_column and self.args.difficulty_column not in columns:
+                columns.append(self.args.difficulty_column)
+            self.task_sampler = AdaptiveTaskSampler(
+                dataset,
+                num_generations=self.num_generations,
+                tasks_per_batch=self.args.generation_batch_size // self.num_generations,
+                repeat_count=self.num_iterations * self.args.steps_per_generation,
+                difficulty_column=self.args.difficulty_column,
+                target_difficulty=self.args.target_difficulty,
+                target_min_share=self.args.target_min_share,
+                explore=self.args.sampling_explore,
+                memory=self.args.sampling_memory,
+                key_columns=columns,
+                seed=self.args.seed,
+            )
+        return self.task_sampler
+
+    def _observe_tasks(self, inputs: list[dict], episodes: list[Episode]) -> None:
+        """Log the `sampling/*` metrics of this batch and feed the adaptive sampler (every rank sees every result, so
+        every rank's sampler draws the same next tasks)."""
+        mode = "train" if self.model.training else "eval"
+        column = self.args.difficulty_column
+        weights = self.reward_weights.tolist()
+        local = []
+        for example, episode in zip(inputs, episodes, strict=True):
+            scores = list((episode.metadata.get("rewards") or {}).values())
+            scored = [w * v for w, v in zip(weights, scores, strict=False) if v is not None]
+            keep = {c: example.get(c) for c in (*self.args.agent_columns, column) if c and c in example}
+            local.append((keep, sum(scored) if scored else None))
+        gathered = gather_object(local)
+        rows, rewards = [r for r, _ in gathered], [v for _, v in gathered]
+        metrics = self._metrics[mode]
+        metrics["sampling/split_rate"].append(group_split_rate(rewards, self.num_generations))
+        sampler = getattr(self, "task_sampler", None)
+        if column and rows and column in rows[0]:
+            levels = [row[column] for row in rows]
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in levels):
+                metrics["sampling/difficulty_mean"].append(sum(levels) / len(levels))
+                threshold = sampler.success_threshold if sampler is not None else 1.0
+                for level in sorted(set(levels)):
+                    outcomes = [float(r >= threshold) for lv, r in zip(levels, rewards, strict=True)
+                                if lv == level and r is not None]
+                    metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
+                    if outcomes:
+                        metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
+        if sampler is not None and mode == "train":
+            sampler.observe(rows, rewards)
+            for level, value in sampler.estimates().items():
+                metrics[f"sampling/estimate/{level:g}"].append(value)
+
     # Rollout
 
     def _rollout_episodes(self, prompts: list, trainer=None) -> dict[str, list]:
@@ -278,6 +339,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
 
         self._log_episodes(episodes, rows_results, episode_advantages)
+        self._observe_tasks(inputs, episodes)
         return output
 
     def _append_rows(self, output: dict, rows: list[Row], advantages: torch.Tensor) -> dict:

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
@@ -47,6 +47,10 @@ class TaskSuite:
             expect.
         agent_columns: the dataset columns the agent needs (`AgenticGRPOConfig.agent_columns`); the others, the
             checker's, never reach it.
+        difficulty_levels: the suite's difficulty knobs by level (numbers, larger = harder), e.g. the calculator's
+            `{1: {"digits": 1}, 2: {"digits": 2}, 3: {"digits": 3}}`; `build_difficulty_dataset` mixes them for
+            adaptive task sampling (`AgenticGRPOConfig.task_sampling="adaptive"`).
+        target_difficulty: the level `build_dataset` draws (the difficulty the suite is for).
     """
 
     name: str
@@ -57,6 +61,50 @@ class TaskSuite:
     reward_funcs: list[Callable]
     demonstrations: Callable[..., list[dict[str, Any]]]
     agent_columns: tuple[str, ...] = ("prompt",)
+    difficulty_levels: dict[float, dict[str, Any]] = field(default_factory=dict)
+    target_difficulty: float | None = None
+
+
+def build_difficulty_dataset(
+    suite: TaskSuite, split: str = "train", size: int = 256, seed: int = 0, levels: list[float] | None = None,
+    column: str = "difficulty",
+) -> datasets.Dataset:
+    """The suite's tasks at each of its difficulty levels, in one dataset with a `difficulty` column.
+
+    Each level contributes `ceil(size / number of levels)` tasks built with that level's knobs (so `"train"` and
+    `"eval"` stay disjoint level by level). This is what [`AdaptiveTaskSampler`] chooses from.
+
+    Args:
+        suite: a suite with `difficulty_levels`.
+        split, size, seed: as `suite.build_dataset`.
+        levels: the levels to include (default: all of the suite's).
+        column: name of the difficulty column.
+
+    Example:
+
+    ```python
+    >>> from trl_agentic.tasks.calculator import make_calculator_suite
+    >>> dataset = build_difficulty_dataset(make_calculator_suite(digits=2, ops=("*",)), size=6)
+    >>> sorted(set(dataset["difficulty"]))
+    [1, 2, 3]
+    ```
+    """
+    if not suite.difficulty_levels:
+        raise ValueError(
+            f"Task {suite.name!r} declares no difficulty_levels; give its TaskSuite difficulty_levels={{level: knobs}} "
+            "or train on suite.build_dataset alone."
+        )
+    chosen = list(suite.difficulty_levels) if levels is None else list(levels)
+    unknown = [level for level in chosen if level not in suite.difficulty_levels]
+    if unknown or not chosen:
+        raise ValueError(f"levels {chosen} must be a non-empty subset of the suite's difficulty_levels "
+                         f"{list(suite.difficulty_levels)}.")
+    per_level = -(-size // len(chosen))
+    parts = []
+    for level in chosen:
+        part = suite.build_dataset(split=split, size=per_level, seed=seed, **suite.difficulty_levels[level])
+        parts.append(part.add_column(column, [level] * len(part)))
+    return datasets.concatenate_datasets(parts)
 
 
 # Name -> "module:attribute", imported on first use so that `import trl_agentic.tasks` stays cheap.
@@ -98,4 +146,4 @@ def get_task(name: str) -> TaskSuite:
     return suite
 
 
-__all__ = ["BUNDLED_TASKS", "TaskSuite", "get_task"]
+__all__ = ["BUNDLED_TASKS", "TaskSuite", "build_difficulty_dataset", "get_task"]

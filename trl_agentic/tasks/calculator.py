@@ -190,6 +190,10 @@ def _validate_knobs(digits: int, ops: Sequence[str], num_operands: int) -> tuple
     return ops
 
 
+def _fits(digits: int, num_operands: int) -> bool:
+    return digits <= 18 and num_operands * digits + (num_operands - 1) * 4 <= MAX_EXPRESSION_LENGTH
+
+
 def _make_question(rng: random.Random, digits: int, ops: tuple[str, ...], num_operands: int) -> tuple[str, dict]:
     low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
     parts = [str(rng.randint(low, high))]
@@ -416,6 +420,12 @@ def make_calculator_suite(
         reward_funcs=[calculator_correct],
         demonstrations=functools.partial(calculator_demonstrations, **knobs),
         agent_columns=("prompt",),  # the question; `expression` and `answer` are the checker's
+        # Difficulty = operand digits: one level easier and one harder than the suite's own (adaptive sampling).
+        difficulty_levels={
+            level: {"digits": level} for level in range(max(1, digits - 1), digits + 2)
+            if _fits(level, knobs["num_operands"])
+        },
+        target_difficulty=digits,
     )
 
 

@@ -1,0 +1,187 @@
+"""Adaptive task sampling (issue #11): groups go where they split, the target is never starved, the trainer feeds it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from datasets import Dataset
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.task_sampling import AdaptiveTaskSampler, group_split_rate, split_probability
+from trl_agentic.tasks import build_difficulty_dataset
+from trl_agentic.tasks.calculator import make_calculator_suite
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+def leveled(counts: dict[int, int]) -> Dataset:
+    rows = [{"prompt": [{"role": "user", "content": f"task {level}-{i}"}], "difficulty": level}
+            for level, n in counts.items() for i in range(n)]
+    return Dataset.from_list(rows)
+
+
+def simulate(sampler: AdaptiveTaskSampler, success, groups: int, seed: int = 0) -> list[tuple[int, bool]]:
+    """Draw `groups` groups; each episode succeeds with `success(level, group_number)`; return (level, split)."""
+    rng = random.Random(seed)
+    g = sampler.num_generations
+    drawn = []
+    for n in range(groups):
+        row = sampler.dataset[sampler.draw_task()]
+        rewards = [float(rng.random() < success(row["difficulty"], n)) for _ in range(g)]
+        sampler.observe([row] * g, rewards)
+        drawn.append((row["difficulty"], len(set(rewards)) > 1))
+    return drawn
+
+
+def test_split_probability_and_group_split_rate():
+    assert split_probability(0.5, 2) == 0.5
+    assert split_probability(0.5, 8) == 1 - 2 * 0.5**8
+    assert split_probability(0.0, 8) == split_probability(1.0, 8) == 0.0
+    assert split_probability(0.1, 4) == pytest.approx(1 - 0.1**4 - 0.9**4)
+    # Unscorable (None / NaN) episodes are left out of their group: a group split only by them does not split.
+    assert group_split_rate([1.0, 0.0, 1.0, 1.0, 0.0, None, math.nan, 0.0], 4) == 0.5
+    assert math.isnan(group_split_rate([], 4))
+
+
+def test_same_index_layout_as_trl_repeat_sampler_and_deterministic_per_seed():
+    data = leveled({1: 10, 2: 10})
+    sampler = AdaptiveTaskSampler(data, num_generations=3, tasks_per_batch=2, repeat_count=2, seed=7)
+    indices = list(sampler)
+    assert len(indices) == len(sampler) == (20 // 2) * 2 * 3 * 2
+    for start in range(0, len(indices), 12):  # one batch: 2 tasks x 3 episodes, the whole batch twice
+        batch = indices[start : start + 12]
+        a, b = batch[0], batch[3]
+        assert batch == [a, a, a, b, b, b] * 2
+    # Every process builds the same sampler with the same seed and observes the same results: same draws.
+    again = AdaptiveTaskSampler(data, num_generations=3, tasks_per_batch=2, repeat_count=2, seed=7)
+    assert list(again) == indices
+
+
+def test_groups_go_where_they_split_and_the_target_is_never_starved():
+    success = {1: 0.97, 2: 0.5, 3: 0.0}
+    data = leveled({1: 50, 2: 50, 3: 50})
+    sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=3,
+                                  target_min_share=0.25, explore=0.1, seed=0)
+    drawn = simulate(sampler, lambda level, n: success[level], groups=400)[50:]  # after the estimates settle
+    share = {level: sum(lv == level for lv, _ in drawn) / len(drawn) for level in success}
+    assert share[2] > 0.5  # the bucket whose groups split
+    assert 0.2 <= share[3] <= 0.35  # the target never splits here, but keeps its floor
+    split_rate = sum(split for _, split in drawn) / len(drawn)
+    uniform = sum(split_probability(p, 8) for p in success.values()) / 3
+    assert split_rate > 1.5 * uniform
+    estimates = sampler.estimates()
+    assert estimates[1] > 0.85 and 0.35 < estimates[2] < 0.65 and estimates[3] < 0.1
+
+
+def test_moves_to_harder_buckets_as_the_model_improves():
+    def success(level, n):  # every level gets solved in turn: level 1 first, level 3 last
+        return min(1.0, max(0.0, (n - 150 * (level - 1)) / 150))
+
+    data = leveled({1: 50, 2: 50, 3: 50})
+    sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=3,
+                                  target_min_share=0.1, seed=1)
+    drawn = simulate(sampler, success, groups=450)
+    means = [sum(lv for lv, _ in drawn[i : i + 100]) / 100 for i in (0, 175, 350)]
+    assert means[0] < means[1] < means[2]
+    assert means[0] < 1.6 and means[2] > 2.4
+
+
+def test_prefers_tasks_of_a_bucket_that_split():
+    # One bucket: half its tasks are always solved, half are solved half the time.
+    data = leveled({1: 40})
+    sampler = AdaptiveTaskSampler(data, num_generations=4, tasks_per_batch=1, explore=0.0, seed=3)
+    rng = random.Random(0)
+    for index in range(40):  # observe every task once
+        row = data[index]
+        p = 1.0 if index % 2 == 0 else 0.5
+        sampler.observe([row] * 4, [float(rng.random() < p) for _ in range(4)] if p < 1 else [1.0] * 4)
+    picks = [sampler.draw_task() for _ in range(300)]
+    assert sum(i % 2 == 1 for i in picks) / len(picks) > 0.7
+
+
+def test_unscorable_episodes_are_left_out_of_the_estimates():
+    data = leveled({1: 4, 2: 4})
+    sampler = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=1, seed=0)
+    before = sampler.estimates()
+    sampler.observe([data[0]] * 2, [None, math.nan])
+    assert sampler.estimates() == before
+    sampler.observe([data[0]] * 2, [1.0, None])
+    assert sampler.estimates()[1] > before[1] and sampler.estimates()[2] == before[2]
+
+
+def test_config_errors_say_how_to_fix():
+    with pytest.raises(ValueError, match="must hold numbers"):
+        AdaptiveTaskSampler(Dataset.from_list([{"prompt": "a", "difficulty": "easy"}] * 4), 2, 1)
+    with pytest.raises(ValueError, match="target_difficulty"):
+        AdaptiveTaskSampler(leveled({1: 2, 2: 2}), 2, 1, target_difficulty=5)
+    with pytest.raises(ValueError, match="num_generations"):
+        AdaptiveTaskSampler(leveled({1: 2}), 1, 1)
+    with pytest.raises(ValueError, match="task_sampling"):
+        AgenticGRPOConfig(output_dir="unused", use_cpu=True, task_sampling="curriculum")
+
+
+def test_calculator_difficulty_levels_share_no_eval_question():
+    suite = make_calculator_suite(digits=2, ops=("*",))
+    assert suite.difficulty_levels == {1: {"digits": 1}, 2: {"digits": 2}, 3: {"digits": 3}}
+    assert suite.target_difficulty == 2
+    train = build_difficulty_dataset(suite, "train", size=300, seed=0)
+    evaluation = build_difficulty_dataset(suite, "eval", size=30, seed=0)
+    assert train["difficulty"].count(1) == train["difficulty"].count(3) == 100
+    assert {len(e.split(" * ")[0]) for e, d in zip(train["expression"], train["difficulty"]) if d == 3} == {3}
+    train_2 = {e for e, d in zip(train["expression"], train["difficulty"]) if d > 1}
+    assert not train_2 & set(evaluation["expression"])
+    with pytest.raises(ValueError, match="difficulty_levels"):
+        build_difficulty_dataset(suite, levels=[7])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# In the trainer
+
+
+async def one_call_agent(client, task):
+    response = await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=4)
+    return response.choices[0].message.content or ""
+
+
+def level_reward(prompts, completions, episodes, difficulty, **kwargs):
+    """Level 1 always succeeds (its groups never split); level 2 succeeds when the first sampled token id is even (a
+    random tiny model at temperature 1.5: its groups split)."""
+    return [1.0 if level == 1 else float(ep.turns[0].completion_ids[0] % 2 == 0)
+            for ep, level in zip(episodes, difficulty, strict=True)]
+
+
+def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), max_steps=4, learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8,
+        max_completion_length=4, task_sampling="adaptive", target_difficulty=2, target_min_share=0.25,
+        sampling_explore=0.0, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
+        seed=0, disable_tqdm=True, temperature=1.5,
+    )
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
+        args=args, train_dataset=leveled({1: 20, 2: 20}), processing_class=tokenizer,
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    sampler = trainer.task_sampler
+    assert isinstance(sampler, AdaptiveTaskSampler)
+    logs = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logs) == 4
+    for entry in logs:
+        # Our split rate is TRL's own zero-std share seen from the other side (no unscorable episode here).
+        assert entry["sampling/split_rate"] == pytest.approx(1 - entry["frac_reward_zero_std"])
+        shares = [entry.get(f"sampling/share/{level}", 0.0) for level in (1, 2)]
+        assert sum(shares) == pytest.approx(1.0)
+        assert entry["sampling/difficulty_mean"] == pytest.approx(shares[0] + 2 * shares[1])
+        if "sampling/success/1" in entry:
+            assert entry["sampling/success/1"] == 1.0
+    # Level 1 was observed to always succeed: its estimate rose from the 0.5 prior, and it is now rarely drawn.
+    estimates = sampler.estimates()
+    assert estimates[1] > 0.8 > estimates[2]
+    assert logs[-1]["sampling/estimate/1"] == pytest.approx(estimates[1])
+    assert sampler.bucket_probabilities()[2] > 0.6
+    assert sum(sampler.groups_drawn.values()) >= 4 * 2  # 2 tasks per step (plus what the dataloader prefetched)

@@ -1,0 +1,272 @@
+"""Adaptive task sampling: spend the rollouts on tasks whose groups split.
+
+GRPO learns only from groups whose episodes disagree: a group that all succeed or all fail has zero advantage and
+costs its G episodes for nothing. [`AdaptiveTaskSampler`] replaces TRL's `RepeatSampler` (same index layout: each
+task `num_generations` times, each batch `repeat_count` times) and chooses every group's task from what the run has
+seen so far:
+
+- it keeps a running success estimate per difficulty bucket (a dataset column, e.g. the calculator's operand
+  `digits`) and per task, updated from every scored group (`observe`);
+- a group of G episodes with success probability p splits with probability `1 - p^G - (1 - p)^G`, highest at
+  p = 0.5; buckets are drawn in proportion to it, so the sampler moves to harder buckets as easier ones saturate
+  and back to easier ones when a harder one stays out of reach;
+- within a bucket, a few candidate tasks are drawn and one is kept in proportion to its own split probability,
+  squared (tasks never seen inherit their bucket's estimate);
+- the target difficulty is never starved (`target_min_share` of the groups at least), and every bucket keeps a small
+  exploration share so that its estimate follows the model.
+
+Every process of a multi-process run holds the same sampler (same seed) and observes the same gathered results,
+so all ranks draw the same indices, as TRL's sampler does.
+
+Example:
+
+```python
+>>> sampler = AdaptiveTaskSampler(dataset, num_generations=8, tasks_per_batch=4, difficulty_column="difficulty",
+...                               target_difficulty=2)
+>>> sampler.observe([{"difficulty": 1, "prompt": ...}] * 8, [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+>>> sampler.estimates()
+{1: 0.69..., 2: 0.5, ...}
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Sampler
+
+
+def split_probability(success: float, group_size: int) -> float:
+    """Probability that a group of `group_size` episodes, each succeeding with probability `success`, has both a
+    success and a failure (non-zero reward std).
+
+    Example:
+
+    ```python
+    >>> round(split_probability(0.5, 8), 3), split_probability(0.0, 8), split_probability(1.0, 8)
+    (0.992, 0.0, 0.0)
+    ```
+    """
+    p = min(max(success, 0.0), 1.0)
+    return max(0.0, 1.0 - p**group_size - (1.0 - p) ** group_size)
+
+
+def task_key(row: dict[str, Any], columns: Sequence[str]) -> str:
+    """A stable key of one task: a hash of `columns` of its dataset row (what the agent sees, plus its bucket)."""
+    payload = json.dumps({c: row.get(c) for c in columns}, sort_keys=True, default=str)
+    return hashlib.sha1(payload.encode()).hexdigest()
+
+
+def group_split_rate(rewards: Sequence[float | None], group_size: int) -> float:
+    """Share of the groups (consecutive runs of `group_size` rewards) whose scored rewards differ; `None` (unscorable)
+    is left out of its group. `nan` when there is no group."""
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    if not groups:
+        return math.nan
+    split = 0
+    for group in groups:
+        scored = {float(r) for r in group if r is not None and not math.isnan(r)}
+        split += len(scored) > 1
+    return split / len(groups)
+
+
+@dataclass
+class _Estimate:
+    """Decayed success counts: `successes / episodes` over recent observations, shrunk towards a prior."""
+
+    successes: float = 0.0
+    episodes: float = 0.0
+
+    def update(self, outcomes: Sequence[float], decay: float) -> None:
+        self.successes = self.successes * decay + sum(outcomes)
+        self.episodes = self.episodes * decay + len(outcomes)
+
+    def mean(self, prior: float, strength: float) -> float:
+        return (self.successes + prior * strength) / (self.episodes + strength)
+
+
+class AdaptiveTaskSampler(Sampler[int]):
+    """Chooses each group's task where its episodes are likely to disagree (see the module docstring).
+
+    Args:
+        dataset: the training dataset (anything with `__len__` and `__getitem__` returning dict rows).
+        num_generations: episodes per task (G); each chosen index is yielded G times in a row.
+        tasks_per_batch: tasks per generation batch (TRL: `generation_batch_size // num_generations`).
+        repeat_count: how many times each batch of tasks is yielded (TRL: `num_iterations * steps_per_generation`).
+        difficulty_column: the column holding each task's difficulty bucket (numbers, larger = harder); `None` or a
+            column the dataset lacks: one bucket.
+        target_difficulty: the bucket(s) the run is for, which get at least `target_min_share` of the groups;
+            `None`: the hardest bucket.
+        target_min_share: least share of groups drawn from the target bucket(s).
+        explore: share of groups spread evenly over all buckets whatever their estimate, so that an estimate
+            follows the model (a bucket out of reach today is tried again).
+        memory: how many recent groups of a bucket its estimate mostly reflects (older ones decay by
+            `1 - 1/memory` per group).
+        prior_success: the estimate of a bucket before any observation.
+        success_threshold: an episode succeeds when its reward is at least this.
+        candidates: tasks drawn from the chosen bucket, of which one is kept in proportion to its split probability.
+        key_columns: the columns that identify a task (`task_key`), e.g. the agent's columns and the difficulty
+            column; default: every column of the dataset.
+        seed: the sampler's RNG seed (the same on every process).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        num_generations: int,
+        tasks_per_batch: int,
+        repeat_count: int = 1,
+        difficulty_column: str | None = "difficulty",
+        target_difficulty: Any = None,
+        target_min_share: float = 0.25,
+        explore: float = 0.1,
+        memory: int = 16,
+        prior_success: float = 0.5,
+        success_threshold: float = 1.0,
+        candidates: int = 8,
+        key_columns: Sequence[str] | None = None,
+        seed: int = 0,
+    ):
+        if num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (a group of one never splits), got {num_generations}.")
+        if tasks_per_batch < 1 or repeat_count < 1 or candidates < 1 or memory < 1:
+            raise ValueError(
+                "tasks_per_batch, repeat_count, candidates and memory must be >= 1; got "
+                f"{tasks_per_batch}, {repeat_count}, {candidates} and {memory}."
+            )
+        for name, value in (("target_min_share", target_min_share), ("explore", explore),
+                            ("prior_success", prior_success)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}.")
+        if len(dataset) == 0:
+            raise ValueError("The training dataset is empty.")
+        self.dataset = dataset
+        self.num_generations = num_generations
+        self.tasks_per_batch = tasks_per_batch
+        self.repeat_count = repeat_count
+        self.target_min_share = target_min_share
+        self.explore = explore
+        self.decay = 1.0 - 1.0 / memory
+        self.prior_success = prior_success
+        self.success_threshold = success_threshold
+        self.candidates = candidates
+        self.seed = seed
+        self._rng = random.Random(seed)
+
+        columns = list(getattr(dataset, "column_names", None) or dataset[0].keys())
+        self.difficulty_column = difficulty_column if difficulty_column in columns else None
+        self.key_columns = list(key_columns) if key_columns is not None else columns
+        levels = list(dataset[self.difficulty_column]) if self.difficulty_column else [0] * len(dataset)
+        bad = [v for v in set(levels) if not isinstance(v, int | float) or isinstance(v, bool)]
+        if bad:
+            raise ValueError(
+                f"Column {difficulty_column!r} must hold numbers (larger = harder), found {sorted(map(repr, bad))[:5]}; "
+                "map your difficulty names to numbers, or set difficulty_column=None."
+            )
+        self.buckets: dict[Any, list[int]] = {}
+        for index, level in enumerate(levels):
+            self.buckets.setdefault(level, []).append(index)
+        self.buckets = dict(sorted(self.buckets.items()))
+        if target_difficulty is None:
+            targets = [max(self.buckets)]
+        else:
+            targets = list(target_difficulty) if isinstance(target_difficulty, list | tuple | set) else [
+                target_difficulty]
+        missing = [t for t in targets if t not in self.buckets]
+        if missing:
+            raise ValueError(
+                f"target_difficulty {missing} is not among the dataset's {self.difficulty_column!r} values "
+                f"{list(self.buckets)}."
+            )
+        self.targets = targets
+        self._bucket_estimates = {level: _Estimate() for level in self.buckets}
+        self._task_estimates: dict[str, _Estimate] = {}
+        self._key_to_index: dict[str, int] | None = None
+        self.groups_drawn = {level: 0 for level in self.buckets}
+
+    # Estimates
+
+    def estimates(self) -> dict[Any, float]:
+        """Each bucket's running success estimate."""
+        return {level: est.mean(self.prior_success, 1.0) for level, est in self._bucket_estimates.items()}
+
+    def bucket_probabilities(self) -> dict[Any, float]:
+        """The probability that the next group is drawn from each bucket."""
+        levels = list(self.buckets)
+        estimates = self.estimates()
+        weights = {level: split_probability(estimates[level], self.num_generations) for level in levels}
+        total = sum(weights.values())
+        if total <= 0:  # nothing is expected to split: spread evenly and let the estimates move
+            weights, total = {level: 1.0 for level in levels}, float(len(levels))
+        probs = {level: (1 - self.explore) * w / total + self.explore / len(levels) for level, w in weights.items()}
+        target_share = sum(probs[t] for t in self.targets)
+        if target_share < self.target_min_share:
+            others = 1.0 - target_share
+            for level in levels:
+                if level in self.targets:
+                    probs[level] = self.target_min_share * (probs[level] / target_share if target_share else
+                                                            1.0 / len(self.targets))
+                else:
+                    probs[level] *= (1.0 - self.target_min_share) / others if others else 0.0
+        return probs
+
+    def _task_success(self, index: int, level) -> float:
+        bucket = self._bucket_estimates[level].mean(self.prior_success, 1.0)
+        estimate = self._task_estimates.get(self._key(self.dataset[index]))
+        return bucket if estimate is None else estimate.mean(bucket, 2.0)  # two episodes of prior: one group speaks
+
+    def _key(self, row: dict[str, Any]) -> str:
+        return task_key(row, [c for c in self.key_columns if c in row])
+
+    def observe(self, rows: Sequence[dict[str, Any]], rewards: Sequence[float | None]) -> None:
+        """Update the estimates with scored episodes: `rows[i]` is the dataset row of episode `i` (at least its key
+        and difficulty columns), `rewards[i]` its total reward (`None` or NaN: unscorable, left out)."""
+        if len(rows) != len(rewards):
+            raise ValueError(f"observe got {len(rows)} rows and {len(rewards)} rewards.")
+        by_task: dict[str, tuple[Any, list[float]]] = {}
+        for row, reward in zip(rows, rewards, strict=True):
+            if reward is None or (isinstance(reward, float) and math.isnan(reward)):
+                continue
+            level = row.get(self.difficulty_column) if self.difficulty_column else 0
+            if level not in self._bucket_estimates:
+                continue  # a row from another dataset
+            by_task.setdefault(self._key(row), (level, []))[1].append(float(reward >= self.success_threshold))
+        for key, (level, outcomes) in by_task.items():
+            # Decay per group: a bucket's estimate follows its last `memory` groups.
+            self._bucket_estimates[level].update(outcomes, self.decay)
+            self._task_estimates.setdefault(key, _Estimate()).update(outcomes, 1.0)
+
+    # Sampling
+
+    def draw_task(self) -> int:
+        """The dataset index of the next group's task."""
+        probs = self.bucket_probabilities()
+        levels = list(probs)
+        level = self._rng.choices(levels, weights=[probs[lv] for lv in levels])[0]
+        self.groups_drawn[level] += 1
+        pool = self.buckets[level]
+        candidates = [pool[self._rng.randrange(len(pool))] for _ in range(min(self.candidates, len(pool)))]
+        if len(candidates) == 1:
+            return candidates[0]
+        # Squared: a task seen to split is clearly preferred over one seen to be always solved (or never).
+        weights = [split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3
+                   for i in candidates]
+        return self._rng.choices(candidates, weights=weights)[0]
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(len(self.dataset) // self.tasks_per_batch or 1):
+            chunk = [self.draw_task() for _ in range(self.tasks_per_batch)]
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    for _ in range(self.num_generations):
+                        yield index
+
+    def __len__(self) -> int:
+        return (len(self.dataset) // self.tasks_per_batch or 1) * self.tasks_per_batch * self.num_generations * (
+            self.repeat_count)
