@@ -55,3 +55,91 @@ def test_streamed_chunks_concatenate_to_the_output_and_arrive_before_it(tokenize
         assert not any(done for _, _, done in chunks)  # every chunk before the output
         assert sum((ids for ids, _, _ in chunks), []) == output.token_ids
         assert sum((lps for _, lps, _ in chunks), []) == output.logprobs
+
+
+def alone(engine, prompt, sampling):
+    return TransformersEngine(engine.model, pad_token_id=engine.pad_token_id,
+                              prefix_cache_bytes=0).generate_batch([prompt], [sampling])[0]
+
+
+async def join_while_running(engine, running, joiners, after_tokens=5):
+    """Start `running`; once it has streamed `after_tokens` tokens, hold the model between two steps, queue the
+    `joiners` (prompt, sampling) and let go. Returns the outputs and the order in which they completed."""
+    order = []
+    streamed = asyncio.Event()
+    counted = []
+
+    def on_token(ids, logprobs):
+        counted.extend(ids)
+        if len(counted) >= after_tokens:
+            streamed.set()
+
+    async def tracked(name, coroutine):
+        result = await coroutine
+        order.append(name)
+        return result
+
+    first = asyncio.ensure_future(tracked("running", engine.generate(*running, on_token=on_token)))
+    await streamed.wait()
+    with engine.model_lock:  # the worker is between two steps: the joiners are queued before its next one
+        others = [asyncio.ensure_future(tracked(i, engine.generate(*joiner))) for i, joiner in enumerate(joiners)]
+        await asyncio.sleep(0)
+    results = await asyncio.gather(first, *others, return_exceptions=True)
+    await engine.stop()
+    return results, order
+
+
+def test_requests_join_the_running_batch_and_leave_it_when_done(tokenizer, model):
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    running = (chat_prompt(tokenizer, "Tell a long story."), SamplingParams(max_tokens=64, seed=0))
+    joiners = [
+        # Longer than the running row's cache (it gets left-padded) ...
+        (chat_prompt(tokenizer, "Summarize: " + "the cat sat on the mat. " * 12), SamplingParams(max_tokens=3, seed=1)),
+        # ... and shorter, greedy, with top logprobs and a stop id.
+        (chat_prompt(tokenizer, "Hi"), SamplingParams(max_tokens=6, temperature=0.0, top_logprobs=2)),
+    ]
+    greedy = alone(engine, *joiners[1])
+    stop = greedy.token_ids[3]
+    joiners[1][1].stop_token_ids = [stop]
+    results, order = asyncio.run(join_while_running(engine, running, joiners))
+    assert order[-1] == "running"  # the joiners did not wait for the running row to finish, nor it for them
+    assert engine.stats.decoded_rows > engine.stats.decode_steps  # steps that decoded several rows
+    # Each row samples what it samples alone: per-row seeds, positions and masks.
+    for (prompt, sampling), result in zip([running, *joiners], results):
+        reference = alone(engine, prompt, sampling)
+        assert result.token_ids == reference.token_ids and result.finish_reason == reference.finish_reason
+        assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+    assert results[2].finish_reason == "stop" and results[2].token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
+    assert [ids for ids, _ in results[2].top_logprobs[0]] == [ids for ids, _ in greedy.top_logprobs[0]]
+
+
+def test_a_bad_request_joining_a_running_batch_fails_alone(tokenizer, model):
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    running = (chat_prompt(tokenizer, "Tell a long story."), SamplingParams(max_tokens=32, seed=0))
+    good = (chat_prompt(tokenizer, "Hello there"), SamplingParams(max_tokens=4, seed=3))
+    poison = ([len(tokenizer) + 1000], SamplingParams(max_tokens=4))  # past the embedding table: the prefill raises
+    results, _ = asyncio.run(join_while_running(engine, running, [good, poison]))
+    assert isinstance(results[2], IndexError)
+    assert results[0].token_ids == alone(engine, *running).token_ids
+    assert results[1].token_ids == alone(engine, *good).token_ids
+
+
+def test_a_cancelled_request_leaves_the_batch(tokenizer, model):
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    prompt = chat_prompt(tokenizer, "Tell a long story.")
+
+    async def main():
+        streamed = asyncio.Event()
+        doomed = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=3000, stop_token_ids=[]),
+                                                       on_token=lambda ids, lps: streamed.set()))
+        await streamed.wait()
+        doomed.cancel()  # the client disconnected
+        # A request queued after the cancellation: by the time it is done (several steps), the row is gone.
+        after = await engine.generate(prompt, SamplingParams(max_tokens=4, seed=0))
+        rows = engine.stats.decoded_rows
+        await engine.stop()
+        return doomed, after, rows
+
+    doomed, after, rows = asyncio.run(main())
+    assert doomed.cancelled() and len(after.token_ids) == 4
+    assert rows < 1000  # far from the 3000 tokens it asked for

@@ -1,4 +1,9 @@
-"""Dynamic batching shared by the in-process engines: concurrent `generate` calls become one `generate_batch`."""
+"""Requests of the in-process engines, and dynamic batching: concurrent `generate` calls become one `generate_batch`.
+
+`Request` carries one `generate` call to a sampling thread and back (streamed chunks, result or error, marshalled to
+the caller's event loop). `DynamicBatcher` serves engines that can only sample a whole batch at once (vLLM colocate);
+`TransformersEngine` batches continuously instead (requests join and leave between decode steps).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,15 @@ from dataclasses import dataclass, field
 from .engine import GenerationOutput, SamplingParams, TokenCallback
 
 
-# What a sampling thread calls with each chunk of one row: marshalled to the row's event loop (see `_Request.emit`).
+# What a sampling thread calls with each chunk of one row: marshalled to the row's event loop (see `Request.emit`).
 RowEmitter = Callable[[list[int], list[float]], None]
 
 
 @dataclass
-class _Request:
+class Request:
+    """One `generate` call. The `*_threadsafe` methods and `emit` may be called from any thread; the rest run on the
+    caller's loop."""
+
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future
@@ -28,7 +36,22 @@ class _Request:
         """Thread-safe: hand a chunk to `on_token` on the request's loop. `call_soon_threadsafe` runs callbacks in
         the order they were scheduled, so chunks keep their order and all precede the future's resolution."""
         if self.on_token is not None:
-            self.future.get_loop().call_soon_threadsafe(self._deliver, token_ids, logprobs)
+            self._call_on_loop(self._deliver, token_ids, logprobs)
+
+    def resolve_threadsafe(self, output: GenerationOutput) -> None:
+        self._call_on_loop(self.resolve, output)
+
+    def fail_threadsafe(self, error: BaseException) -> None:
+        self._call_on_loop(self.fail, error)
+
+    def cancel_threadsafe(self) -> None:
+        self._call_on_loop(self.future.cancel)
+
+    def _call_on_loop(self, callback, *args) -> None:
+        try:
+            self.future.get_loop().call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the caller's loop is closed: nobody waits for this request any more
+            pass
 
     def _deliver(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.streamed += len(token_ids)
@@ -42,6 +65,10 @@ class _Request:
         if self.on_token is not None and self.streamed < len(output.token_ids):
             self._deliver(output.token_ids[self.streamed :], output.logprobs[self.streamed :])
         self.future.set_result(output)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 class DynamicBatcher:
@@ -62,7 +89,7 @@ class DynamicBatcher:
 
     def _init_batching(self) -> None:
         self.batch_sizes: Counter[int] = Counter()  # observed batch sizes, for metrics and tests
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._queue: asyncio.Queue[Request] | None = None
         self._worker: asyncio.Task | None = None
 
     def generate_batch(
@@ -92,7 +119,7 @@ class DynamicBatcher:
         self, prompt_ids: list[int], sampling: SamplingParams, on_token: TokenCallback | None = None
     ) -> GenerationOutput:
         await self.start()
-        request = _Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), on_token)
+        request = Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), on_token)
         await self._queue.put(request)
         try:
             return await request.future
@@ -119,7 +146,7 @@ class DynamicBatcher:
             self.batch_sizes[len(batch)] += 1
             await self._run_isolating(batch)
 
-    async def _run_isolating(self, batch: list[_Request]) -> None:
+    async def _run_isolating(self, batch: list[Request]) -> None:
         try:
             outputs = await asyncio.to_thread(
                 self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
@@ -128,10 +155,10 @@ class DynamicBatcher:
         except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not to the worker
             batch = [r for r in batch if not r.future.done()]
             for request in [r for r in batch if r.streamed]:  # a retry would stream its tokens twice
-                request.future.set_exception(error)
+                request.fail(error)
             batch = [r for r in batch if not r.streamed]
             if len(batch) == 1:
-                batch[0].future.set_exception(error)
+                batch[0].fail(error)
             elif batch:  # one member may be the cause: halves until it fails alone, the others are served
                 half = len(batch) // 2
                 await self._run_isolating(batch[:half])

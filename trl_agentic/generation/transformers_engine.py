@@ -1,33 +1,175 @@
-"""The embedded default engine: dynamic batching of concurrent requests over a transformers causal LM.
+"""The embedded default engine: continuous batching over a transformers causal LM, with per-episode KV prefix reuse.
 
-Concurrent `generate` calls are queued; a worker takes everything waiting (up to `max_batch_size`, after waiting at
-most `batch_wait_s` for company), runs one batched sampling loop with a KV cache in a worker thread, and resolves
-each request. Each sampled token comes with `log_softmax(logits / temperature)` at that token: the distribution TRL
-scores the same token under (top-p/top-k only restrict which tokens can be drawn).
+Concurrent `generate` calls are queued for one worker thread that runs the model step by step (issue #12):
+
+- between two decode steps, waiting requests join the running batch (their prompts are prefilled together, and
+  their key/value states are merged into the running cache by left-padding along the sequence), and finished rows
+  leave it (`index_select` along the batch); no request waits for a batch to end, and none waits for company unless
+  `batch_wait_s` asks for it;
+- each row keeps its own sampling parameters, seed (a generator of its own), stop ids, top logprobs and cancellation;
+  each sampled token comes with `log_softmax(logits / temperature)` at that token, the distribution TRL scores the same
+  token under (top-p/top-k only restrict which tokens can be drawn);
+- the key/value states of finished requests (prompt + sampled ids) are kept in a [`PrefixCache`]: an agent's next
+  call, which extends its previous call token for token, prefills only its new tokens. The cache belongs to one
+  policy: it is dropped when `policy_version`, the model object or its weights (parameter version counters) change.
+
+Every row is laid out `[padding | tokens]` in the batch's cache, right-aligned: a row is described by its length,
+the attention mask and position ids follow from it, and leading columns no row uses are trimmed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
-from .batching import DynamicBatcher, RowEmitter
-from .engine import GenerationOutput, SamplingParams
+from .batching import Request, RowEmitter
+from .engine import GenerationOutput, SamplingParams, TokenCallback
+from .prefix_cache import PrefixCache, PrefixEntry
 
 
-class TransformersEngine(DynamicBatcher):
-    """Serve a transformers causal LM to many concurrent requests.
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+# The worker thread ends after this long without work; the next request starts a new one.
+_IDLE_EXIT_S = 1.0
+
+
+@dataclass
+class EngineStats:
+    """What the engine did since it was built (or since `reset()`), for metrics and benchmarks."""
+
+    requests: int = 0  # requests prefilled
+    prefix_hits: int = 0  # of which reused cached key/value states
+    reused_tokens: int = 0  # prompt tokens whose key/value states came from the prefix cache
+    prefilled_tokens: int = 0  # prompt tokens computed
+    decode_steps: int = 0
+    decoded_rows: int = 0  # rows decoded, summed over decode steps
+    waiting_rows: int = 0  # requests waiting on the model (decoding or queued) at each decode step, summed
+    busy_s: float = 0.0  # seconds spent prefilling, decoding and sampling
+
+    @property
+    def mean_decode_batch(self) -> float:
+        """Mean number of sequences decoded per step."""
+        return self.decoded_rows / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def decode_occupancy(self) -> float:
+        """Rows decoded per step / requests waiting on the model at that step (1.0: nobody waits for a batch)."""
+        return self.decoded_rows / self.waiting_rows if self.waiting_rows else 1.0
+
+    def reset(self) -> None:
+        for name, value in asdict(EngineStats()).items():
+            setattr(self, name, value)
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), "mean_decode_batch": self.mean_decode_batch, "decode_occupancy": self.decode_occupancy}
+
+
+@dataclass(eq=False)
+class _Row:
+    """One request inside the engine."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new: int
+    generator: torch.Generator
+    done: Callable[[GenerationOutput | BaseException], None]  # called once, from the worker thread
+    cancelled: threading.Event | None = None
+    emit: RowEmitter | None = None
+    policy: tuple | None = None  # the weights its key/value states are computed with
+    entry: PrefixEntry | None = None  # the prefix-cache entry its prompt extends
+    reused: int = 0  # prompt tokens taken from `entry`
+    length: int = 0  # tokens with key/value states in its batch's cache: prompt + all sampled ids but the last
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list | None = None
+    finish: str | None = None
+    error: BaseException | None = None
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(self.tokens, self.logprobs, self.finish, self.tops)
+
+
+class _Batch:
+    """Rows sampled together and their key/value cache: per layer (rows, heads, columns, head_dim), each row
+    right-aligned (`[padding | its length tokens]`)."""
+
+    def __init__(self, rows: list[_Row] | None = None, cache: DynamicCache | None = None):
+        self.rows = rows or []
+        self.cache = cache
+
+    @property
+    def columns(self) -> int:
+        return self.cache.layers[0].keys.shape[2] if self.rows else 0
+
+    def select(self, keep: list[int]) -> None:
+        """Keep these rows (finished rows leave)."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not self.rows:
+            self.cache = None
+            return
+        index = torch.tensor(keep, device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        self.trim()
+
+    def merge(self, other: _Batch) -> None:
+        """Append `other`'s rows: the shorter cache is left-padded to the longer one's columns."""
+        if not other.rows:
+            return
+        if not self.rows:
+            self.rows, self.cache = other.rows, other.cache
+            return
+        width = max(self.columns, other.columns)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        self.rows += other.rows
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop the leading columns that are padding in every row."""
+        unused = self.columns - max(row.length for row in self.rows)
+        if unused > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+
+
+def _left_pad(states: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - states.shape[2]
+    if missing == 0:
+        return states
+    return torch.cat([states.new_zeros((*states.shape[:2], missing, states.shape[3])), states], dim=2)
+
+
+class TransformersEngine:
+    """Serve a transformers causal LM to many concurrent requests, batching them continuously.
 
     Args:
-        model: the policy (the trainer's live model: its weights are current by construction).
+        model: the policy (the trainer's live model: its weights are current by construction). Assign `engine.model`
+            to swap it; the prefix cache is dropped.
         pad_token_id: id used to left-pad prompts in a batch.
-        max_batch_size: most requests sampled together.
-        batch_wait_s: how long the first request of a batch waits for others to join.
+        max_batch_size: most requests sampled together; more wait in the queue and join as rows finish.
+        batch_wait_s: how long the first request to reach an idle engine waits for others before the batch starts
+            (0: none; requests that arrive later join the running batch between steps anyway).
         max_context_length: prompt + completion length the model accepts (defaults to the model's
             `max_position_embeddings`).
-        model_lock: a lock held while the model is used (the trainer holds it while it changes weights).
+        model_lock: a lock held while the model is used (one prefill or decode step at a time), so that weights can
+            be changed between steps.
+        prefix_cache_bytes: memory the key/value states of finished requests may take, for reuse by the requests that
+            extend them (0 disables the reuse).
+
+    `stats` ([`EngineStats`]) counts prefix hits, reused and prefilled tokens and the decode batch occupancy;
+    `batch_sizes` counts the requests admitted together, per admission.
 
     Example:
 
@@ -42,10 +184,18 @@ class TransformersEngine(DynamicBatcher):
         model: PreTrainedModel,
         pad_token_id: int,
         max_batch_size: int = 32,
-        batch_wait_s: float = 0.005,
+        batch_wait_s: float = 0.0,
         max_context_length: int | None = None,
         model_lock: threading.Lock | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ):
+        layer_types = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+        if layer_types - {DynamicLayer.__name__}:
+            raise ValueError(
+                f"TransformersEngine batches continuously by editing full-attention key/value caches, but "
+                f"{type(model).__name__} uses {sorted(layer_types)} cache layers (sliding-window or linear attention). "
+                f"Generate with vLLM instead (`use_vllm=True`)."
+            )
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -53,95 +203,356 @@ class TransformersEngine(DynamicBatcher):
         self.max_context_length = max_context_length or model.config.max_position_embeddings
         self.model_lock = model_lock or threading.Lock()
         self.policy_version = 0
-        self._init_batching()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.stats = EngineStats()
+        self.batch_sizes: Counter[int] = Counter()  # requests admitted together (size: count)
+        self._pending: deque[Request] = deque()
+        self._lock = threading.Lock()  # guards _pending and _worker
+        self._wakeup = threading.Condition(self._lock)
+        self._worker: threading.Thread | None = None
+        self._stop_worker = threading.Event()
 
-    @torch.no_grad()
+    # Serving
+
+    async def start(self) -> None:
+        pass  # the worker thread starts with the first request
+
+    async def stop(self) -> None:
+        """End the worker thread; requests still queued or running are cancelled."""
+        with self._lock:
+            worker, stop = self._worker, self._stop_worker
+            stop.set()
+            self._wakeup.notify_all()
+        if worker is not None:
+            await asyncio.to_thread(worker.join)
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, on_token: TokenCallback | None = None
+    ) -> GenerationOutput:
+        request = Request(list(prompt_ids), sampling, asyncio.get_running_loop().create_future(), on_token)
+        with self._lock:
+            self._pending.append(request)
+            if self._worker is None:
+                self._stop_worker = threading.Event()
+                self._worker = threading.Thread(
+                    target=self._work, args=(self._stop_worker,), name="trl-agentic-engine", daemon=True
+                )
+                self._worker.start()
+            self._wakeup.notify()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            request.cancelled.set()  # a running row stops sampling
+            raise
+
+    def _work(self, stop: threading.Event) -> None:
+        batch = _Batch()
+        try:
+            while True:
+                with self._lock:
+                    if not batch.rows and not self._wait_for_requests(stop):
+                        self._worker = None  # under the lock: the next `generate` starts a new worker
+                        return
+                    if stop.is_set():
+                        return
+                    room = self.max_batch_size - len(batch.rows)
+                    joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+                rows = [row for row in map(self._row_of_request, joiners) if row is not None]
+                started = time.perf_counter()
+                with self._using_model():
+                    if rows:
+                        self.batch_sizes[len(rows)] += 1
+                        batch.merge(self._admit(rows))
+                    self._retire(batch)  # cancelled rows leave before the step
+                    if batch.rows:
+                        try:
+                            self._decode(batch, waiting=len(batch.rows) + len(self._pending))
+                            self._retire(batch)
+                        except Exception as error:  # noqa: BLE001 - a failed forward of the whole batch
+                            # Not one row's fault (bad prompts fail at prefill): its rows have streamed tokens and
+                            # cannot be retried, so they fail with the error.
+                            for row in batch.rows:
+                                row.done(error)
+                            batch = _Batch()
+                self.stats.busy_s += time.perf_counter() - started
+        finally:
+            with self._lock:
+                if self._worker is threading.current_thread():
+                    self._worker = None
+                leftovers = list(self._pending) if stop.is_set() or self._worker is None else []
+                for request in leftovers:
+                    self._pending.remove(request)
+            for row in batch.rows:
+                row.done(asyncio.CancelledError("The engine stopped."))
+            for request in leftovers:
+                request.cancel_threadsafe()
+
+    def _wait_for_requests(self, stop: threading.Event) -> bool:
+        """With the lock held and no row running: wait for a request (False after `_IDLE_EXIT_S` without one), then
+        for company if `batch_wait_s` asks for it."""
+        deadline = time.monotonic() + _IDLE_EXIT_S
+        while not self._pending and not stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._wakeup.wait(remaining)
+        company = time.monotonic() + self.batch_wait_s
+        while len(self._pending) < self.max_batch_size and not stop.is_set():
+            remaining = company - time.monotonic()
+            if remaining <= 0:
+                break
+            self._wakeup.wait(remaining)
+        return True
+
+    def _row_of_request(self, request: Request) -> _Row | None:
+        if request.cancelled.is_set():
+            return None
+
+        def done(result: GenerationOutput | BaseException) -> None:
+            if isinstance(result, asyncio.CancelledError):
+                request.cancel_threadsafe()
+            elif isinstance(result, BaseException):
+                request.fail_threadsafe(result)
+            else:
+                request.resolve_threadsafe(result)
+
+        return self._new_row(request.prompt_ids, request.sampling, done, request.cancelled,
+                             request.emit if request.on_token is not None else None)
+
+    def _new_row(self, prompt, sampling, done, cancelled=None, emit=None) -> _Row | None:
+        """A row for this request, or None when it is answered at once (no room left in the context)."""
+        max_new = min(sampling.max_tokens, self.max_context_length - len(prompt))
+        if max_new <= 0:
+            done(GenerationOutput([], [], "length", [] if sampling.top_logprobs else None))
+            return None
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        return _Row(prompt, sampling, max_new, generator, done, cancelled, emit,
+                    tops=[] if sampling.top_logprobs else None)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @contextlib.contextmanager
+    def _using_model(self):
+        with self.model_lock, torch.no_grad():
+            was_training = self.model.training
+            if was_training:
+                self.model.eval()
+            try:
+                yield
+            finally:
+                if was_training:
+                    self.model.train()
+
+    # One batch, synchronously
+
     def generate_batch(
         self,
         prompts: list[list[int]],
         samplings: list[SamplingParams],
         cancelled: list[threading.Event] | None = None,
-        emitters: list[RowEmitter] | None = None,
     ) -> list[GenerationOutput]:
-        """Sample a completion for each prompt (synchronously). Rows differ in length and sampling parameters; a row
-        whose `cancelled` event is set stops sampling (finish reason `"cancelled"`); `emitters[i]` gets each token of
-        row `i` as it is sampled."""
-        with self.model_lock:
-            was_training = self.model.training
-            self.model.eval()
-            try:
-                return self._sample(prompts, samplings, cancelled, emitters)
-            finally:
-                if was_training:
-                    self.model.train()
+        """Sample a completion for each prompt, together, in the calling thread (the same prefill, decode and prefix
+        cache as `generate`). A row whose `cancelled` event is set stops sampling (finish reason `"cancelled"`).
+        Raises the first failing row's error."""
+        results: list[GenerationOutput | BaseException | None] = [None] * len(prompts)
+        rows = []
+        for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
+            row = self._new_row(list(prompt), sampling, lambda result, i=i: results.__setitem__(i, result),
+                                cancelled[i] if cancelled is not None else None)
+            if row is not None:
+                rows.append(row)
+        with self._using_model():
+            batch = self._admit(rows) if rows else _Batch()
+            while batch.rows:
+                self._decode(batch, waiting=len(batch.rows))
+                self._retire(batch)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
-    def _sample(
-        self,
-        prompts: list[list[int]],
-        samplings: list[SamplingParams],
-        cancelled: list[threading.Event] | None,
-        emitters: list[RowEmitter] | None,
-    ) -> list[GenerationOutput]:
-        device = next(self.model.parameters()).device
-        batch_size = len(prompts)
-        max_prompt = max(len(p) for p in prompts)
-        input_ids = torch.full((batch_size, max_prompt), self.pad_token_id, dtype=torch.long, device=device)
-        attention_mask = torch.zeros((batch_size, max_prompt), dtype=torch.long, device=device)
-        for i, prompt in enumerate(prompts):  # left padding
-            input_ids[i, max_prompt - len(prompt) :] = torch.tensor(prompt, device=device)
-            attention_mask[i, max_prompt - len(prompt) :] = 1
+    # Steps
 
-        temperatures = torch.tensor([max(s.temperature, 1e-5) for s in samplings], device=device).unsqueeze(1)
-        generators = []
-        for s in samplings:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(s.seed if s.seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-            generators.append(generator)
-        max_new = [min(s.max_tokens, self.max_context_length - len(p)) for s, p in zip(samplings, prompts)]
-        stop_ids = [set(s.stop_token_ids) for s in samplings]
+    def _policy(self) -> tuple:
+        """Identifies the weights: the model object, the trainer's `policy_version`, and the parameters' in-place
+        version counters (an optimizer step or `load_state_dict` bumps them even if `policy_version` is not)."""
+        return id(self.model), self.policy_version, sum(p._version for p in self.model.parameters())
 
-        tokens: list[list[int]] = [[] for _ in range(batch_size)]
-        logprobs: list[list[float]] = [[] for _ in range(batch_size)]
-        tops: list[list | None] = [[] if s.top_logprobs else None for s in samplings]
-        finish: list[str | None] = [None if m > 0 else "length" for m in max_new]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    def _admit(self, rows: list[_Row]) -> _Batch:
+        """Prefill the joiners (reusing cached prefixes), sample their first token; the rows still running."""
+        policy = self._policy()
+        if policy != self.prefix_cache.policy:
+            self.prefix_cache.clear(policy)  # never sample from states of other weights
+        for row in rows:
+            row.policy = policy
+            if self.prefix_cache.max_bytes:
+                row.entry, row.reused = self.prefix_cache.lookup(row.prompt)
+        admitted = _Batch()
+        for group in _prefill_groups(rows):
+            for batch in self._prefill_isolating(group):
+                admitted.merge(batch)
+        return admitted
+
+    def _prefill_isolating(self, rows: list[_Row]) -> list[_Batch]:
+        # One request must never cost the others (issue #9: one bad id failed 80 innocent requests): a failing
+        # prefill is retried in halves until the failing request fails alone.
+        try:
+            return [self._prefill(rows)]
+        except Exception as error:  # noqa: BLE001 - the error belongs to the requests
+            if len(rows) == 1:
+                rows[0].done(error)
+                return []
+            half = len(rows) // 2
+            return self._prefill_isolating(rows[:half]) + self._prefill_isolating(rows[half:])
+
+    def _prefill(self, rows: list[_Row]) -> _Batch:
+        device = self._device
+        # Every row feeds `width` tokens; a row with fewer new tokens recomputes part of its cached prefix (as many
+        # FLOPs as padding would cost, and no hole between its cached and its new tokens).
+        width = max(len(row.prompt) - row.reused for row in rows)
+        reused = [max(len(row.prompt) - width, 0) for row in rows]
+        past = max(reused)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        for i, (row, start) in enumerate(zip(rows, reused)):
+            new = row.prompt[start:]
+            input_ids[i, width - len(new) :] = torch.tensor(new)
+        lengths = torch.tensor([len(row.prompt) for row in rows])
+        attention_mask = (torch.arange(past + width) >= (past + width - lengths).unsqueeze(1)).long()
+        position_ids = (torch.arange(width) + (lengths - width).unsqueeze(1)).clamp(min=0)
         cache = None
-        step_ids = input_ids
-        while any(f is None for f in finish):
-            outputs = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = outputs.cache
-            logits = outputs.logits[:, -1, :].float() / temperatures  # (B, V)
-            logps = torch.log_softmax(logits, dim=-1)
-            next_ids = torch.full((batch_size,), self.pad_token_id, dtype=torch.long, device=device)
-            for i in range(batch_size):
-                if finish[i] is None and cancelled is not None and cancelled[i].is_set():
-                    finish[i] = "cancelled"  # its client went away: free the row
-                if finish[i] is not None:
-                    continue
-                token = _sample_row(logps[i], samplings[i], generators[i])
-                next_ids[i] = token
-                tokens[i].append(token)
-                logprobs[i].append(logps[i, token].item())
-                if emitters is not None:
-                    emitters[i]([token], [logprobs[i][-1]])
-                if tops[i] is not None:
-                    values, ids = torch.topk(logps[i], samplings[i].top_logprobs)
-                    tops[i].append(list(zip(ids.tolist(), values.tolist())))
-                if token in stop_ids[i]:
-                    finish[i] = "stop"
-                elif len(tokens[i]) >= max_new[i]:
-                    finish[i] = "length"
-            step_ids = next_ids.unsqueeze(1)
-            attention_mask = torch.cat([attention_mask, torch.ones((batch_size, 1), dtype=torch.long, device=device)], 1)
-            position_ids = position_ids[:, -1:] + 1
-        return [GenerationOutput(*row) for row in zip(tokens, logprobs, finish, tops, strict=True)]
+        if past:
+            entries = [(row.entry, start) for row, start in zip(rows, reused)]
+            cache = DynamicCache(ddp_cache_data=[_stack_prefixes(entries, layer, past) for layer in
+                                                 range(len(next(e for e, s in entries if s).keys))])
+        outputs = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for row, start in zip(rows, reused):
+            row.reused, row.length = start, len(row.prompt)
+        self.stats.requests += len(rows)
+        self.stats.prefix_hits += sum(1 for start in reused if start)
+        self.stats.reused_tokens += sum(reused)
+        self.stats.prefilled_tokens += int(lengths.sum()) - sum(reused)
+        batch = _Batch(rows, outputs.cache)
+        self._sample(batch, outputs.logits[:, -1, :])
+        self._retire(batch)
+        return batch
+
+    def _decode(self, batch: _Batch, waiting: int) -> None:
+        """Feed each row its last sampled token and sample the next."""
+        device = self._device
+        columns = batch.columns
+        lengths = torch.tensor([row.length for row in batch.rows])
+        input_ids = torch.tensor([[row.tokens[-1]] for row in batch.rows])
+        attention_mask = (torch.arange(columns + 1) >= (columns - lengths).unsqueeze(1)).long()  # (B, columns + 1)
+        outputs = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=lengths.unsqueeze(1).to(device),
+            cache=batch.cache,
+            use_cache=True,
+        )
+        for row in batch.rows:
+            row.length += 1
+        self.stats.decode_steps += 1
+        self.stats.decoded_rows += len(batch.rows)
+        self.stats.waiting_rows += waiting
+        self._sample(batch, outputs.logits[:, -1, :])
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
+        """Draw each row's next token from `logits` (B, V) and stream it; mark the rows that finished."""
+        rows = batch.rows
+        temperatures = torch.tensor([max(row.sampling.temperature, 1e-5) for row in rows], device=logits.device)
+        logps = torch.log_softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)  # (B, V)
+        chosen = []
+        for i, row in enumerate(rows):
+            if row.cancelled is not None and row.cancelled.is_set():
+                row.finish = "cancelled"  # its client went away: free the row
+            if row.finish is not None:
+                chosen.append(self.pad_token_id)
+                continue
+            try:
+                chosen.append(_sample_row(logps[i], row.sampling, row.generator))
+            except Exception as error:  # noqa: BLE001 - this row's own failure
+                row.finish, row.error = "error", error
+                chosen.append(self.pad_token_id)
+        chosen_logps = logps.gather(1, torch.tensor(chosen, device=logps.device).unsqueeze(1)).squeeze(1).tolist()
+        for i, (row, token, logprob) in enumerate(zip(rows, chosen, chosen_logps)):
+            if row.finish is not None:
+                continue
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            if row.tops is not None:
+                values, ids = torch.topk(logps[i], row.sampling.top_logprobs)
+                row.tops.append(list(zip(ids.tolist(), values.tolist())))
+            if row.emit is not None:
+                row.emit([token], [logprob])
+            if token in row.sampling.stop_token_ids:
+                row.finish = "stop"
+            elif len(row.tokens) >= row.max_new:
+                row.finish = "length"
+
+    def _retire(self, batch: _Batch) -> None:
+        """Finished and cancelled rows leave the batch; finished ones leave their states to the prefix cache."""
+        keep = []
+        for i, row in enumerate(batch.rows):
+            if row.finish is None and row.cancelled is not None and row.cancelled.is_set():
+                row.finish = "cancelled"  # its client went away: free the row
+            if row.finish is None:
+                keep.append(i)
+            elif row.finish == "error":
+                row.done(row.error)
+            else:
+                if row.finish != "cancelled":
+                    self._store_prefix(batch, i)
+                row.done(row.output())
+        batch.select(keep)
+
+    def _store_prefix(self, batch: _Batch, i: int) -> None:
+        row = batch.rows[i]
+        if not self.prefix_cache.max_bytes or row.policy != self.prefix_cache.policy:
+            return  # computed with weights the cache no longer holds
+        start = batch.columns - row.length
+        keys = [layer.keys[i, :, start:].clone() for layer in batch.cache.layers]
+        values = [layer.values[i, :, start:].clone() for layer in batch.cache.layers]
+        self.prefix_cache.store(row.prompt + row.tokens[:-1], keys, values, row.policy, replaces=row.entry)
+
+
+def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:
+    """Joiners prefilled together: by decreasing count of new tokens, a group grows while at most half of what it
+    computes is padding or recomputed prefix."""
+    groups: list[list[_Row]] = []
+    for row in sorted(rows, key=lambda r: len(r.prompt) - r.reused, reverse=True):
+        new = len(row.prompt) - row.reused
+        if groups:
+            group = groups[-1]
+            width = len(group[0].prompt) - group[0].reused
+            if (len(group) + 1) * width <= 2 * (sum(len(r.prompt) - r.reused for r in group) + new):
+                group.append(row)
+                continue
+        groups.append([row])
+    return groups
+
+
+def _stack_prefixes(entries: list[tuple[PrefixEntry | None, int]], layer: int, past: int):
+    """One layer's cached states of each row's first `start` prompt tokens, right-aligned in `past` columns."""
+    reference = next(entry for entry, start in entries if start).keys[layer]
+    heads, _, head_dim = reference.shape
+    keys = reference.new_zeros((len(entries), heads, past, head_dim))
+    values = reference.new_zeros((len(entries), heads, past, head_dim))
+    for i, (entry, start) in enumerate(entries):
+        if start:
+            keys[i, :, past - start :] = entry.keys[layer][:, :start]
+            values[i, :, past - start :] = entry.values[layer][:, :start]
+    return keys, values
 
 
 def _sample_row(logps: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
