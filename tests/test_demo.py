@@ -42,10 +42,22 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     steps = [int(s) for s in summary["held_out_success_by_step"]]
     assert steps[0] == 0 and steps[-1] == summary["settings"]["steps"] and len(steps) > 2
     assert any("reward" in record for record in summary["log_history"])
+    # Issue #11: adaptive sampling over the difficulty levels, the alarms checked against the held-out evaluation
+    # (which is the demo's own: the "before" figure is the alarms' step-0 value, the "after" their last step).
+    assert summary["settings"]["task_sampling"] == "adaptive" and summary["settings"]["levels"] == [1, 2, 3]
+    logs = [record for record in summary["log_history"] if "reward" in record]
+    assert all("sampling/split_rate" in r and "sampling/difficulty_mean" in r and "alarms/reward_hacking" in r
+               for r in logs)
+    assert all(1.0 <= r["sampling/difficulty_mean"] <= 3.0 for r in logs)
+    logged_held_out = {r["step"]: r["held_out/success"] for r in logs if "held_out/success" in r}
+    assert logged_held_out[1] == summary["before"]["success"]  # step 0's value arrives with the first log
+    assert logged_held_out[steps[-1]] == summary["after"]["success"]
+    assert summary["alarms"] == json.loads((output_dir / "grpo" / "alarms.json").read_text())["alarms"]
+    assert "split_rate" in summary and "alarms:" in result.stdout
 
     plots = {os.path.basename(p) for p in summary["plots"]}
     assert {"reward.png", "held_out_success.png", "completion_length.png", "frac_reward_zero_std.png",
-            "tool_calls.png", "episode_status.png"} <= plots
+            "tool_calls.png", "episode_status.png", "learning_signal.png"} <= plots
     for path in summary["plots"]:
         data = open(path, "rb").read()
         assert data[:8] == PNG_MAGIC and len(data) > 1024, path
@@ -127,6 +139,11 @@ def test_plot_training_curves_writes_one_png_per_metric(tmp_path):
     paths = plot_training_curves(history, {0: 0.2, 5: 0.4, 10: 0.6}, tmp_path / "plots")
     assert [p.name for p in paths] == ["reward.png", "held_out_success.png", "kl.png", "completion_length.png",
                                        "frac_reward_zero_std.png", "tool_calls.png", "episode_status.png"]
+    # With the sampling metrics: the learning-signal plot (split rate, sampled difficulty, held-out success).
+    for record in history[:-1]:
+        record.update({"sampling/split_rate": 0.6, "sampling/difficulty_mean": 1.5})
+    names = [p.name for p in plot_training_curves(history, {0: 0.2, 10: 0.6}, tmp_path / "signal")]
+    assert "learning_signal.png" in names
     for path in paths:
         data = path.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 1024

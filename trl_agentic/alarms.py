@@ -434,6 +434,7 @@ class AlarmsCallback(TrainerCallback):
         alarms: every alarm of the run, as dicts: `name`, `step` (first step it held), `last_step`, `message`,
             `evidence`. An alarm that clears and fires again is a new entry.
         history: every logged metric by step (`History`), plus `held_out/*`.
+        held_out_results: the held-out evaluator's whole result at each step it ran.
 
     Example:
 
@@ -462,6 +463,7 @@ class AlarmsCallback(TrainerCallback):
         self.alarms: list[dict[str, Any]] = []
         self._active: dict[str, dict[str, Any]] = {}  # name -> its entry in self.alarms while it holds
         self._pending: dict[str, float] = {}  # held-out metrics waiting for the next log
+        self.held_out_results: dict[int, dict[str, Any]] = {}  # step -> the evaluator's whole result
 
     # Held-out evaluation
 
@@ -471,7 +473,13 @@ class AlarmsCallback(TrainerCallback):
         step = state.global_step
         if self.history["held_out/success"] and self.history["held_out/success"][-1][0] == step:
             return
-        result = self.held_out.evaluate(model, seed=args.seed + step)
+        self.record_held_out(step, self.held_out.evaluate(model, seed=args.seed + step))
+
+    def record_held_out(self, step: int, result: dict[str, Any]) -> None:
+        """Record a held-out result measured at `step` (by this callback, or by the caller, e.g. an evaluation it ran
+        before training anyway: the callback then does not evaluate that step again). Its `held_out/*` metrics are
+        logged with the next training log; the whole result stays in `held_out_results[step]`."""
+        self.held_out_results[step] = result
         metrics = {"held_out/success": result["success"]}
         for key in ("scored_mean_reward", "malformed_tool_call_rate", "mean_sampled_tokens", "mean_turns"):
             if isinstance(result.get(key), int | float):

@@ -138,6 +138,33 @@ def plot_training_curves(
     for stem, keys, title, ylabel in _SINGLE_METRICS[1:]:
         line_plot(stem, keys, title, ylabel, ylim=(0, 1.05) if stem == "frac_reward_zero_std" else None)
 
+    # The learning signal (issue #11): share of groups that split, the sampled difficulty, held-out success.
+    split_steps, split_values = _series(log_history, "sampling/split_rate")
+    if split_steps:
+        window = max(1, min(10, len(split_values) // 5))
+        fig, ax = plt.subplots(figsize=(7.2, 4.2))
+        ax.plot(split_steps, split_values, alpha=0.25, linewidth=1, color="tab:blue")
+        ax.plot(split_steps, _smooth(split_values, window), linewidth=2, color="tab:blue",
+                label=f"split rate (groups with differing rewards, moving average of {window})")
+        if held_out:
+            points = sorted((int(step), float(value)) for step, value in held_out.items())
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=2, color="tab:green",
+                    label="held-out success (target difficulty, all episodes)")
+        ax.set(title="Learning signal and held-out success", xlabel="optimizer step", ylabel="share")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+        difficulty_steps, difficulty = _series(log_history, "sampling/difficulty_mean")
+        handles, labels = ax.get_legend_handles_labels()
+        if difficulty_steps:
+            twin = ax.twinx()
+            twin.plot(difficulty_steps, _smooth(difficulty, window), linewidth=1.5, color="tab:orange",
+                      linestyle="--")
+            twin.set_ylabel("mean sampled difficulty", color="tab:orange")
+            handles.append(twin.lines[0])
+            labels.append(f"sampled difficulty (moving average of {window})")
+        ax.legend(handles, labels, fontsize=8, loc="lower right")
+        save(fig, "learning_signal")
+
     status_keys = sorted({key for record in log_history for key in record if key.startswith("episodes/status_")})
     curves = [(key.removeprefix("episodes/status_"), *_series(log_history, key)) for key in status_keys]
     curves = [c for c in curves if c[1] and any(v > 0 for v in c[2])]

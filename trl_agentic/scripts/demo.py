@@ -59,8 +59,14 @@ class DemoSettings:
     """Every knob of the demo. `warm_start_key()` hashes the ones that shape the warm-started model."""
 
     # Task (the calculator suite's difficulty knobs)
-    digits: int = 2
+    digits: int = 2  # the target difficulty: held-out success is measured at it, and only at it
     ops: tuple[str, ...] = ("*",)  # two-digit multiplication: a 0.4M-parameter model cannot do it in its head
+    # Adaptive task sampling (issue #11, trl_agentic/task_sampling.py): the warm start and GRPO draw from these
+    # operand sizes; the sampler sends each group where its episodes are likely to disagree, the target keeps at
+    # least `target_min_share` of the groups. `--set task_sampling=uniform --set levels=2`: the target alone, as before.
+    levels: tuple[int, ...] = (1, 2, 3)
+    task_sampling: str = "adaptive"
+    target_min_share: float = 0.25
     # Model
     hidden_size: int = 128
     num_layers: int = 2
@@ -107,13 +113,18 @@ class DemoSettings:
             "digits", "ops", "hidden_size", "num_layers", "num_heads", "vocab_size", "num_demonstrations",
             "short_steps", "short_batch_size", "short_learning_rate", "full_steps", "full_batch_size",
             "full_learning_rate", "warm_start_target", "warm_start_check_every", "validation_size", "temperature",
-            "max_completion_length", "max_turns", "seed",
+            "max_completion_length", "max_turns", "seed", "levels",
         )  # fmt: skip
         payload = {name: getattr(self, name) for name in fields}
         payload["ops"] = list(self.ops)
+        payload["levels"] = list(self.level_list())
         payload["trl_agentic"] = __version__
-        payload["format"] = 1  # bump when the warm-start procedure changes
+        payload["format"] = 2  # bump when the warm-start procedure changes (2: demonstrations over `levels`)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def level_list(self) -> tuple[int, ...]:
+        """The difficulty levels (operand digits), always including the target `digits`."""
+        return tuple(sorted({int(level) for level in self.levels} | {self.digits}))
 
 
 # `--smoke`: every stage of the same pipeline, at toy sizes (the model learns nothing; CI checks the plumbing).
@@ -182,12 +193,31 @@ class _TargetReached(Exception):
     """Raised from the warm start's step callback to stop phase 2 once the model sometimes succeeds."""
 
 
-def validation_tasks(suite, demonstrations: list[dict], size: int, seed: int):
-    """Training-split tasks that are not among the demonstrations (the eval split stays untouched until stage 2)."""
+def warm_start_demonstrations(suite, settings: DemoSettings) -> list[dict]:
+    """`num_demonstrations` successful conversations, evenly over the difficulty levels, shuffled."""
+    levels = settings.level_list()
+    per_level = -(-settings.num_demonstrations // len(levels))
+    demonstrations = []
+    for level in levels:
+        demonstrations += suite.demonstrations(per_level, seed=settings.seed, **suite.difficulty_levels[level])
+    random.Random(settings.seed).shuffle(demonstrations)
+    return demonstrations[: settings.num_demonstrations]
+
+
+def validation_tasks(suite, demonstrations: list[dict], size: int, seed: int, levels=None):
+    """Training-split tasks, evenly over `levels`, that are not among the demonstrations (the eval split stays
+    untouched until stage 2)."""
+    from trl_agentic.tasks import build_difficulty_dataset
+
     seen = {d["messages"][1]["content"] for d in demonstrations}
-    dataset = suite.build_dataset(split="train", size=size * 4, seed=seed + 10_000)
+    if levels:
+        dataset = build_difficulty_dataset(suite, split="train", size=size * 4, seed=seed + 10_000, levels=levels)
+    else:
+        dataset = suite.build_dataset(split="train", size=size * 4, seed=seed + 10_000)
     rows = [row for row in dataset if row["prompt"][-1]["content"] not in seen]
-    return rows[:size] if len(rows) >= size else list(dataset)[:size]
+    rows = rows if len(rows) >= size else list(dataset)
+    random.Random(seed).shuffle(rows)
+    return rows[:size]
 
 
 def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cache: bool = True):
@@ -228,9 +258,10 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     )
     num_params = sum(p.numel() for p in model.parameters())
     _info(f"{num_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
-    demonstrations = suite.demonstrations(settings.num_demonstrations, seed=settings.seed)
-    _info(f"{len(demonstrations)} demonstrations from the training split: question -> calculator call -> "
-          "tool result -> 'The answer is N.'")
+    demonstrations = warm_start_demonstrations(suite, settings)
+    _info(f"{len(demonstrations)} demonstrations from the training split, operands of "
+          f"{'/'.join(map(str, settings.level_list()))} digits: question -> calculator call -> tool result -> "
+          "'The answer is N.'")
 
     losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
     bar = tqdm(total=settings.short_steps, desc="  SFT phase 1/2 (conversation only)", unit="step",
@@ -249,7 +280,7 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
 
     validator = HeldOutEvaluator(
         model, tokenizer, suite,
-        validation_tasks(suite, demonstrations, settings.validation_size, settings.seed),
+        validation_tasks(suite, demonstrations, settings.validation_size, settings.seed, settings.level_list()),
         settings.temperature, settings.max_completion_length, settings.max_turns,
         batch_wait_s=settings.generation_batch_wait_ms / 1000,
     )
@@ -354,31 +385,52 @@ class HeldOutEvaluator(Evaluator):
 # GRPO
 
 
-def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float],
-                    evaluations: dict[int, dict]):
-    from transformers import TrainerCallback
+class _ReportingEvaluator:
+    """The demo's held-out evaluator as the alarms callback calls it: prints each result as it comes."""
+
+    def __init__(self, evaluator: HeldOutEvaluator, settings: DemoSettings):
+        self.evaluator = evaluator
+        self.settings = settings
+
+    def evaluate(self, model=None, seed: int = 0) -> dict[str, Any]:
+        result = self.evaluator.evaluate(model, seed=seed)
+        print(f"\n  held-out success at step {seed - self.settings.seed}: {result['success']:.1%} "
+              f"({result['episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
+        return result
+
+    def close(self) -> None:
+        pass  # the demo closes its evaluator itself
+
+
+def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float] | None = None,
+                    evaluations: dict[int, dict] | None = None):
+    """`(alarms_callback, progress_class)`: the alarms, checked against held-out success measured every `eval_every`
+    steps and at the last step (issue #11: reward hacking is training reward rising while held-out success does
+    not), and a concise progress line. `held_out` / `evaluations`, when given, are filled in after training."""
     from transformers.trainer_callback import ProgressCallback
 
-    class HeldOutCallback(TrainerCallback):
-        """Held-out success every `eval_every` optimizer steps (the last step is evaluated by the demo itself)."""
+    from trl_agentic.alarms import AlarmsCallback
 
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            step = state.global_step
-            if settings.eval_every > 0 and step % settings.eval_every == 0 and step < state.max_steps:
-                result = evaluator.evaluate(model, seed=settings.seed + step)
-                held_out[step] = result["success"]
-                evaluations[step] = result
-                print(f"\n  held-out success at step {step}: {result['success']:.1%} "
-                      f"({result['episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
+    class DemoAlarms(AlarmsCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            super().on_train_end(args, state, control, **kwargs)
+            for step, result in sorted(self.held_out_results.items()):
+                if held_out is not None:
+                    held_out[step] = result["success"]
+                if evaluations is not None:
+                    evaluations[step] = result
+
+    eval_every = settings.eval_every if settings.eval_every > 0 else settings.steps
+    alarms = DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings), held_out_eval_steps=max(1, eval_every))
 
     class ConciseProgress(ProgressCallback):
         """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
 
         every = max(1, settings.steps // 15)
-        fields = [("reward", "reward", "{:.2f}"), ("frac_reward_zero_std", "zero-std groups", "{:.2f}"),
+        fields = [("reward", "reward", "{:.2f}"), ("sampling/split_rate", "split groups", "{:.2f}"),
+                  ("sampling/difficulty_mean", "digits", "{:.2f}"),
                   ("completions/mean_length", "tokens/episode", "{:.1f}"),
-                  ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}"),
-                  ("episodes/status_ok", "ok", "{:.2f}")]
+                  ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}")]
 
         def __init__(self):
             super().__init__()
@@ -398,14 +450,17 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
             self.training_bar.write(f"  steps {first:>3}-{state.global_step:<3} " + "  ".join(parts))
             self.window = {}
 
-    return HeldOutCallback(), ConciseProgress
+    return alarms, ConciseProgress
 
 
 def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path, callbacks):
     from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 
-    held_out_callback, progress_class = callbacks
-    train_dataset = suite.build_dataset(split="train", size=settings.train_size, seed=settings.seed)
+    from trl_agentic.tasks import build_difficulty_dataset
+
+    alarms_callback, progress_class = callbacks
+    train_dataset = build_difficulty_dataset(suite, split="train", size=settings.train_size, seed=settings.seed,
+                                             levels=list(settings.level_list()))
     config = AgenticGRPOConfig(
         output_dir=str(output_dir / "grpo"),
         max_steps=settings.steps,
@@ -433,10 +488,13 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         seed=settings.seed,
         data_seed=settings.seed,
         disable_tqdm=False,
+        task_sampling=settings.task_sampling,
+        target_difficulty=settings.digits,
+        target_min_share=settings.target_min_share,
     )
     trainer = AgenticGRPOTrainer(
         model, agent=suite.agent, reward_funcs=suite.reward_funcs, args=config, train_dataset=train_dataset,
-        processing_class=tokenizer, callbacks=[held_out_callback],
+        processing_class=tokenizer, callbacks=[alarms_callback],
     )
     from transformers.trainer_callback import ProgressCallback
 
@@ -600,14 +658,19 @@ def main(argv: list[str] | None = None) -> int:
         for example in before["examples"][:2]:
             _info(f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
                   f"(expected {example['expected']})")
-        held_out = {0: before["success"]}
-        evaluations = {0: before}
+        held_out: dict[int, float] = {}
+        evaluations: dict[int, dict] = {}
 
         # 4. GRPO
         _stage(3, total_stages, f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
                                 f"{settings.num_generations} episodes, reward = the checker's score only")
         t = time.monotonic()
+        _info(f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, "
+              f"{settings.task_sampling} task sampling (target: {settings.digits} digits, at least "
+              f"{settings.target_min_share:.0%} of the groups)" if settings.task_sampling == "adaptive" else
+              f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, uniform sampling")
         callbacks = _make_callbacks(evaluator, settings, held_out, evaluations)
+        callbacks[0].record_held_out(0, before)  # the alarms compare against it; not evaluated twice
         trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks)
         timings["grpo"] = time.monotonic() - t
         eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0)
@@ -617,13 +680,9 @@ def main(argv: list[str] | None = None) -> int:
         commands = save_trained_model(trainer.model, tokenizer, settings, output_dir)
         _info(f"trained model saved to {output_dir / 'model'}")
 
-        # 5. Held-out evaluation after
+        # 5. Held-out evaluation after (the alarms' evaluation at the last step)
         _stage(4, total_stages, "Held-out evaluation AFTER GRPO")
-        t = time.monotonic()
-        after = evaluator.evaluate(trainer.model, seed=settings.seed)
-        timings["eval_after"] = time.monotonic() - t
-        held_out[trainer.state.global_step] = after["success"]
-        evaluations[trainer.state.global_step] = after
+        after = evaluations[trainer.state.global_step]
         _info(f"success {after['success']:.1%} of {after['episodes']} episodes ({after['scored_episodes']} scored, "
               f"{after['seconds']:.0f}s)")
     finally:
@@ -637,6 +696,14 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     print("  held-out success by step: " + ", ".join(f"{s}: {v:.0%}" for s, v in sorted(held_out.items())),
           flush=True)
+    signal = split_rate_summary(trainer.state.log_history)
+    if signal["steps"]:
+        print(f"  split rate (groups whose rewards differ) after step {signal['after_step']}: mean "
+              f"{signal['mean']:.0%}, lowest {signal['window']}-step mean {signal['lowest_window_mean']:.0%}",
+              flush=True)
+    alarms = trainer.alarms
+    print("  alarms: " + ("none fired" if not alarms else
+                          "; ".join(f"{a['name']} (steps {a['step']}-{a['last_step']})" for a in alarms)), flush=True)
     plots = plot_training_curves(trainer.state.log_history, held_out, output_dir / "plots")
     timings["total"] = time.monotonic() - started
     summary = {
@@ -644,6 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         "after": {k: v for k, v in after.items() if k != "examples"},
         "improvement_points": delta * 100,
         "held_out_success_by_step": {str(k): v for k, v in sorted(held_out.items())},
+        "split_rate": signal,
+        "alarms": alarms,
         "examples": {"before": before["examples"], "after": after["examples"]},
         "settings": dataclasses.asdict(settings),
         "smoke": args.smoke,
@@ -665,6 +734,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n  evaluate the trained model again:\n    {commands['eval']}\n"
           f"  serve it to any OpenAI-compatible agent:\n    {commands['serve']}", flush=True)
     return 0
+
+
+def split_rate_summary(log_history: list[dict], after_step: int = 20, window: int = 10) -> dict[str, Any]:
+    """The split rate (`sampling/split_rate`) after `after_step`: its mean and its lowest `window`-step mean."""
+    values = [entry["sampling/split_rate"] for entry in log_history
+              if entry.get("step", 0) > after_step and isinstance(entry.get("sampling/split_rate"), int | float)]
+    means = [sum(values[i : i + window]) / window for i in range(0, len(values) - window + 1)]
+    return {"after_step": after_step, "window": window, "steps": len(values),
+            "mean": sum(values) / len(values) if values else None,
+            "lowest_window_mean": min(means) if means else None}
 
 
 def _json_default(value):
