@@ -198,5 +198,9 @@ def test_train_cpu_recipe_end_to_end(tmp_path):
     state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2
     assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]  # logging_steps: 1
+    # The recipe's `mixed_difficulty: true` + `task_sampling: adaptive`: per-bucket metrics over 1-3 digit operands.
+    logs = [entry for entry in state["log_history"] if "loss" in entry]
+    assert all("sampling/split_rate" in e and 1.0 <= e["sampling/difficulty_mean"] <= 3.0 for e in logs)
+    assert all("sampling/estimate/2" in e for e in logs)  # the adaptive sampler's running estimates
     assert (output_dir / "config.json").is_file()  # save_model after training
     assert (output_dir / "model.safetensors").is_file()

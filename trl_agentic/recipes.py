@@ -94,6 +94,10 @@ class ScriptArguments:
             Number of tasks in the evaluation split; `0` builds none.
         dataset_seed (`int`, *optional*, defaults to `0`):
             Seed of the task generator (independent of the training `seed`).
+        mixed_difficulty (`bool`, *optional*, defaults to `False`):
+            Train on the task's `difficulty_levels` mixed in one dataset (a `difficulty` column), for
+            `task_sampling: adaptive`; `target_difficulty` defaults to the task's own. The eval split stays at the
+            task's own difficulty.
     """
 
     task: str = field(
@@ -112,6 +116,9 @@ class ScriptArguments:
     train_size: int = field(default=256, metadata={"help": "Number of tasks in the training split."})
     eval_size: int = field(default=0, metadata={"help": "Number of tasks in the evaluation split (0: none)."})
     dataset_seed: int = field(default=0, metadata={"help": "Seed of the task generator."})
+    mixed_difficulty: bool = field(
+        default=False, metadata={"help": "Train on the task's difficulty levels mixed (for adaptive task sampling)."}
+    )
 
     def __post_init__(self):
         if self.agent is not None and self.agent_command is not None:

@@ -26,6 +26,7 @@ from trl import ModelConfig
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
 from trl_agentic.recipes import ScriptArguments, agent_from_recipe, make_parser, resolve_reward_funcs
+from trl_agentic.tasks import build_difficulty_dataset
 
 
 def resume_checkpoint(training_args: AgenticGRPOConfig) -> str | None:
@@ -98,7 +99,15 @@ def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_ar
     model, tokenizer = load_model_and_tokenizer(model_args.model_name_or_path, **model_init_kwargs)
 
     # Datasets
-    train_dataset = task.build_dataset(split="train", size=script_args.train_size, seed=script_args.dataset_seed)
+    if script_args.mixed_difficulty:
+        train_dataset = build_difficulty_dataset(
+            task, split="train", size=script_args.train_size, seed=script_args.dataset_seed,
+            column=training_args.difficulty_column or "difficulty",
+        )
+        if training_args.target_difficulty is None:
+            training_args.target_difficulty = task.target_difficulty
+    else:
+        train_dataset = task.build_dataset(split="train", size=script_args.train_size, seed=script_args.dataset_seed)
     eval_dataset = None
     if script_args.eval_size > 0:
         eval_dataset = task.build_dataset(split="eval", size=script_args.eval_size, seed=script_args.dataset_seed)
