@@ -174,7 +174,8 @@ def test_stream_equals_non_stream(request, policy):
     (stream_turn,) = server.close_episode(stream_session.episode.id).turns
     assert stream_turn.prompt_ids == plain_turn.prompt_ids
     assert stream_turn.completion_ids == plain_turn.completion_ids
-    assert stream_turn.logprobs == plain_turn.logprobs
+    # The second call reuses the first one's cached prompt states (KV prefix reuse, issue #12): fp32 rounding apart.
+    assert stream_turn.logprobs == pytest.approx(plain_turn.logprobs, abs=1e-5)
     assert usage.completion_tokens == len(stream_turn.completion_ids)
     assert usage.prompt_tokens == len(stream_turn.prompt_ids)
 
