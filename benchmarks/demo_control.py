@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     check_same_schema()
 
     demo_args = demo.parse_args(
-        [f"--seed={args.seed}"] + (["--smoke"] if args.smoke else [])
+        # Both arms on the target difficulty alone, in TRL's order: this compares the loops, not the task sampler.
+        [f"--seed={args.seed}", "--set=task_sampling=uniform", "--set=levels=2"] + (["--smoke"] if args.smoke else [])
         + ([f"--steps={args.steps}"] if args.steps is not None else [])
         + ([f"--learning-rate={args.learning_rate}"] if args.learning_rate is not None else [])
         + ([f"--eval-size={args.eval_size}"] if args.eval_size is not None else [])
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             before = evaluator.evaluate(model, seed=settings.seed)
             print(f"  held-out before: {before['success']:.1%}", flush=True)
             started = time.monotonic()
-            callbacks = demo._make_callbacks(evaluator, settings, {}, {})
+            callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
             if name == "agentic":
                 trainer = demo.train_grpo(model, tokenizer, suite, settings, output_dir / name, callbacks)
             else:

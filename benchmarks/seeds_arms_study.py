@@ -75,7 +75,7 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
             if "before" not in record:
                 record["before"] = success_over_all_episodes(evaluator.evaluate(model, seed=seed))
             arm_started = time.monotonic()
-            callbacks = demo._make_callbacks(evaluator, settings, {}, {})
+            callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
             if arm == "agentic":
                 trainer = demo.train_grpo(model, tokenizer, suite, settings, output_dir / f"seed{seed}" / arm,
                                           callbacks)
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    demo_argv = ([f"--steps={args.steps}", f"--eval-size={args.eval_size}"] + [f"--set={s}" for s in args.set]
+    # Both arms on the target difficulty alone, in TRL's order: the study compares the loops, not the task sampler.
+    demo_argv = ([f"--steps={args.steps}", f"--eval-size={args.eval_size}", "--set=task_sampling=uniform",
+                  "--set=levels=2"] + [f"--set={s}" for s in args.set]
                  + (["--smoke"] if args.smoke else []))
 
     if args.one_seed is not None:

@@ -403,10 +403,11 @@ class _ReportingEvaluator:
 
 
 def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float] | None = None,
-                    evaluations: dict[int, dict] | None = None):
+                    evaluations: dict[int, dict] | None = None, held_out_evaluation: bool = True):
     """`(alarms_callback, progress_class)`: the alarms, checked against held-out success measured every `eval_every`
     steps and at the last step (issue #11: reward hacking is training reward rising while held-out success does
-    not), and a concise progress line. `held_out` / `evaluations`, when given, are filled in after training."""
+    not), and a concise progress line. `held_out` / `evaluations`, when given, are filled in after training.
+    `held_out_evaluation=False`: the alarms without held-out evaluation (a caller that evaluates by itself)."""
     from transformers.trainer_callback import ProgressCallback
 
     from trl_agentic.alarms import AlarmsCallback
@@ -421,7 +422,8 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
                     evaluations[step] = result
 
     eval_every = settings.eval_every if settings.eval_every > 0 else settings.steps
-    alarms = DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings), held_out_eval_steps=max(1, eval_every))
+    alarms = (DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings), held_out_eval_steps=max(1, eval_every))
+              if held_out_evaluation else DemoAlarms())
 
     class ConciseProgress(ProgressCallback):
         """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
