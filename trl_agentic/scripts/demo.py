@@ -65,6 +65,7 @@ class DemoSettings:
     # operand sizes; the sampler sends each group where its episodes are likely to disagree, the target keeps at
     # least `target_min_share` of the groups. `--set task_sampling=uniform --set levels=2`: the target alone, as before.
     levels: tuple[int, ...] = (1, 2, 3)
+    warm_start_levels: tuple[int, ...] = (1, 2)  # demonstrations (3-digit products are too long to copy reliably)
     task_sampling: str = "adaptive"
     target_min_share: float = 0.25
     # Model
@@ -113,18 +114,19 @@ class DemoSettings:
             "digits", "ops", "hidden_size", "num_layers", "num_heads", "vocab_size", "num_demonstrations",
             "short_steps", "short_batch_size", "short_learning_rate", "full_steps", "full_batch_size",
             "full_learning_rate", "warm_start_target", "warm_start_check_every", "validation_size", "temperature",
-            "max_completion_length", "max_turns", "seed", "levels",
+            "max_completion_length", "max_turns", "seed",
         )  # fmt: skip
         payload = {name: getattr(self, name) for name in fields}
         payload["ops"] = list(self.ops)
-        payload["levels"] = list(self.level_list())
+        payload["warm_start_levels"] = list(self.level_list(self.warm_start_levels))
         payload["trl_agentic"] = __version__
         payload["format"] = 2  # bump when the warm-start procedure changes (2: demonstrations over `levels`)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
-    def level_list(self) -> tuple[int, ...]:
-        """The difficulty levels (operand digits), always including the target `digits`."""
-        return tuple(sorted({int(level) for level in self.levels} | {self.digits}))
+    def level_list(self, levels=None) -> tuple[int, ...]:
+        """The difficulty levels (operand digits) of `levels` (default: `self.levels`), always including the target
+        `digits`."""
+        return tuple(sorted({int(level) for level in (self.levels if levels is None else levels)} | {self.digits}))
 
 
 # `--smoke`: every stage of the same pipeline, at toy sizes (the model learns nothing; CI checks the plumbing).
@@ -194,8 +196,8 @@ class _TargetReached(Exception):
 
 
 def warm_start_demonstrations(suite, settings: DemoSettings) -> list[dict]:
-    """`num_demonstrations` successful conversations, evenly over the difficulty levels, shuffled."""
-    levels = settings.level_list()
+    """`num_demonstrations` successful conversations, evenly over the warm-start difficulty levels, shuffled."""
+    levels = settings.level_list(settings.warm_start_levels)
     per_level = -(-settings.num_demonstrations // len(levels))
     demonstrations = []
     for level in levels:
@@ -260,7 +262,8 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     _info(f"{num_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
     demonstrations = warm_start_demonstrations(suite, settings)
     _info(f"{len(demonstrations)} demonstrations from the training split, operands of "
-          f"{'/'.join(map(str, settings.level_list()))} digits: question -> calculator call -> tool result -> "
+          f"{'/'.join(map(str, settings.level_list(settings.warm_start_levels)))} digits: question -> calculator "
+          "call -> tool result -> "
           "'The answer is N.'")
 
     losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
@@ -280,7 +283,8 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
 
     validator = HeldOutEvaluator(
         model, tokenizer, suite,
-        validation_tasks(suite, demonstrations, settings.validation_size, settings.seed, settings.level_list()),
+        validation_tasks(suite, demonstrations, settings.validation_size, settings.seed,
+                         settings.level_list(settings.warm_start_levels)),
         settings.temperature, settings.max_completion_length, settings.max_turns,
         batch_wait_s=settings.generation_batch_wait_ms / 1000,
     )
