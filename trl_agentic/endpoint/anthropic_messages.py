@@ -95,8 +95,7 @@ async def serve_messages(service: CompletionService, session: EpisodeSession, ra
         top_p=req.top_p,
         top_k=req.top_k,
         stop=[s for s in req.stop_sequences or [] if s],
-        requested={k: v for k, v in req.model_dump(exclude_none=True).items()
-                   if k not in ("messages", "system", "tools")},
+        requested=req.model_dump(exclude_none=True, exclude={"messages", "system", "tools"}),
         wire_format=ANTHROPIC_MESSAGES,
         split_reasoning=True,
     )

@@ -6,18 +6,32 @@ sampled ids + the ids of the newly rendered messages. Only the new messages are 
 text, the template's rendering of everything up to and including our assistant message is cut off at the
 end-of-turn token that closes that message, and the rest is tokenized on its own. The cut lands right after a special
 token, where tokenization restarts, so the ids equal a slice of the full tokenization.
+
+Per call, only a window of the conversation is rendered (issue #12: rendering the whole history each turn made an
+episode O(T²)): the head (leading system messages and the first user message: the system block, the tools, the
+"first user message" some templates decorate) plus the tail from the parent's last message on (from its last user
+message when the new messages hold more than tool results: Qwen3 drops earlier reasoning, Mistral moves the tools,
+when a new user query arrives). The parent's window is rendered beside the new one, so the append-only check runs on
+them exactly as on whole renderings. `ChatRenderer(incremental=False)` renders whole conversations (the reference
+path), and a renderer whose template gives a different answer on probe conversations falls back to it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+
+logger = logging.getLogger(__name__)
+
+_WINDOWS_ARE_EXACT: dict[tuple, bool] = {}  # (template, template kwargs, end-of-turn tokens) -> probe result
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class ChatRenderer:
         tokenizer: a tokenizer with a chat template (and, for tool calls, a `response_template`/`response_schema`,
             see `trl.chat_template_utils.add_response_schema`).
         chat_template_kwargs: extra variables for the template (e.g. `{"enable_thinking": False}`).
+        incremental: render only a window of the conversation per continued call (see the module docstring); off,
+            every call renders the whole conversation. A template that renders a probe conversation differently in a
+            window turns it off, with a warning.
 
     Example:
 
@@ -67,7 +84,8 @@ class ChatRenderer:
     ```
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None,
+                 incremental: bool = True):
         if tokenizer.chat_template is None:
             raise ValueError("The tokenizer has no chat template; set `tokenizer.chat_template` before serving it.")
         self.tokenizer = tokenizer
@@ -85,6 +103,9 @@ class ChatRenderer:
         self.end_of_turn_ids.discard(None)
         self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
         self._tool_prefix_cache: dict[tuple, list[int]] = {}
+        # Work counters (read by tests and benchmarks): messages rendered, and characters tokenized, so far.
+        self.rendered_messages = 0
+        self.encoded_chars = 0
         self._end_of_turn_pattern = re.compile("|".join(re.escape(t) for t in sorted(self._end_of_turn_by_text)))
         # The text `add_generation_prompt=True` appends (e.g. "<|im_start|>assistant\n"), to get the rendering of a
         # request without it for free; `None` when it depends on the conversation (then it is rendered).
@@ -92,8 +113,16 @@ class ChatRenderer:
         with_prompt = self.render_text(probe, None, add_generation_prompt=True)
         without = self.render_text(probe, None, add_generation_prompt=False)
         self._generation_prompt = with_prompt[len(without) :] if with_prompt.startswith(without) else None
+        if incremental:
+            key = (tokenizer.chat_template, json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
+                   tuple(sorted(self._end_of_turn_by_text)))
+            if key not in _WINDOWS_ARE_EXACT:  # probing costs ~50 ms: once per template and process
+                _WINDOWS_ARE_EXACT[key] = self._windows_are_exact()
+            incremental = _WINDOWS_ARE_EXACT[key]
+        self.incremental = incremental
 
     def render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
+        self.rendered_messages += len(messages)
         return self.tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
@@ -104,6 +133,7 @@ class ChatRenderer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (what `apply_chat_template(tokenize=True)` returns for it)."""
+        self.encoded_chars += len(text)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
@@ -177,6 +207,129 @@ class ChatRenderer:
         glue = [] if ended else [self._end_of_turn_by_text[match.group()]]
         return Continuation(glue=glue, suffix=self.encode(text[match.end() :]))
 
+    def continue_from(
+        self,
+        parent_messages: list[dict],
+        messages: list[dict],
+        tools: list[dict] | None,
+        completion_ids: list[int],
+        same_prefix: bool = True,
+    ) -> Continuation | None:
+        """Ids that extend a parent turn (request `parent_messages`, sampled `completion_ids`) to the request
+        `messages` = parent request + the parent's answer + new messages; `None` when the template is not
+        append-only there (see `continuation`).
+
+        With `same_prefix` (the caller checked that `messages` starts with `parent_messages`, template fields and
+        all) and `incremental`, only windows are rendered: the cost is that of the new messages, not of the history.
+        Raises what the template raises on the request.
+
+        Example:
+
+        ```python
+        >>> history = [{"role": "user", "content": "What is 2 + 3?"}]
+        >>> answer = {"role": "assistant", "content": "5"}
+        >>> new = [{"role": "user", "content": "And 3 + 4?"}]
+        >>> continuation = renderer.continue_from(history, history + [answer] + new, None, answer_ids)
+        >>> prompt_ids = parent_prompt_ids + answer_ids + continuation.glue + continuation.suffix
+        ```
+        """
+        if same_prefix and self.incremental:
+            window = self.window(messages, len(parent_messages))
+            if window is not None:
+                head, start = window
+                try:
+                    return self._continue(messages[:head] + messages[start : len(parent_messages)],
+                                          messages[:head] + messages[start:], tools, completion_ids)
+                except Exception:  # noqa: BLE001 - a template may refuse a window (e.g. roles must alternate):
+                    pass  # render the whole conversation, which raises only if the request itself is bad
+        return self._continue(parent_messages, messages, tools, completion_ids)
+
+    def _continue(self, parent_messages, messages, tools, completion_ids) -> Continuation | None:
+        parent = RenderedContext.of(self.render_text(parent_messages, tools, add_generation_prompt=False))
+        return self.continuation(parent, self.render_text(messages, tools), completion_ids)
+
+    @staticmethod
+    def window(messages: list[dict], parent_length: int) -> tuple[int, int] | None:
+        """`(head, start)`: a continued call renders `messages[:head] + messages[start:]` (`None`: no window
+        shorter than the conversation).
+
+        The head ends after the first user message (templates render the system block and tools around the first
+        messages, and Llama 3 puts the tools into the first user message); the tail starts at the parent's last
+        message, or at its last user message when the new messages hold anything but tool results (a new query is
+        where templates re-render earlier turns). The tail keeps each message's index parity, for templates that
+        check that roles alternate.
+        """
+        head = next((i + 1 for i, m in enumerate(messages[:parent_length]) if m["role"] == "user"), None)
+        if head is None or head >= parent_length:
+            return None
+        start = parent_length - 1
+        if any(m["role"] != "tool" for m in messages[parent_length + 1 :]):
+            while start > head and messages[start]["role"] != "user":
+                start -= 1
+        start = max(start, head)
+        if (start - head) % 2:
+            start -= 1
+        return (head, start) if start > head else None
+
+    def _windows_are_exact(self) -> bool:
+        """Whether windows give this template's whole-conversation answer on probe conversations (tool loops, new
+        queries, reasoning, with and without a system message and tools)."""
+        eot = next(iter(self.end_of_turn_ids))
+        tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+
+        def call(k, reasoning=None):
+            message = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}]}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            return message
+
+        def tool(k):
+            return {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"}
+
+        def text(k, reasoning=None):
+            message = {"role": "assistant", "content": f"answer {k}"}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            return message
+
+        # (conversation, index of the parent's answer, tools): a tool loop, a new query, parallel tool results, chat.
+        cases = []
+        for reasoning in (None, "thinking"):
+            loop = [{"role": "user", "content": "question"}, call(0, reasoning), tool(0), call(1, reasoning), tool(1),
+                    call(2, reasoning), tool(2), text(3, reasoning), {"role": "user", "content": "again"},
+                    call(4, reasoning), tool(4), tool(5)]
+            chat = [{"role": "user", "content": "hi"}]
+            for k in range(3):
+                chat += [text(k, reasoning), {"role": "user", "content": f"more {k}"}]
+            for system in ([], [{"role": "system", "content": "be brief"}]):
+                cases += [(system + loop[:7], len(system) + 5, tools), (system + loop[:9], len(system) + 7, tools),
+                          (system + loop, len(system) + 9, tools), (system + chat[:5], len(system) + 3, None),
+                          (system + chat, len(system) + 5, None)]
+        try:
+            for messages, answer, tools_ in cases:
+                window = self.window(messages, answer)
+                if window is None:
+                    continue
+                head, start = window
+                try:
+                    whole = self._continue(messages[:answer], messages, tools_, [eot])
+                    windowed = self._continue(messages[:head] + messages[start:answer],
+                                              messages[:head] + messages[start:], tools_, [eot])
+                except Exception:  # noqa: BLE001 - a probe this template cannot render tells nothing
+                    continue
+                if whole != windowed:
+                    raise ValueError(f"a window of {len(messages) - start + head} of {len(messages)} messages "
+                                     f"continues differently after message {answer}")
+        except ValueError as error:
+            logger.warning("Rendering whole conversations per call (the chat template is not window-local: %s).",
+                           error)
+            return False
+        finally:
+            self.rendered_messages = self.encoded_chars = 0
+        return True
+
     def parse(
         self,
         completion_ids: list[int],
@@ -197,7 +350,7 @@ class ChatRenderer:
                 return self._parse_reasoning(completion_ids, prompt_ids, text), False
             return {"role": "assistant", "content": text}, False
         try:
-            parsed = self.tokenizer.parse_response(completion_ids, prefix=prompt_ids, tools=tools)
+            parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids), tools=tools)
             if not isinstance(parsed, dict):
                 raise ValueError("parse_response returned no message")
             calls = parsed.get("tool_calls") or []
@@ -228,10 +381,18 @@ class ChatRenderer:
             ]
         return message, False
 
+    def prompt_tail(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt after its last end-of-turn token: the generation prompt, all the parser reads of a prompt (it
+        starts at the template's last assistant header), without decoding the whole history."""
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            if prompt_ids[i] in self.end_of_turn_ids:
+                return prompt_ids[i + 1 :]
+        return prompt_ids
+
     def _parse_reasoning(self, completion_ids: list[int], prompt_ids: list[int], text: str) -> dict[str, Any]:
         # Reasoning only: whatever else the parser finds (a tool call the request did not offer) stays in the text.
         try:
-            parsed = self.tokenizer.parse_response(completion_ids, prefix=prompt_ids, tools=None)
+            parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids), tools=None)
         except Exception:  # noqa: BLE001 - unparseable: the text as it is
             return {"role": "assistant", "content": text}
         if not isinstance(parsed, dict) or parsed.get("tool_calls") or not parsed.get("reasoning_content"):

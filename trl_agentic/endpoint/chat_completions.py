@@ -36,7 +36,7 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
         n=req.n,
         stop=req.stop_sequences,
         top_logprobs=req.top_logprobs or 0,
-        requested={k: v for k, v in req.model_dump(exclude_none=True).items() if k not in ("messages", "tools")},
+        requested=req.model_dump(exclude_none=True, exclude={"messages", "tools"}),
         wire_format=CHAT_COMPLETIONS,
     )
     completion = await service.complete(session, conversation, request)

@@ -9,8 +9,10 @@ in, issue #9).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -174,8 +176,27 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise ValueError(f"the body is not UTF-8: {error}") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"not valid JSON: {error}") from None
-    _check_json_value(value, max_depth)
+    # Checking every string costs a long conversation more than parsing it (issue #12): lone surrogates can only come
+    # from an escape or from their (invalid) UTF-8 bytes, so the per-string walk runs only when the raw text holds
+    # one of those, or when the body nests too deep, to name the problem (or clear a false alarm).
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    if b"\\ud" in data or b"\\uD" in data or _SURROGATE_BYTES.search(data) or _nesting_depth(data) > max_depth:
+        _check_json_value(value, max_depth)
     return value
+
+
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")  # U+D800..U+DFFF encoded as UTF-8 (which forbids them)
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\x02\x02")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {1: 1, 2: -1}
+
+
+def _nesting_depth(data: bytes) -> int:
+    """How deep valid JSON text `data` nests (strings skipped), at C speed: escapes dropped, the text between quotes
+    dropped, the brackets left summed."""
+    plain = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(plain.split(b'"')[0::2]).translate(_BRACKETS, _NOT_BRACKETS)
+    return max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0)
 
 
 def _reject_constant(name: str):

@@ -90,8 +90,7 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
         temperature=req.temperature,
         top_p=req.top_p,
         top_logprobs=req.top_logprobs or 0,
-        requested={k: v for k, v in req.model_dump(exclude_none=True).items()
-                   if k not in ("input", "tools", "instructions")},
+        requested=req.model_dump(exclude_none=True, exclude={"input", "tools", "instructions"}),
         wire_format=RESPONSES,
         split_reasoning=True,
         messages_param="input",

@@ -319,7 +319,7 @@ class CompletionService:
             # The client went away: stop sampling, and record the call as cancelled (never trained, never a parent),
             # so that a retry of the same request continues from the last answer the agent actually received.
             generation.cancel()
-            cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.context) for _ in range(n)]
+            cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.keys) for _ in range(n)]
             session.finish_call(n, reserved, cancelled)
             raise APIError(499, "The client closed the connection before the answer was ready.",
                            code="client_closed_request")
@@ -338,7 +338,7 @@ class CompletionService:
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
-            turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.context))
+            turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.keys))
             choices.append(Choice(message, finish, out, stop))
         if not session.finish_call(n, reserved, turns):
             raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",

@@ -7,6 +7,8 @@ an episode without a call for `idle_timeout` seconds is closed with status `canc
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import secrets
 import threading
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..trace import Episode, Turn
-from .chat import ChatRenderer, RenderedContext, common_prefix_length
+from .chat import ChatRenderer, common_prefix_length
 from .protocol import comparable_message, template_message
 
 
@@ -56,25 +58,54 @@ class EpisodeLimits:
     max_episode_tokens: int | None = None
 
 
+def message_key(message: dict) -> bytes:
+    """A digest of what must match for a message to count as the same one (`comparable_message`): canonical JSON,
+    keys sorted, integral floats as ints (`==`, which compared messages before keys did, holds 1 == 1.0)."""
+    text = json.dumps(_integral_floats(comparable_message(message)), sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":"), default=repr)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def prefix_keys(messages: list[dict], start: bytes = b"") -> list[bytes]:
+    """Chained keys: `prefix_keys(m)[k]` identifies `m[: k + 1]` (normalized messages) as `message_key` sees them;
+    `start` is the key of the messages before `messages`, so a continued turn extends its parent's keys."""
+    keys = []
+    for message in messages:
+        start = hashlib.blake2b(start + message_key(message), digest_size=16).digest()
+        keys.append(start)
+    return keys
+
+
+def _integral_floats(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _integral_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral_floats(v) for v in value]
+    return value
+
+
 @dataclass
 class PromptPlan:
-    """How the prompt of a call was built; `context` fingerprints the request rendered without generation prompt."""
+    """How the prompt of a call was built; `keys` are the request's `prefix_keys`, recorded with its turns."""
 
     prompt_ids: list[int]
     source: str
     parent: int | None
     drift: int
     fork_reason: str | None
-    context: RenderedContext | None = None
+    keys: list[bytes] | None = None
 
 
 @dataclass
 class _TurnHistory:
     """What the continuation check needs of a recorded turn (kept beside the Turn, not serialized)."""
 
-    messages: list[dict]  # comparable request messages + the comparable assistant message we returned
+    messages: list[dict]  # the request's messages as the template read them (normalized)
     tools: list[dict] | None
-    context: RenderedContext | None  # the request rendered without the generation prompt
+    answer: dict | None = None  # the answer we returned, normalized
+    keys: list[bytes] | None = None  # `prefix_keys` of messages + answer
     delivered: bool = True  # False for a call cancelled before its answer reached the agent: never a parent
 
 
@@ -102,6 +133,11 @@ class EpisodeSession:
     # items and its answer, as chat messages). Lives and dies with the episode.
     responses: dict[str, tuple[str | None, list[dict]]] = field(default_factory=dict)
     _histories: list[_TurnHistory] = field(default_factory=list)
+    # Delivered turns by key (issue #12: finding the parent by comparing the request with every turn's history made
+    # an episode O(T²)): turns by the key of their answer (latest last), and the latest turn whose history (request +
+    # answer) has a prefix key (what a fork shares most with).
+    _by_answer: dict[bytes, list[int]] = field(default_factory=dict)
+    _by_prefix: dict[bytes, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start_call(self, choices: int, reserved_tokens: int) -> None:
@@ -117,13 +153,22 @@ class EpisodeSession:
             self.reserved_tokens += reserved_tokens
             self.last_active = time.monotonic()
 
-    def finish_call(self, choices: int, reserved_tokens: int, turns: list[tuple[Turn, list[dict], list[dict] | None,
-                    RenderedContext | None]]) -> bool:
-        """Release what `start_call` held and record the call's turns `(turn, messages, tools, context)`.
+    def finish_call(self, choices: int, reserved_tokens: int,
+                    turns: list[tuple[Turn, list[dict], list[dict] | None, list[bytes] | None]]) -> bool:
+        """Release what `start_call` held and record the call's turns `(turn, messages, tools, keys)`: `messages` as
+        the template read them (normalized), `keys` their `prefix_keys` (computed when `None`).
 
         Returns False when the episode closed meanwhile: the turns are dropped (the close counted them as late).
         """
-        histories = [self._history(*entry) for entry in turns]
+        histories = []
+        for turn, messages, tools, keys in turns:
+            if turn.finish_reason == "cancelled":
+                histories.append(_TurnHistory(messages, tools, delivered=False))
+                continue
+            answer = template_message(turn.response_message)
+            keys = prefix_keys(messages) if keys is None else keys
+            histories.append(_TurnHistory(messages, tools, answer, keys + prefix_keys([answer], keys[-1] if keys
+                                                                                       else b"")))
         with self._lock:
             self.in_flight -= choices
             self.reserved_tokens -= reserved_tokens
@@ -136,74 +181,80 @@ class EpisodeSession:
                 self._histories.append(history)
                 if history.delivered:
                     self.episode.messages = turn.request_messages + [turn.response_message]
+                    self._by_answer.setdefault(message_key(history.answer), []).append(turn.index)
+                    for key in history.keys:
+                        self._by_prefix[key] = turn.index
             return True
 
-    @staticmethod
-    def _history(turn: Turn, messages: list[dict], tools: list[dict] | None,
-                 context: RenderedContext | None) -> _TurnHistory:
-        if turn.finish_reason == "cancelled":
-            return _TurnHistory([], tools, None, delivered=False)
-        history = [comparable_message(m) for m in messages]
-        history.append(comparable_message(template_message(turn.response_message)))
-        return _TurnHistory(history, tools, context)
+    def _find_parent(self, messages: list[dict]) -> tuple[int | None, bool]:
+        """The latest turn whose history (request + answer) is the longest strict prefix of `messages`, and whether
+        its request is the same as `messages`' field for field (`==`, not just `comparable_message`).
+
+        Candidates come from the key of an assistant message, scanning back from the end (the new messages come
+        first, then the answer they follow): O(new messages) keys, then one comparison of the prefix at C speed.
+        """
+        for k in range(len(messages) - 2, -1, -1):  # k: where the parent's answer would be
+            if messages[k]["role"] != "assistant":
+                continue
+            candidates = self._by_answer.get(message_key(messages[k]))
+            for index in reversed(candidates or ()):
+                history = self._histories[index]
+                if len(history.messages) != k:
+                    continue
+                if messages[:k] == history.messages:
+                    return index, True
+                if [comparable_message(m) for m in messages[:k]] == [comparable_message(m) for m in history.messages]:
+                    return index, False
+        return None, False
 
     def plan_prompt(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None) -> PromptPlan:
         """Token-in continuation from the turn whose history is the longest prefix of `messages`, else a render.
 
-        `messages` are normalized (`template_message`). One render of the request to text is all a continuation
-        costs: only the new messages are tokenized.
+        `messages` are normalized (`template_message`). The parent is found by key lookups, and a continuation
+        renders and tokenizes only the new messages (`ChatRenderer.continue_from`): a call's cost does not grow with
+        the episode. A fork renders the whole request fresh.
         """
         with self._lock:
-            # A cancelled call's answer never reached the agent: the retry continues from the turn before it.
-            delivered = [(t, h) for t, h in zip(self.episode.turns, self._histories, strict=True) if h.delivered]
-        turns = [t for t, _ in delivered]
-        histories = {t.index: h for t, h in delivered}
-        text = renderer.render_text(messages, tools)
-        context = renderer.context_of(text, messages, tools)
-        comparable = [comparable_message(m) for m in messages]
+            parent, same = self._find_parent(messages)
+            first_call = not self._by_prefix  # only delivered turns are keyed
+            best = self.episode.turns[parent] if parent is not None else None
+            history = self._histories[parent] if parent is not None else None
 
-        # The parent: the latest turn whose messages + answer are a strict prefix of this request.
-        best, best_len, best_shared, best_shared_len = None, -1, None, 0
-        for turn in reversed(turns):
-            history = histories[turn.index]
-            n = len(history.messages)
-            if best_len < n < len(comparable) and history.messages[-1] == comparable[n - 1] and (
-                history.messages[:-1] == comparable[: n - 1]
-            ):
-                best, best_len = turn, n
-            if best is None:
-                shared = _common_messages(history.messages, comparable)
-                if shared > best_shared_len:
-                    best_shared, best_shared_len = turn, shared
-
-        fork_reason = None
+        fork_reason = shared = None
         if best is not None:
-            history = histories[best.index]
+            n = len(history.messages)
+            keys = history.keys + prefix_keys(messages[n + 1 :], history.keys[-1])
             if (history.tools or None) != (tools or None):
                 fork_reason = FORK_TOOLS_CHANGED
-            elif history.context is not None:
-                continuation = renderer.continuation(history.context, text, best.completion_ids)
+            else:
+                # Windows render the request's own messages: exact when the parent's are the same, field for field.
+                continuation = renderer.continue_from(history.messages, messages, tools, best.completion_ids,
+                                                      same_prefix=same)
                 if continuation is not None:
                     prompt = best.prompt_ids + best.completion_ids + continuation.glue + continuation.suffix
-                    return PromptPlan(prompt, "continued", best.index, 0, None, context)
+                    return PromptPlan(prompt, "continued", best.index, 0, None, keys)
                 fork_reason = FORK_TEMPLATE
-            else:
-                fork_reason = FORK_TEMPLATE
-            best_shared = best
-        elif turns:
-            fork_reason = FORK_HISTORY_REWRITTEN if best_shared is not None else SIDE_CALL
+            shared = parent
+        else:
+            keys = prefix_keys(messages)
+            if not first_call:
+                with self._lock:  # what the fork shares most with: the latest turn with the longest common prefix
+                    shared = next((self._by_prefix[key] for key in reversed(keys) if key in self._by_prefix), None)
+                fork_reason = FORK_HISTORY_REWRITTEN if shared is not None else SIDE_CALL
 
-        prompt = renderer.encode(text)
+        prompt = renderer.render(messages, tools)
         drift = 0
-        if best_shared is not None:
-            exact = best_shared.prompt_ids + best_shared.completion_ids
+        if shared is not None:
+            with self._lock:
+                base = self.episode.turns[shared]
+            exact = base.prompt_ids + base.completion_ids
             drift = len(exact) - common_prefix_length(exact, prompt)
-        return PromptPlan(prompt, "rendered", None, drift, fork_reason, context)
+        return PromptPlan(prompt, "rendered", None, drift, fork_reason, keys)
 
     def record(self, turn: Turn, messages: list[dict], tools: list[dict] | None,
-               context: RenderedContext | None = None) -> bool:
+               keys: list[bytes] | None = None) -> bool:
         """Append a finished turn (of a call not counted in flight); returns False when the episode was closed."""
-        return self.finish_call(0, 0, [(turn, messages, tools, context)])
+        return self.finish_call(0, 0, [(turn, messages, tools, keys)])
 
     def close(self, status: str | None = None, result: Any = None, error: str | None = None) -> Episode:
         """Close the episode (idempotent: a second close returns the same Episode unchanged).
@@ -226,15 +277,6 @@ class EpisodeSession:
                 if self.late_turns:
                     episode.metadata["late_turns"] = self.late_turns
             return self.episode
-
-
-def _common_messages(a: list[dict], b: list[dict]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 KEPT_REAPED = 256  # idle-closed episodes whose traces stay retrievable (oldest dropped first)
