@@ -2,8 +2,8 @@
 
 What the `anthropic` SDK, LangChain's `ChatAnthropic` and Claude-Code-style harnesses speak. The episode key is
 accepted as `x-api-key` (what the SDK sends) or `Authorization: Bearer`; `anthropic-version` is accepted and ignored.
-`stream: true` emits Anthropic's events after the whole answer is sampled (what is recorded is identical whether or
-not it streams); errors come as `{"type": "error", "error": {"type": ..., "message": ...}}` (`app.py`).
+`stream: true` emits Anthropic's events as the tokens are sampled: thinking and text blocks as their text comes,
+tool_use blocks once parsed (what is recorded is identical whether or not it streams); errors come as `{"type": "error", "error": {"type": ..., "message": ...}}` (`app.py`).
 
 Messages → chat messages (so that the blocks we returned, sent back, are exactly the assistant message we recorded
 and the next prompt continues its tokens):
@@ -26,6 +26,7 @@ does not continue.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -33,8 +34,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import ANTHROPIC_MESSAGES, APIError, Choice, Completion, CompletionService, Conversation, content_pieces
+from .service import ANTHROPIC_MESSAGES, APIError, Choice, Completion, CompletionService, Conversation, Delta
 from .sessions import EpisodeSession
+
+
+logger = logging.getLogger(__name__)
 
 
 # Anthropic's error `type` for an HTTP status (https://docs.anthropic.com/en/api/errors).
@@ -99,12 +103,14 @@ async def serve_messages(service: CompletionService, session: EpisodeSession, ra
         wire_format=ANTHROPIC_MESSAGES,
         split_reasoning=True,
     )
-    completion = await service.complete(session, conversation, request)
-    (choice,) = completion.choices
-    body = message_body(req.model, f"msg_{uuid.uuid4().hex}", choice, completion)
+    message_id = f"msg_{uuid.uuid4().hex}"
     if not req.stream:
-        return body
-    return StreamingResponse(_sse(_stream_events(service.tokenizer, body, choice)), media_type="text/event-stream")
+        completion = await service.complete(session, conversation, request)
+        (choice,) = completion.choices
+        return message_body(req.model, message_id, choice, completion)
+    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
+    events = _stream_events(service, call, request, req.model, message_id)
+    return StreamingResponse(_sse(events), media_type="text/event-stream")
 
 
 async def count_tokens(service: CompletionService, raw: bytes) -> dict[str, int]:
@@ -253,15 +259,18 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def message_body(model: str, message_id: str, choice: Choice, completion: Completion) -> dict[str, Any]:
-    """The Anthropic `message` of one answer."""
+def message_body(model: str, message_id: str, choice: Choice, completion: Completion,
+                 streamed: list[str] = ()) -> dict[str, Any]:
+    """The Anthropic `message` of one answer; `streamed` are the kinds of text blocks (`"thinking"`, `"text"`) a
+    stream already sent, in their order: they keep their places."""
     message = choice.message
     content: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"],
-                        "signature": THINKING_SIGNATURE})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
+    texts = {"thinking": message.get("reasoning_content"), "text": message.get("content")}
+    for kind in [*streamed, *(k for k in ("thinking", "text") if k not in streamed)]:
+        if kind == "thinking" and texts[kind]:
+            content.append({"type": "thinking", "thinking": texts[kind], "signature": THINKING_SIGNATURE})
+        elif kind == "text" and texts[kind]:
+            content.append({"type": "text", "text": texts[kind]})
     for call in message.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"])})
@@ -277,13 +286,56 @@ def message_body(model: str, message_id: str, choice: Choice, completion: Comple
     }
 
 
-def _stream_events(tokenizer, body: dict[str, Any], choice: Choice):
-    """Anthropic's event sequence of a finished answer."""
-    usage = body["usage"]
-    started = {**body, "content": [], "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
-    yield {"type": "message_start", "message": started}
+async def _stream_events(service: CompletionService, call, request: Request, model: str, message_id: str):
+    """Anthropic's event sequence, as the answer is sampled: `message_start`, a thinking and a text block opened as
+    their text starts (one at a time, in the order the text comes), tool_use blocks once parsed, `message_delta` with
+    the stop reason and usage, `message_stop`."""
+    prompt_tokens = len(call.prompt_ids)
+    yield {"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
+        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
+                                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}}
+    streamed: list[str] = []  # kinds of the text blocks opened, in order
+
+    def stop_block(kind):
+        if kind == "thinking":
+            yield {"type": "content_block_delta", "index": len(streamed) - 1,
+                   "delta": {"type": "signature_delta", "signature": THINKING_SIGNATURE}}
+        yield {"type": "content_block_stop", "index": len(streamed) - 1}
+
+    try:
+        async for item in service.stream(call, request):
+            if not isinstance(item, Delta):
+                completion = item
+                continue
+            kind = "text" if item.kind == "content" else "thinking"
+            if not streamed or streamed[-1] != kind:
+                if streamed:
+                    for e in stop_block(streamed[-1]):
+                        yield e
+                streamed.append(kind)
+                block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                              "signature": ""}
+                yield {"type": "content_block_start", "index": len(streamed) - 1, "content_block": block}
+            delta = {"type": "text_delta", "text": item.text} if kind == "text" else {
+                "type": "thinking_delta", "thinking": item.text}
+            yield {"type": "content_block_delta", "index": len(streamed) - 1, "delta": delta}
+    except APIError as error:
+        yield {"type": "error", "error": error_body(error.status, error.message)["error"]}
+        return
+    except Exception as error:  # noqa: BLE001 - the response has started: say so in the stream, then end it
+        logger.exception("Internal error while streaming a message")
+        yield {"type": "error", "error": {"type": "api_error", "message": f"Internal error: {error}"}}
+        return
+    (choice,) = completion.choices
+    body = message_body(model, message_id, choice, completion, streamed)
+    if streamed:
+        for e in stop_block(streamed[-1]):
+            yield e
     for index, block in enumerate(body["content"]):
-        if block["type"] == "thinking":
+        if index < len(streamed):
+            continue
+        if block["type"] == "thinking":  # text the answer has, though none of it streamed
             yield {"type": "content_block_start", "index": index,
                    "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
             yield {"type": "content_block_delta", "index": index,
@@ -292,8 +344,7 @@ def _stream_events(tokenizer, body: dict[str, Any], choice: Choice):
                    "delta": {"type": "signature_delta", "signature": block["signature"]}}
         elif block["type"] == "text":
             yield {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}
-            for piece in content_pieces(tokenizer, choice.output.token_ids, block["text"]):
-                yield {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": piece}}
+            yield {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": block["text"]}}
         else:  # tool_use
             yield {"type": "content_block_start", "index": index,
                    "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}
@@ -301,10 +352,10 @@ def _stream_events(tokenizer, body: dict[str, Any], choice: Choice):
                    "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
         yield {"type": "content_block_stop", "index": index}
     yield {"type": "message_delta", "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
-           "usage": {"output_tokens": usage["output_tokens"]}}
+           "usage": {"output_tokens": body["usage"]["output_tokens"]}}
     yield {"type": "message_stop"}
 
 
 async def _sse(events):
-    for data in events:
+    async for data in events:
         yield f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"

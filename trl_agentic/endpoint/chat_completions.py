@@ -2,12 +2,15 @@
 
 The request (`protocol.ChatCompletionRequest`) is already a conversation; this module validates it, hands it to the
 `CompletionService`, and shapes the answer as a `chat.completion` or, with `stream: true`, as `chat.completion.chunk`
-server-sent events (the whole answer is sampled first: what is recorded is identical whether or not it streams).
+server-sent events that leave as the tokens are sampled: content (and a thinking model's `reasoning_content`) as it
+comes, tool calls once parsed, then each choice's finish reason and logprobs, and the usage when asked for. What is
+recorded is identical whether or not it streams.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -15,9 +18,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..generation.engine import GenerationOutput
-from .protocol import ChatCompletionRequest
-from .service import CHAT_COMPLETIONS, CompletionService, Conversation, content_pieces
+from .protocol import ChatCompletionRequest, error_body
+from .service import CHAT_COMPLETIONS, APIError, Completion, CompletionService, Conversation, Delta
 from .sessions import EpisodeSession
+
+
+logger = logging.getLogger(__name__)
 
 
 async def serve_chat_completions(service: CompletionService, session: EpisodeSession, raw: bytes, request: Request):
@@ -39,25 +45,28 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
         requested=req.model_dump(exclude_none=True, exclude={"messages", "tools"}),
         wire_format=CHAT_COMPLETIONS,
     )
-    completion = await service.complete(session, conversation, request)
-
-    tokenizer = service.tokenizer
-    choices = [{"index": i, "message": choice.message, "finish_reason": choice.finish_reason,
-                "logprobs": _logprobs_body(tokenizer, choice.output) if req.logprobs else None}
-               for i, choice in enumerate(completion.choices)]
-    usage = {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-             "total_tokens": completion.prompt_tokens + completion.completion_tokens}
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     if not req.stream:
+        completion = await service.complete(session, conversation, request)
+        usage, choices = _usage(completion), _choices(service.tokenizer, completion, req.logprobs)
         return {"id": response_id, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage, "system_fingerprint": f"policy-v{completion.policy_version}"}
+    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    outputs = [choice.output for choice in completion.choices]
-    return StreamingResponse(
-        _sse(_stream_chunks(tokenizer, response_id, created, req.model, choices, outputs, usage, include_usage)),
-        media_type="text/event-stream",
-    )
+    chunks = _stream_chunks(service, call, request, response_id, created, req.model, req.logprobs, include_usage)
+    return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+
+def _usage(completion: Completion) -> dict:
+    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+
+
+def _choices(tokenizer, completion: Completion, logprobs: bool | None) -> list[dict]:
+    return [{"index": i, "message": choice.message, "finish_reason": choice.finish_reason,
+             "logprobs": _logprobs_body(tokenizer, choice.output) if logprobs else None}
+            for i, choice in enumerate(completion.choices)]
 
 
 def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -75,28 +84,40 @@ def _logprobs_body(tokenizer, out: GenerationOutput) -> dict:
     return {"content": content}
 
 
-def _stream_chunks(tokenizer, response_id, created, model, choices, outputs, usage, include_usage):
+async def _stream_chunks(service, call, request, response_id, created, model, logprobs, include_usage):
     def chunk(choice_index, delta, finish=None, logprobs=None):
         return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": choice_index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
-    for choice, out in zip(choices, outputs):
-        index, message = choice["index"], choice["message"]
+    for index in range(call.conversation.n):
         yield chunk(index, {"role": "assistant", "content": ""})
-        for piece in content_pieces(tokenizer, out.token_ids, message.get("content") or ""):
-            yield chunk(index, {"content": piece})
-        for j, call in enumerate(message.get("tool_calls") or []):
-            yield chunk(index, {"tool_calls": [{"index": j, "id": call["id"], "type": "function",
-                                                "function": {"name": call["function"]["name"], "arguments": ""}}]})
-            arguments = call["function"]["arguments"]
+    try:
+        async for item in service.stream(call, request):
+            if isinstance(item, Delta):
+                yield chunk(item.index, {"content" if item.kind == "content" else "reasoning_content": item.text})
+                continue
+            completion = item
+    except APIError as error:
+        yield error_body(error.message, error.type, error.param, error.code)
+        return
+    except Exception as error:  # noqa: BLE001 - the response has started: say so in the stream, then end it
+        logger.exception("Internal error while streaming a chat completion")
+        yield error_body(f"Internal error: {type(error).__name__}: {error}", "server_error", code="internal_error")
+        return
+    for choice in _choices(service.tokenizer, completion, logprobs):
+        index, message = choice["index"], choice["message"]
+        for j, call_ in enumerate(message.get("tool_calls") or []):
+            yield chunk(index, {"tool_calls": [{"index": j, "id": call_["id"], "type": "function",
+                                                "function": {"name": call_["function"]["name"], "arguments": ""}}]})
+            arguments = call_["function"]["arguments"]
             yield chunk(index, {"tool_calls": [{"index": j, "function": {"arguments": arguments}}]})
         yield chunk(index, {}, choice["finish_reason"], choice["logprobs"])
     if include_usage:
         yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [], "usage": usage}
+               "choices": [], "usage": _usage(completion)}
 
 
 async def _sse(chunks):
-    for item in chunks:
+    async for item in chunks:
         yield f"data: {json.dumps(item)}\n\n"
     yield "data: [DONE]\n\n"

@@ -2,7 +2,8 @@
 
 What the OpenAI Agents SDK (its default model provider) and Codex-style agents speak. The request's `instructions`
 and `input` items become chat messages; the answer becomes output items; `stream: true` emits the Responses event
-sequence after the whole answer is sampled (what is recorded is identical whether or not it streams).
+sequence as the tokens are sampled: reasoning and message text as they come, function calls once parsed (what is
+recorded is identical whether or not it streams).
 
 Input items → chat messages (one assistant message per run of assistant-side items, so that the items we returned,
 sent back, are exactly the assistant message we recorded and the next prompt continues its tokens):
@@ -26,6 +27,7 @@ OpenAI does). Only function tools are served; images, files and audio are a 400 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -34,8 +36,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import RESPONSES, APIError, Choice, Completion, CompletionService, Conversation, content_pieces
+from .service import RESPONSES, APIError, Choice, Completion, CompletionService, Conversation, Delta
 from .sessions import EpisodeSession
+
+
+logger = logging.getLogger(__name__)
 
 
 class ResponsesRequest(BaseModel):
@@ -95,16 +100,21 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
         split_reasoning=True,
         messages_param="input",
     )
-    completion = await service.complete(session, conversation, request)
-    (choice,) = completion.choices
-
     response_id = f"resp_{uuid.uuid4().hex}"
+    created = int(time.time())
+    if not req.stream:
+        completion = await service.complete(session, conversation, request)
+        (choice,) = completion.choices
+        _store(session, req, response_id, added, choice)
+        return response_body(req, response_id, created, output_items(choice), completion, choice)
+    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
+    events = _stream_events(service, call, request, session, req, response_id, created, added)
+    return StreamingResponse(_sse(events), media_type="text/event-stream")
+
+
+def _store(session: EpisodeSession, req: ResponsesRequest, response_id: str, added: list[dict], choice: Choice):
     if req.store is not False:
         session.responses[response_id] = (req.previous_response_id, added + [choice.message])
-    body = response_body(req, response_id, int(time.time()), output_items(choice), completion, choice)
-    if not req.stream:
-        return body
-    return StreamingResponse(_sse(_stream_events(service.tokenizer, body, choice)), media_type="text/event-stream")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -236,19 +246,27 @@ def _text(content: Any, where: str, separator: str = "") -> str:
     return separator.join(texts)
 
 
-def output_items(choice: Choice) -> list[dict[str, Any]]:
-    """The output items of one answer: reasoning, message (unless only tool calls), function calls."""
+def output_items(choice: Choice, streamed: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The output items of one answer: reasoning, message (unless only tool calls), function calls. `streamed` are the
+    reasoning / message items a stream already opened, in their order: they keep their ids and places."""
     message = choice.message
     items: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}],
-                      "status": "completed"})
+    texts = {"reasoning": message.get("reasoning_content"), "message": message.get("content")}
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
-                                   "logprobs": []}]})
+    kinds = [item["type"] for item in streamed]
+    kinds += [kind for kind, wanted in (("reasoning", bool(texts["reasoning"])),
+                                        ("message", bool(texts["message"]) or not calls))
+              if wanted and kind not in kinds]
+    ids = {item["type"]: item["id"] for item in streamed}
+    for kind in kinds:
+        if kind == "reasoning":
+            items.append({"type": "reasoning", "id": ids.get(kind, f"rs_{uuid.uuid4().hex}"), "summary": [],
+                          "content": [{"type": "reasoning_text", "text": texts["reasoning"] or ""}],
+                          "status": "completed"})
+        else:
+            items.append({"type": "message", "id": ids.get(kind, f"msg_{uuid.uuid4().hex}"), "status": "completed",
+                          "role": "assistant", "content": [{"type": "output_text", "text": texts["message"] or "",
+                                                            "annotations": [], "logprobs": []}]})
     for call in calls:
         items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -256,12 +274,14 @@ def output_items(choice: Choice) -> list[dict[str, Any]]:
     return items
 
 
-def response_body(req: ResponsesRequest, response_id: str, created: int, output: list[dict], completion: Completion,
-                  choice: Choice) -> dict[str, Any]:
+def response_body(req: ResponsesRequest, response_id: str, created: int, output: list[dict],
+                  completion: Completion | None, choice: Choice) -> dict[str, Any]:
+    """The `response` object (`completion` `None`: one still in progress, without usage)."""
     incomplete = choice.finish_reason == "length"
-    usage = {"input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-             "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-             "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+    usage = None if completion is None else {
+        "input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens}
     return {
         "id": response_id, "object": "response", "created_at": created,
         "status": "incomplete" if incomplete else "completed", "background": False, "error": None,
@@ -276,44 +296,102 @@ def response_body(req: ResponsesRequest, response_id: str, created: int, output:
     }
 
 
-def _stream_events(tokenizer, body: dict[str, Any], choice: Choice):
-    """The Responses event sequence of a finished answer, as `(event type, data)`."""
+async def _stream_events(service: CompletionService, call, request: Request, session: EpisodeSession,
+                         req: ResponsesRequest, response_id: str, created: int, added: list[dict]):
+    """The Responses event sequence, as the answer is sampled: `response.created`, then a reasoning item and a
+    message item opened as their text starts (one at a time, in the order the text comes), function calls once
+    parsed, `response.completed` (or `.incomplete`) with the same items."""
     sequence = iter(range(1 << 62))
 
     def event(kind: str, **data) -> dict[str, Any]:
         return {"type": kind, "sequence_number": next(sequence), **data}
 
-    started = {**body, "status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    placeholder = Choice({"role": "assistant", "content": ""}, "stop", None)
+    started = {**response_body(req, response_id, created, [], None, placeholder), "status": "in_progress",
+               "usage": None, "incomplete_details": None}
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
-    for index, item in enumerate(body["output"]):
-        ids = {"item_id": item["id"], "output_index": index}
+    opened: list[dict[str, Any]] = []  # reasoning / message items, in the order they opened
+    text = ""  # the open item's text so far
+
+    def close(item):
+        ids = {"item_id": item["id"], "output_index": len(opened) - 1}
         if item["type"] == "message":
-            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                                "content": []})
-            part = item["content"][0]
-            yield event("response.content_part.added", **ids, content_index=0,
-                        part={**part, "text": ""})
-            for piece in content_pieces(tokenizer, choice.output.token_ids, part["text"]):
-                yield event("response.output_text.delta", **ids, content_index=0, delta=piece, logprobs=[])
-            yield event("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=[])
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            yield event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[])
             yield event("response.content_part.done", **ids, content_index=0, part=part)
-        elif item["type"] == "reasoning":
-            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                                "content": []})
-            text = item["content"][0]["text"]
-            yield event("response.reasoning_text.delta", **ids, content_index=0, delta=text)
+            done = {**item, "status": "completed", "content": [part]}
+        else:
             yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
-        else:  # function_call
-            yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                                "arguments": ""})
-            yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
-            yield event("response.function_call_arguments.done", **ids, name=item["name"],
-                        arguments=item["arguments"])
+            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+        yield event("response.output_item.done", output_index=len(opened) - 1, item=done)
+
+    def open_(kind):
+        if kind == "content":
+            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant",
+                    "content": []}
+        else:
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
+                    "status": "in_progress"}
+        opened.append(item)
+        yield event("response.output_item.added", output_index=len(opened) - 1, item=item)
+        if kind == "content":
+            yield event("response.content_part.added", item_id=item["id"], output_index=len(opened) - 1,
+                        content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    try:
+        async for item in service.stream(call, request):
+            if not isinstance(item, Delta):
+                completion = item
+                continue
+            kind = "message" if item.kind == "content" else "reasoning"
+            if not opened or opened[-1]["type"] != kind:
+                if opened:
+                    for e in close(opened[-1]):
+                        yield e
+                text = ""
+                for e in open_(item.kind):
+                    yield e
+            text += item.text
+            ids = {"item_id": opened[-1]["id"], "output_index": len(opened) - 1, "content_index": 0}
+            if kind == "message":
+                yield event("response.output_text.delta", **ids, delta=item.text, logprobs=[])
+            else:
+                yield event("response.reasoning_text.delta", **ids, delta=item.text)
+    except APIError as error:
+        yield event("error", code=error.code, message=error.message, param=error.param)
+        return
+    except Exception as error:  # noqa: BLE001 - the response has started: say so in the stream, then end it
+        logger.exception("Internal error while streaming a response")
+        yield event("error", code="internal_error", message=f"Internal error: {type(error).__name__}: {error}",
+                    param=None)
+        return
+    (choice,) = completion.choices
+    _store(session, req, response_id, added, choice)
+    output = output_items(choice, opened)
+    for index, item in enumerate(output):
+        if index < len(opened):
+            if index == len(opened) - 1:
+                for e in close(opened[-1]):
+                    yield e
+            continue
+        if item["type"] in ("message", "reasoning"):  # the answer has this text, though none of it streamed
+            text = item["content"][0]["text"]
+            for e in open_("content" if item["type"] == "message" else "reasoning"):
+                yield e
+            for e in close(opened[-1]):
+                yield e
+            continue
+        ids = {"item_id": item["id"], "output_index": index}
+        yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
+                                                                            "arguments": ""})
+        yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
+        yield event("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)
+    body = response_body(req, response_id, created, output, completion, choice)
     yield event("response.incomplete" if body["status"] == "incomplete" else "response.completed", response=body)
 
 
 async def _sse(events):
-    for data in events:
+    async for data in events:
         yield f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"

@@ -22,8 +22,11 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import secrets
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,8 @@ from ..trace import Turn
 from . import SERVED_MODEL_NAME
 from .chat import ChatRenderer
 from .protocol import parse_json_body, template_message
-from .sessions import EpisodeClosedError, EpisodeLimits, EpisodeSession
+from .sessions import EpisodeClosedError, EpisodeLimits, EpisodeSession, PromptPlan
+from .streaming import AnswerStream, Delta
 
 
 # The wire formats a turn can come in (`Turn.wire_format`).
@@ -148,6 +152,20 @@ class Choice:
 
 
 @dataclass
+class PreparedCall:
+    """A model call with everything decided but the sampling (`CompletionService.prepare`)."""
+
+    session: EpisodeSession
+    conversation: Conversation
+    messages: list[dict[str, Any]]  # normalized for the template
+    plan: PromptPlan
+    forced: list[int]  # the tool-call opening `tool_choice` forces (prompt tokens)
+    prompt_ids: list[int]  # plan.prompt_ids + forced
+    sampling: SamplingParams
+    reserved: int  # tokens held against the episode's budget while sampling
+
+
+@dataclass
 class Completion:
     """What a model call returned, for an adapter to shape: the choices and the token counts."""
 
@@ -172,6 +190,8 @@ class CompletionService:
     def __init__(self, engine: GenerationEngine, renderer: ChatRenderer, settings: EndpointSettings):
         self.engine, self.renderer, self.settings = engine, renderer, settings
         self.tokenizer = renderer.tokenizer
+        # Engines of the streaming contract take `on_token`; with others, a streamed answer leaves when it is sampled.
+        self.engine_streams = "on_token" in inspect.signature(engine.generate).parameters
 
     # Request bodies
 
@@ -232,6 +252,33 @@ class CompletionService:
         Raises `APIError` for what the request did (limits, context overflow, a template that rejects it, a client
         that went away: 499) and when the episode closed meanwhile (409, the answer is not recorded).
         """
+        return await self.run(self.prepare(session, conversation), request)
+
+    async def stream(self, call: PreparedCall, request: Request) -> AsyncIterator[Delta | Completion]:
+        """`run` a prepared call, yielding each choice's text as it is sampled (`Delta`s), then the `Completion`.
+
+        The text adds up to the answers of the `Completion` (`streaming.AnswerStream`), and what is recorded is what a
+        non-streamed call records. Raises, after the deltas, what `run` raises. A consumer that stops early (its
+        client went away) cancels the sampling: the call is recorded as cancelled.
+        """
+        queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+        gone = asyncio.Event()
+        task = asyncio.ensure_future(self.run(call, request, on_delta=queue.put_nowait, client_gone=gone))
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while (delta := await queue.get()) is not None:
+                yield delta
+            yield task.result()
+        finally:
+            if not task.done():
+                gone.set()
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)
+
+    def prepare(self, session: EpisodeSession, conversation: Conversation) -> PreparedCall:
+        """Everything decided before sampling: limits, the prompt (continued or rendered), `tool_choice` forcing, the
+        sampling parameters. Raises `APIError` for what the request did (limits, context overflow, a template that
+        rejects it): a streamed call raises it before its response starts."""
         engine, renderer, settings = self.engine, self.renderer, self.settings
         n = conversation.n
         limits = session.limits
@@ -249,8 +296,8 @@ class CompletionService:
                 raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
                                code="episode_limit_exceeded")
 
-        raw_messages, tools = conversation.messages, conversation.tools
-        messages = [template_message(m) for m in raw_messages]
+        messages = [template_message(m) for m in conversation.messages]
+        tools = conversation.tools
         try:
             plan = session.plan_prompt(renderer, messages, tools)
         except _TEMPLATE_ERRORS as error:
@@ -284,8 +331,21 @@ class CompletionService:
             stop_token_ids=sorted(renderer.end_of_turn_ids),
             top_logprobs=conversation.top_logprobs,
         )
-
         reserved = sampling.max_tokens * n if budget is not None else 0
+        return PreparedCall(session, conversation, messages, plan, forced, prompt_ids, sampling, reserved)
+
+    async def run(self, call: PreparedCall, request: Request, on_delta: Callable[[Delta], None] | None = None,
+                  client_gone: asyncio.Event | None = None) -> Completion:
+        """Sample a prepared call and record its turns; `on_delta` receives each choice's text as it is sampled (when
+        the engine streams, else at the end), `client_gone` set means the client went away (as a disconnect does).
+
+        Raises `APIError` for a closed episode (401 before, 409 after sampling) and a client that went away (499).
+        """
+        engine, renderer = self.engine, self.renderer
+        session, conversation, plan, forced = call.session, call.conversation, call.plan, call.forced
+        messages, tools, prompt_ids, sampling, reserved = (call.messages, conversation.tools, call.prompt_ids,
+                                                           call.sampling, call.reserved)
+        n = conversation.n
         try:
             session.start_call(n, reserved)
         except EpisodeClosedError:
@@ -296,25 +356,32 @@ class CompletionService:
             return Turn(
                 index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids if out else [],
                 logprobs=out.logprobs if out else [], finish_reason=finish, policy_version=engine.policy_version,
-                request_messages=raw_messages, request_tools=tools, response_message=message,
+                request_messages=conversation.messages, request_tools=tools, response_message=message,
                 prompt_source=plan.source, parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
                 malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
                 requested_sampling=conversation.requested, wall_time=time.monotonic() - started,
                 wire_format=conversation.wire_format,
             )
 
+        parse_tools = conversation.tool_choice != "none"
+        streams = [self._answer_stream(i, call, parse_tools, on_delta) for i in range(n)] if on_delta else None
         generation = asyncio.ensure_future(asyncio.gather(*[
-            engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i)) for i in range(n)
+            engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i), on_token=streams[i].feed)
+            if streams and self.engine_streams else engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i))
+            for i in range(n)
         ]))
-        disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+        watchers = {asyncio.ensure_future(_wait_for_disconnect(request))}
+        if client_gone is not None:
+            watchers.add(asyncio.ensure_future(client_gone.wait()))
         try:
-            await asyncio.wait({generation, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({generation, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             generation.cancel()
             session.finish_call(n, reserved, [])
             raise
         finally:
-            disconnected.cancel()
+            for watcher in watchers:
+                watcher.cancel()
         if not generation.done():
             # The client went away: stop sampling, and record the call as cancelled (never trained, never a parent),
             # so that a retry of the same request continues from the last answer the agent actually received.
@@ -333,8 +400,7 @@ class CompletionService:
         for out in outputs:
             out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
             message, malformed = renderer.parse(forced + out.token_ids, plan.prompt_ids, tools,
-                                                parse_tools=conversation.tool_choice != "none",
-                                                split_reasoning=conversation.split_reasoning)
+                                                parse_tools=parse_tools, split_reasoning=conversation.split_reasoning)
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
@@ -343,7 +409,25 @@ class CompletionService:
         if not session.finish_call(n, reserved, turns):
             raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",
                            code="episode_closed")
+        if streams:
+            for stream, choice in zip(streams, choices, strict=True):
+                stream.finish(choice.message, choice.output.token_ids)  # not streamed: split per token
         return Completion(choices, len(prompt_ids), engine.policy_version)
+
+    def _answer_stream(self, index: int, call: PreparedCall, parse_tools: bool,
+                       on_delta: Callable[[Delta], None]) -> AnswerStream:
+        conversation, renderer = call.conversation, self.renderer
+        tools = conversation.tools
+        parsed = renderer.can_parse_tools and ((parse_tools and tools) or conversation.split_reasoning)
+        stream = AnswerStream(
+            index, self.tokenizer, on_delta,
+            response_template=self.tokenizer.response_template if parsed else None,
+            prefix_ids=renderer.prompt_tail(call.plan.prompt_ids), tools=tools if parse_tools else None,
+            stops=conversation.stop, pieces=lambda ids, text: content_pieces(self.tokenizer, ids, text),
+        )
+        if call.forced and self.engine_streams:
+            stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first
+        return stream
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)

@@ -1,0 +1,174 @@
+"""Live answer text for streamed responses (issue #12 item 4): sampled ids in, stable text deltas out.
+
+The engine hands over each sampled chunk (`on_token`); an `AnswerStream` per choice turns them into `Delta`s of the
+answer's content and reasoning, as the wire formats stream them, under three rules:
+
+- Only stable text leaves: ids are detokenized incrementally (as vLLM does: each chunk decoded with one piece of left
+  context), and text ending in an incomplete UTF-8 character waits for the ids that complete it.
+- Tool-call markup never leaks as text: when tool calls (or reasoning) are parsed, the text goes through transformers'
+  streaming `ResponseParser` with the template's `response_template`, which holds back anything that may be the
+  beginning of a delimiter (`<tool_call>`, Llama's `{"name": ...`) and routes text to regions; only the content and
+  reasoning regions stream, tool calls are sent once parsed, at the end. Leading and trailing whitespace of a region
+  waits (the parsed value is stripped), and so does text that may begin a stop string or the end-of-sequence text.
+- The stream ends on the parsed message, the same one a non-streamed call returns (`finish`): what the parser had not
+  let through yet is sent then, so the deltas add up to the non-streamed answer.
+
+One case cannot add up: text the model writes after a tool call replaces, in the parsed message, the text it wrote
+before it (transformers' parser keeps the last content region), and a stream cannot take back what it sent. Such an
+answer is counted in `AnswerStream.diverged`; the recorded turn is unaffected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers.utils.chat_parsing.response_parser import ResponseParser
+
+
+CONTENT, REASONING = "content", "reasoning"
+
+
+@dataclass
+class Delta:
+    """A piece of choice `index`'s answer: `kind` is `"content"` or `"reasoning"`."""
+
+    index: int
+    kind: str
+    text: str
+
+
+@dataclass
+class _Region:
+    raw: str = ""  # the region's text as the parser routed it
+    closed: bool = False
+    emitted: str = ""  # what left as deltas
+
+
+@dataclass
+class AnswerStream:
+    """Turns one choice's sampled chunks into `Delta`s handed to `emit`.
+
+    Args:
+        index: the choice.
+        tokenizer: the served tokenizer.
+        emit: receives each `Delta`.
+        response_template: the tokenizer's `response_template` when the answer is parsed (tool calls or reasoning);
+            `None` for plain text.
+        prefix_ids: the prompt's tail (`ChatRenderer.prompt_tail`), what the parser reads of the prompt.
+        tools: the request's tools (the parser casts arguments with them).
+        stops: the request's stop strings.
+        pieces: `(token_ids, content) -> list[str]`, how to split text that leaves only at the end (per token).
+
+    Example:
+
+    ```python
+    >>> stream = AnswerStream(0, tokenizer, deltas.append)
+    >>> stream.feed(tokenizer.encode("Hello world"))
+    >>> stream.finish({"role": "assistant", "content": "Hello world"})
+    >>> "".join(d.text for d in deltas)
+    'Hello world'
+    ```
+    """
+
+    index: int
+    tokenizer: Any
+    emit: Callable[[Delta], None]
+    response_template: dict | None = None
+    prefix_ids: list[int] = field(default_factory=list)
+    tools: list[dict] | None = None
+    stops: list[str] = field(default_factory=list)
+    pieces: Callable[[list[int], str], list[str]] | None = None
+    diverged: bool = False
+
+    def __post_init__(self):
+        self._ids: list[int] = []
+        self._prefix_start = self._read_start = 0
+        self._plain = ""  # everything decoded, special tokens skipped (what stop strings are searched in)
+        self._plain_ids: list[int] = []
+        self._stopped = False
+        self._regions = {CONTENT: _Region(), REASONING: _Region()}
+        self._parser = None
+        if self.response_template is not None:
+            prefix = self.tokenizer.decode(self.prefix_ids) if self.prefix_ids else ""
+            self._parser = ResponseParser(self.response_template, prefix=prefix, tools=self.tools)
+        eos = self.tokenizer.eos_token or ""
+        self._eos = eos
+        self._hold = max([len(s) - 1 for s in self.stops] + [len(eos) if self._parser else 0, 0])
+
+    def feed(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
+        """Take newly sampled ids (the engine's `on_token`)."""
+        self._ids.extend(token_ids)
+        text = self._decode_new()
+        if not text:
+            return
+        if self.stops and not self._stopped:
+            self._plain += self.tokenizer.decode(token_ids, skip_special_tokens=True) if self._parser else text
+            self._stopped = any(stop in self._plain for stop in self.stops)
+        if self._parser is None:
+            self._regions[CONTENT].raw += text
+        else:
+            for event in self._parser.feed(text):
+                self._route(event)
+        if not self._stopped:
+            self._flush()
+
+    def finish(self, message: dict[str, Any], ids: list[int] = ()) -> None:
+        """End on the parsed `message` (what the non-streamed call returns): send what it holds beyond what was sent.
+        `ids` (the sampled ids) split text that was not streamed at all into per-token pieces."""
+        for kind, key in ((REASONING, "reasoning_content"), (CONTENT, "content")):
+            final = message.get(key) or ""
+            region = self._regions[kind]
+            if not final.startswith(region.emitted):
+                self.diverged = True
+                continue
+            rest = final[len(region.emitted) :]
+            if not rest:
+                continue
+            if not region.emitted and kind == CONTENT and self.pieces is not None:
+                for piece in self.pieces(self._ids or ids, rest):
+                    self._send(kind, piece)
+            else:
+                self._send(kind, rest)
+
+    # Internals
+
+    def _decode_new(self) -> str:
+        """The stable text the new ids add (vLLM's incremental detokenization)."""
+        skip = self._parser is None
+        prefix = self.tokenizer.decode(self._ids[self._prefix_start : self._read_start], skip_special_tokens=skip)
+        text = self.tokenizer.decode(self._ids[self._prefix_start :], skip_special_tokens=skip)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_start, self._read_start = self._read_start, len(self._ids)
+        return text[len(prefix) :]
+
+    def _route(self, event: dict) -> None:
+        kind = {"content": CONTENT, "reasoning_content": REASONING}.get(event.get("field"))
+        if kind is None:
+            return
+        region = self._regions[kind]
+        if event["type"] == "region_chunk" and not region.closed:
+            region.raw += event["text"]
+        elif event["type"] == "region_close":
+            region.closed = True  # a later region of this field replaces it: it does not stream (see module doc)
+
+    def _flush(self) -> None:
+        for kind in (REASONING, CONTENT):
+            region = self._regions[kind]
+            if region.closed:
+                safe = region.raw.strip()
+                if kind == CONTENT and self._eos:
+                    safe = safe.removesuffix(self._eos)
+            else:
+                safe = region.raw.lstrip().rstrip()
+                safe = safe[: max(0, len(safe) - self._hold)] if self._hold else safe
+            if self._parser is None:  # plain text is returned as decoded, whitespace included
+                safe = region.raw[: max(0, len(region.raw) - self._hold)]
+            if len(safe) > len(region.emitted) and safe.startswith(region.emitted):
+                self._send(kind, safe[len(region.emitted) :])
+
+    def _send(self, kind: str, text: str) -> None:
+        self._regions[kind].emitted += text
+        self.emit(Delta(self.index, kind, text))
