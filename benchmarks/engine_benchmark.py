@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         model.eval()
     if "a" in sections:
         result = growing_episode(model, tokenizer, args.episodes, args.turns, args.max_tokens, args.growth)
-        print(f"(a) {args.model}: one episode of {args.turns} calls x {args.max_tokens} tokens, tool results growing by "
-              f"{args.growth} file names per turn, {args.episodes} episodes per engine (median ms per call)")
+        print(f"(a) {args.model}: one episode of {args.turns} calls x {args.max_tokens} tokens, tool results "
+              f"growing by {args.growth} file names per turn, {args.episodes} episodes per engine (median ms per call)")
         print(f"    {'engine':<15}" + "".join(f"{f'turn {t + 1}':>9}" for t in range(args.turns))
               + f"{'last / first':>14}{'reused tok':>12}{'prefilled tok':>15}")
         for name, r in result.items():

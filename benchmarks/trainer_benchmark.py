@@ -5,7 +5,7 @@ generations per step, batch, temperature and max tokens, same reward function. A
 trainers take turns, one step at a time (the order flips every round, so drifting machine load hits both alike).
 
 ```bash
-python benchmarks/trainer_benchmark.py            # tiny:qwen2_5 64x2 then 256x2, 8 timed steps each: ~3-5 min on 2 cores
+python benchmarks/trainer_benchmark.py     # tiny:qwen2_5 64x2 then 256x2, 8 timed steps each: ~3-5 min on 2 cores
 python benchmarks/trainer_benchmark.py --steps 16 --model-size 128x2
 ```
 

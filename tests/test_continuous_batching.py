@@ -109,7 +109,8 @@ def test_requests_join_the_running_batch_and_leave_it_when_done(tokenizer, model
         reference = alone(engine, prompt, sampling)
         assert result.token_ids == reference.token_ids and result.finish_reason == reference.finish_reason
         assert result.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
-    assert results[2].finish_reason == "stop" and results[2].token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
+    assert results[2].finish_reason == "stop"
+    assert results[2].token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
     assert [ids for ids, _ in results[2].top_logprobs[0]] == [ids for ids, _ in greedy.top_logprobs[0]]
 
 

@@ -86,7 +86,9 @@ class GenerationEngine(Protocol):
 
     ```python
     >>> chunks = []
-    >>> out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=8), on_token=lambda ids, lps: chunks.append(ids))
+    >>> def on_token(token_ids, logprobs):
+    ...     chunks.append(token_ids)
+    >>> out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=8), on_token=on_token)
     >>> sum(chunks, []) == out.token_ids
     True
     ```
