@@ -485,7 +485,7 @@ class TransformersEngine:
         # row, but the argmax over the whole batch at once (3x faster than one multinomial per row on CPU).
         probs = logps.exp()
         noise = torch.ones_like(probs)
-        greedy = torch.zeros(len(rows), dtype=torch.bool, device=probs.device)
+        greedy = [False] * len(rows)
         for i, row in enumerate(rows):
             if row.cancelled is not None and row.cancelled.is_set():
                 row.finish = "cancelled"  # its client went away: free the row
@@ -497,11 +497,15 @@ class TransformersEngine:
                     continue
                 if row.sampling.top_k > 0 or row.sampling.top_p < 1.0:
                     probs[i] = _restrict(probs[i], row.sampling)
-                if not (torch.isfinite(probs[i]).all() and probs[i].sum() > 0):
-                    raise ValueError("The model's next-token probabilities are not finite (NaN or inf logits).")
                 noise[i].exponential_(1, generator=row.generator)
             except Exception as error:  # noqa: BLE001 - this row's own failure
                 row.finish, row.error = "error", error
+        finite = (torch.isfinite(probs).all(dim=1) & (probs.sum(dim=1) > 0)).tolist()
+        for row, ok, is_greedy in zip(rows, finite, greedy):
+            if not (ok or is_greedy or row.finish is not None):
+                row.finish = "error"
+                row.error = ValueError("The model's next-token probabilities are not finite (NaN or inf logits).")
+        greedy = torch.tensor(greedy, device=probs.device)
         chosen_ids = torch.where(greedy, logps.argmax(dim=1), (probs / noise).argmax(dim=1))
         chosen = chosen_ids.tolist()
         chosen_logps = logps.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
