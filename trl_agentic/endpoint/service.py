@@ -265,6 +265,7 @@ class CompletionService:
         gone = asyncio.Event()
         task = asyncio.ensure_future(self.run(call, request, on_delta=queue.put_nowait, client_gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a consumer gone: nobody to tell
         try:
             while (delta := await queue.get()) is not None:
                 yield delta
@@ -370,6 +371,7 @@ class CompletionService:
             if streams and self.engine_streams else engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i))
             for i in range(n)
         ]))
+        generation.add_done_callback(lambda future: future.cancelled() or future.exception())  # cancelled: unread
         watchers = {asyncio.ensure_future(_wait_for_disconnect(request))}
         if client_gone is not None:
             watchers.add(asyncio.ensure_future(client_gone.wait()))
@@ -424,6 +426,7 @@ class CompletionService:
             response_template=self.tokenizer.response_template if parsed else None,
             prefix_ids=renderer.prompt_tail(call.plan.prompt_ids), tools=tools if parse_tools else None,
             stops=conversation.stop, pieces=lambda ids, text: content_pieces(self.tokenizer, ids, text),
+            strip_content=bool(parse_tools and tools),
         )
         if call.forced and self.engine_streams:
             stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first

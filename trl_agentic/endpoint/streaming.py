@@ -59,6 +59,8 @@ class AnswerStream:
         prefix_ids: the prompt's tail (`ChatRenderer.prompt_tail`), what the parser reads of the prompt.
         tools: the request's tools (the parser casts arguments with them).
         stops: the request's stop strings.
+        strip_content: whether the parsed content is stripped (tools parsed); without tools a reasoning split keeps
+            the text as it is unless the model reasoned.
         pieces: `(token_ids, content) -> list[str]`, how to split text that leaves only at the end (per token).
 
     Example:
@@ -80,6 +82,7 @@ class AnswerStream:
     tools: list[dict] | None = None
     stops: list[str] = field(default_factory=list)
     pieces: Callable[[list[int], str], list[str]] | None = None
+    strip_content: bool = True
     diverged: bool = False
 
     def __post_init__(self):
@@ -90,12 +93,12 @@ class AnswerStream:
         self._stopped = False
         self._regions = {CONTENT: _Region(), REASONING: _Region()}
         self._parser = None
+        self._reasoned = False
         if self.response_template is not None:
             prefix = self.tokenizer.decode(self.prefix_ids) if self.prefix_ids else ""
             self._parser = ResponseParser(self.response_template, prefix=prefix, tools=self.tools)
-        eos = self.tokenizer.eos_token or ""
-        self._eos = eos
-        self._hold = max([len(s) - 1 for s in self.stops] + [len(eos) if self._parser else 0, 0])
+        self._eos = (self.tokenizer.eos_token or "") if self._parser is not None else ""
+        self._hold = max([len(s) - 1 for s in self.stops] + [0])
 
     def feed(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
         """Take newly sampled ids (the engine's `on_token`)."""
@@ -149,6 +152,8 @@ class AnswerStream:
         if kind is None:
             return
         region = self._regions[kind]
+        if kind == REASONING:
+            self._reasoned = True
         if event["type"] == "region_chunk" and not region.closed:
             region.raw += event["text"]
         elif event["type"] == "region_close":
@@ -157,13 +162,17 @@ class AnswerStream:
     def _flush(self) -> None:
         for kind in (REASONING, CONTENT):
             region = self._regions[kind]
-            if region.closed:
+            if kind == CONTENT and self._parser is not None and not (self.strip_content or self._reasoned):
+                safe = region.raw[: len(region.raw) - max(self._hold, _overlap(region.raw, self._eos))]
+            elif region.closed:
                 safe = region.raw.strip()
                 if kind == CONTENT and self._eos:
                     safe = safe.removesuffix(self._eos)
             else:
-                safe = region.raw.lstrip().rstrip()
+                safe = region.raw.strip()
                 safe = safe[: max(0, len(safe) - self._hold)] if self._hold else safe
+                if kind == CONTENT and self._eos:  # the parsed content drops a trailing end-of-sequence text
+                    safe = safe[: len(safe) - _overlap(safe, self._eos)]
             if self._parser is None:  # plain text is returned as decoded, whitespace included
                 safe = region.raw[: max(0, len(region.raw) - self._hold)]
             if len(safe) > len(region.emitted) and safe.startswith(region.emitted):
@@ -172,3 +181,10 @@ class AnswerStream:
     def _send(self, kind: str, text: str) -> None:
         self._regions[kind].emitted += text
         self.emit(Delta(self.index, kind, text))
+
+
+def _overlap(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a prefix of `marker` (or `marker` itself)."""
+    if text.endswith(marker):
+        return len(marker)
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)

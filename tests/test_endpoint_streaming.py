@@ -1,0 +1,238 @@
+"""Live streaming (issue #12 item 4) with the official clients against a real endpoint and a real tiny model: the first
+text leaves while the model is still sampling, for Chat Completions, Responses and Anthropic Messages; the streamed
+text and tool calls equal the non-streamed answer of the same seed; tool-call markup never leaks as text; a client
+that hangs up mid-stream stops the sampling, and the call is recorded as cancelled.
+
+"While still sampling" is an ordering, not a timing: a forward hook holds the model's worker thread at a decode step
+until the client has seen text (`Gate`). Without live streaming no text could reach the client before the model
+finishes, and the gate would give up.
+"""
+
+import json
+import threading
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from trl_agentic.endpoint.app import SamplingOverrides
+from trl_agentic.endpoint.streaming import AnswerStream
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+from conftest import CALCULATOR_TOOL, TOOL_SYSTEM_PROMPT
+
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+FORMATS = ["chat_completions", "responses", "anthropic_messages"]
+PROMPT = "Tell me a story."
+GIVE_UP_S = 60  # the gate's deadlock guard, never an assertion on time
+
+
+class Gate:
+    """Counts the model's forward passes; when armed, holds the sampling thread at pass `at` until `open_` is called
+    (from the client thread) or `GIVE_UP_S` passes."""
+
+    def __init__(self, model, at: int = 12):
+        self.at, self.calls, self.armed = at, 0, False
+        self.opened_by_client = None
+        self.calls_when_held = None
+        self._event = threading.Event()
+        model.register_forward_hook(self._hook)
+
+    def arm(self):
+        self.calls, self.armed, self.opened_by_client, self.calls_when_held = 0, True, None, None
+        self._event.clear()
+
+    def open_(self):
+        self._event.set()
+
+    def _hook(self, module, args, output):
+        if not self.armed:
+            return
+        self.calls += 1
+        if self.calls == self.at:
+            self.calls_when_held = self.calls
+            self.opened_by_client = self._event.wait(GIVE_UP_S)
+
+
+@pytest.fixture(scope="module")
+def random_policy():
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).eval()
+    return model, tokenizer, Gate(model)
+
+
+@pytest.fixture(scope="module")
+def random_server(start_server, random_policy):
+    model, tokenizer, _ = random_policy
+    # Every call samples 64 tokens (the engine stops only at max_tokens or the end-of-turn token).
+    return start_server(model, tokenizer, overrides=SamplingOverrides(max_tokens=64))
+
+
+@pytest.fixture(scope="module")
+def tool_server(start_server, tool_model):
+    return start_server(tool_model.model, tool_model.tokenizer)
+
+
+def client_for(server, session, wire_format):
+    if wire_format == "anthropic_messages":
+        return anthropic.Anthropic(base_url=server.url, api_key=session.key, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=120)
+
+
+def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, system=None, question=PROMPT, **kwargs):
+    """One call in `wire_format`: returns `(text, tool calls [(name, arguments dict)])`; when streaming, `on_text` runs
+    at the first piece of text that arrives, and the text is what the deltas add up to."""
+    text, calls = "", []
+    if wire_format == "chat_completions":
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+        body = {"model": "policy", "messages": messages, "seed": seed, **kwargs}
+        if tools:
+            body["tools"] = tools
+        if not stream:
+            message = client.chat.completions.create(**body).choices[0].message
+            return message.content or "", [(c.function.name, json.loads(c.function.arguments))
+                                           for c in message.tool_calls or []]
+        arguments = {}
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text += choice.delta.content
+                    on_text()
+                for call in choice.delta.tool_calls or []:
+                    name, args = arguments.get(call.index, ("", ""))
+                    arguments[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+        return text, [(name, json.loads(args)) for name, args in arguments.values()]
+    if wire_format == "responses":
+        body = {"model": "policy", "input": question, "extra_body": {"seed": seed}, **kwargs}
+        if system:
+            body["instructions"] = system
+        if tools:
+            body["tools"] = [{"type": "function", **t["function"]} for t in tools]
+        if not stream:
+            response = client.responses.create(**body)
+        else:
+            with client.responses.stream(**body) as events:
+                for event in events:
+                    if event.type == "response.output_text.delta":
+                        text += event.delta
+                        on_text()
+                    elif event.type in ("response.completed", "response.incomplete"):
+                        response = event.response
+        calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
+        return (text if stream else response.output_text), calls
+    body = {"model": "policy", "max_tokens": 64, "messages": [{"role": "user", "content": question}],
+            "extra_body": {"seed": seed, **kwargs}}  # this anthropic release takes no `temperature` argument
+    if system:
+        body["system"] = system
+    if tools:
+        body["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                          "input_schema": t["function"]["parameters"]} for t in tools]
+    if not stream:
+        message = client.messages.create(**body)
+    else:
+        with client.messages.stream(**body) as events:
+            for piece in events.text_stream:
+                text += piece
+                on_text()
+            message = events.get_final_message()
+    calls = [(block.name, block.input) for block in message.content if block.type == "tool_use"]
+    return (text if stream else "".join(b.text for b in message.content if b.type == "text")), calls
+
+
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_text_streams_while_the_model_samples(random_server, random_policy, wire_format):
+    _, _, gate = random_policy
+    session = random_server.open_episode()
+    client = client_for(random_server, session, wire_format)
+    plain, _ = ask(client, wire_format, stream=False, temperature=0.0)  # greedy: the same answer twice
+
+    gate.arm()
+    streamed, _ = ask(client, wire_format, stream=True, on_text=gate.open_, temperature=0.0)
+    gate.armed = False
+    assert gate.calls_when_held == gate.at and gate.opened_by_client  # the client saw text mid-sampling...
+    assert gate.calls > gate.at  # ...and the model went on sampling after that
+    assert streamed == plain and len(plain) > 20
+    first, second = random_server.close_episode(session.episode.id).turns
+    assert len(first.completion_ids) > gate.at
+    assert (second.prompt_ids, second.completion_ids) == (first.prompt_ids, first.completion_ids)
+    assert second.logprobs == pytest.approx(first.logprobs, abs=1e-5)  # recorded alike, streamed or not
+    assert second.wire_format == wire_format
+
+
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_streamed_tool_calls_equal_the_answer_and_no_markup_leaks(tool_server, wire_format):
+    session = tool_server.open_episode()
+    client = client_for(tool_server, session, wire_format)
+    kwargs = {"temperature": 0.0, "tools": [CALCULATOR_TOOL], "system": TOOL_SYSTEM_PROMPT, "question": "What is 2 + 3?"}
+    plain = ask(client, wire_format, stream=False, **kwargs)
+    streamed = ask(client, wire_format, stream=True, **kwargs)
+    assert streamed == plain
+    text, calls = streamed
+    assert calls == [("calculator", {"expression": "2 + 3"})]
+    assert "<tool_call>" not in text and "</tool_call>" not in text and "{" not in text
+    first, second = tool_server.close_episode(session.episode.id).turns
+    assert second.completion_ids == first.completion_ids and second.finish_reason == "tool_calls"
+
+
+def test_client_hanging_up_mid_stream_stops_sampling(random_server, random_policy):
+    _, _, gate = random_policy
+    session = random_server.open_episode()
+    body = {"model": "policy", "messages": [{"role": "user", "content": PROMPT}], "seed": 3, "stream": True,
+            "max_tokens": 64}
+    gate.arm()
+    with httpx.stream("POST", f"{random_server.base_url}/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {session.key}"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                break  # the first text: hang up
+    gate.open_()
+    episode = random_server.call(_closed_when_idle(session))
+    gate.armed = False
+    (turn,) = episode.turns
+    assert turn.finish_reason == "cancelled" and turn.completion_ids == []
+    assert gate.calls < 64  # sampling stopped early
+    assert episode.metadata.get("late_turns") is None
+
+
+async def _closed_when_idle(session):
+    import asyncio
+
+    for _ in range(GIVE_UP_S * 20):
+        if session.in_flight == 0:
+            break
+        await asyncio.sleep(0.05)
+    return session.close()
+
+
+def test_answer_stream_holds_partial_characters_markup_and_stop_strings(random_policy):
+    """`AnswerStream` alone: UTF-8 split across tokens, a tool call after text, a stop string."""
+    _, tokenizer, _ = random_policy
+    deltas = []
+    stream = AnswerStream(0, tokenizer, deltas.append)
+    ids = tokenizer.encode("naïve 🙂 café", add_special_tokens=False)
+    for token in ids:
+        stream.feed([token])
+        assert "\ufffd" not in "".join(d.text for d in deltas)
+    stream.finish({"role": "assistant", "content": "naïve 🙂 café"})
+    assert "".join(d.text for d in deltas) == "naïve 🙂 café" and len(deltas) > 3
+
+    deltas.clear()
+    stream = AnswerStream(0, tokenizer, deltas.append, response_template=tokenizer.response_template,
+                          tools=[CALCULATOR_TOOL])
+    text = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    for token in tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]:
+        stream.feed([token])
+    assert "".join(d.text for d in deltas) == "Let me compute."  # the markup never left
+    stream.finish({"role": "assistant", "content": "Let me compute."})
+    assert "".join(d.text for d in deltas) == "Let me compute." and not stream.diverged
+
+    deltas.clear()
+    stream = AnswerStream(0, tokenizer, deltas.append, stops=["STOP"])
+    for token in tokenizer.encode("one two STOP three", add_special_tokens=False):
+        stream.feed([token])
+    assert "STOP" not in "".join(d.text for d in deltas)
+    stream.finish({"role": "assistant", "content": "one two "})
+    assert "".join(d.text for d in deltas) == "one two "
