@@ -16,6 +16,14 @@ python benchmarks/endpoint_benchmark.py --sections c          # wire formats onl
     cost; the official clients (`openai` chat / responses, `anthropic`) add theirs. Goal: p50 <= 1.2x Chat Completions.
 (b) Tiny-model throughput: the same multi-turn episodes with the embedded TransformersEngine, 32 concurrent agents
     (asyncio + AsyncOpenAI, one key each) vs one agent at a time; sampled tokens/s and episodes/s, and their ratio.
+(d) Growth with the episode (issue #12): the zero-cost engine, one growing tool episode per lane; the call of turn 1
+    (a new episode), turn 16 and turn 64 take turns, so that load on the machine hits them alike (turn k's request is
+    sent again each round: a continuation from turn k - 1, the same work as the first time). Goals: turn 16 / turn 1
+    <= 1.3, turn 64 / turn 1 <= 1.5. The same with `ChatRenderer(incremental=False)` (whole conversations rendered
+    each call: what the endpoint did before) for reference.
+(e) Time to first streamed token (issue #12): the embedded TransformersEngine with a real tiny model, 64-token
+    completions (greedy), a streamed call (time to its first content chunk, at the client) and a non-streamed call
+    (time to the whole answer) taking turns. Goal: first token / full response <= 0.3.
 """
 
 from __future__ import annotations
@@ -251,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=32, help="agents in (b)")
     parser.add_argument("--agent-turns", type=int, default=4, help="calls per episode in (b)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per call in (b)")
-    parser.add_argument("--sections", default="a,b,c", help="which of (a), (b), (c) to run, comma-separated")
+    parser.add_argument("--sections", default="a,b,c,d,e", help="which of (a)-(e) to run, comma-separated")
+    parser.add_argument("--rounds", type=int, default=60, help="calls per lane in (d) and (e)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
                              "threads already share the cores (0 = torch's default)")
@@ -266,6 +275,108 @@ def main(argv: list[str] | None = None) -> None:
         print_wire_formats(args)
     if "b" in sections:
         print_throughput(args)
+    if "d" in sections:
+        print_growth(args)
+    if "e" in sections:
+        print_first_token(args)
+
+
+def growth(rounds: int, incremental: bool, lanes=(16, 64)) -> dict[int, float]:
+    """p50 ms of the call of turn 1 and of each turn in `lanes`, taking turns (see (d))."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    renderer = ChatRenderer(tokenizer, incremental=incremental)
+    server = EndpointServer(create_app(ZeroCostEngine(tokenizer), renderer)).start()
+    http = httpx.Client(timeout=30)
+
+    def call(session, messages) -> tuple[float, dict]:
+        body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
+        start = time.perf_counter()
+        response = http.post(f"{server.base_url}/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {session.key}"})
+        return (time.perf_counter() - start) * 1000, response.json()["choices"][0]["message"]
+
+    def first_messages() -> list[dict]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+
+    try:
+        grown = {}
+        for turns in lanes:  # an episode at its turn `turns`: turns - 1 calls made, answered with tool results
+            session, messages = server.open_episode(), first_messages()
+            for k in range(turns - 1):
+                _, message = call(session, messages)
+                messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                                       "content": f"{5 + 3 * k}"}]
+            grown[turns] = (session, messages)
+        for _ in range(3):  # warm-up
+            session = server.open_episode()
+            call(session, first_messages())
+            server.close_episode(session.episode.id)
+        latencies: dict[int, list[float]] = {1: [], **{turns: [] for turns in lanes}}
+        for _ in range(rounds):
+            session = server.open_episode()
+            latencies[1].append(call(session, first_messages())[0])
+            server.close_episode(session.episode.id)
+            for turns, (session, messages) in grown.items():
+                latencies[turns].append(call(session, messages)[0])
+        for session, _ in grown.values():
+            episode = server.close_episode(session.episode.id)
+            assert episode.num_forks == 0 and episode.turns[-1].prompt_source == "continued"
+    finally:
+        http.close()
+        server.stop()
+    return {turns: statistics.median(ms) for turns, ms in latencies.items()}
+
+
+def print_growth(args) -> None:
+    incremental, whole = growth(args.rounds, incremental=True), growth(args.rounds // 2, incremental=False)
+    print(f"(d) call latency as the episode grows, zero-cost engine, raw httpx, {args.rounds} rounds (turn 1, 16 and 64 "
+          "taking turns; each turn adds an answer and a tool result)")
+    print(f"    {'prompt building':<26}{'turn 1 ms':>10}{'turn 16 ms':>11}{'turn 64 ms':>11}{'16 / 1':>8}{'64 / 1':>8}")
+    for name, r in (("incremental (default)", incremental), ("whole conversation", whole)):
+        print(f"    {name:<26}{r[1]:>10.2f}{r[16]:>11.2f}{r[64]:>11.2f}{r[16] / r[1]:>8.2f}{r[64] / r[1]:>8.2f}")
+    print(f"    goals: turn 16 / turn 1 <= 1.3 ({incremental[16] / incremental[1]:.2f}), "
+          f"turn 64 / turn 1 <= 1.5 ({incremental[64] / incremental[1]:.2f})")
+
+
+def first_token(model_spec: str, rounds: int, max_tokens: int = 64) -> dict:
+    """Median time to the first streamed content chunk and to a whole non-streamed answer (see (e))."""
+    model, tokenizer = load_model_and_tokenizer(model_spec)
+    model.eval()
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    settings = EndpointSettings(overrides=SamplingOverrides(max_tokens=max_tokens, temperature=0.0))
+    server = EndpointServer(create_app(engine, ChatRenderer(tokenizer), settings)).start()
+    first, full, tokens = [], [], []
+    try:
+        session = server.open_episode()
+        client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=120)
+        body = {"model": "policy", "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        for k in range(rounds + 2):  # the first two rounds warm up
+            start = time.perf_counter()
+            ttft = None
+            for chunk in client.chat.completions.create(**body, stream=True):
+                if ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                    ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            response = client.chat.completions.create(**body)
+            seconds = time.perf_counter() - start
+            if k >= 2:
+                first.append(ttft)
+                full.append(seconds)
+                tokens.append(response.usage.completion_tokens)
+        client.close()
+        server.close_episode(session.episode.id)
+    finally:
+        server.stop()
+    return {"first_ms": statistics.median(first) * 1000, "full_ms": statistics.median(full) * 1000,
+            "tokens": statistics.median(tokens)}
+
+
+def print_first_token(args) -> None:
+    r = first_token(args.model, max(4, args.rounds // 4))
+    print(f"(e) time to first streamed token, {args.model}, embedded engine, {r['tokens']:.0f}-token completions, "
+          f"{torch.get_num_threads()} torch thread(s)")
+    print(f"    first streamed token {r['first_ms']:.1f} ms, whole answer {r['full_ms']:.1f} ms: "
+          f"{r['first_ms'] / r['full_ms']:.2f} (goal <= 0.3)")
 
 
 def print_wire_formats(args) -> None:
