@@ -75,7 +75,8 @@ class DemoSettings:
     vocab_size: int = 1500
     # Warm start (SFT on the suite's demonstrations, train split only)
     num_demonstrations: int = 2000
-    short_steps: int = 250  # phase 1: the conversation without system prompt and tool schema
+    short_steps: int = 600  # phase 1 (at most): the conversation without system prompt and tool schema...
+    short_loss_target: float = 0.05  # ...stopped once the mean loss of its last 10 steps is below this
     short_batch_size: int = 32
     short_learning_rate: float = 3e-3
     full_steps: int = 200  # phase 2 (at most): the conversation as the agent sends it (stops at the target)
@@ -112,7 +113,7 @@ class DemoSettings:
 
         fields = (
             "digits", "ops", "hidden_size", "num_layers", "num_heads", "vocab_size", "num_demonstrations",
-            "short_steps", "short_batch_size", "short_learning_rate", "full_steps", "full_batch_size",
+            "short_steps", "short_loss_target", "short_batch_size", "short_learning_rate", "full_steps", "full_batch_size",
             "full_learning_rate", "warm_start_target", "warm_start_check_every", "validation_size", "temperature",
             "max_completion_length", "max_turns", "seed",
         )  # fmt: skip
@@ -120,7 +121,7 @@ class DemoSettings:
         payload["ops"] = list(self.ops)
         payload["warm_start_levels"] = list(self.level_list(self.warm_start_levels))
         payload["trl_agentic"] = __version__
-        payload["format"] = 2  # bump when the warm-start procedure changes (2: demonstrations over `levels`)
+        payload["format"] = 3  # bump when the warm-start procedure changes (3: phase 1 stops on its loss)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def level_list(self, levels=None) -> tuple[int, ...]:
@@ -192,7 +193,7 @@ def short_form(demonstration: dict) -> dict:
 
 
 class _TargetReached(Exception):
-    """Raised from the warm start's step callback to stop phase 2 once the model sometimes succeeds."""
+    """Raised from the warm start's step callback to end a phase once it reached its target."""
 
 
 def warm_start_demonstrations(suite, settings: DemoSettings) -> list[dict]:
@@ -274,12 +275,23 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         losses["phase1"].append(loss)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        recent = losses["phase1"][-10:]
+        if len(recent) == 10 and sum(recent) / 10 < settings.short_loss_target:
+            raise _TargetReached
 
-    if settings.short_steps > 0:
-        warm_start(model, tokenizer, [short_form(d) for d in demonstrations], steps=settings.short_steps,
-                   batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
-                   seed=settings.seed, on_step=on_short_step)
-    bar.close()
+    # Phase 1 ends when the model copies the question into the call and the result into the answer (its loss is
+    # then near 0): how many steps that takes varies from seed to seed (the copying circuit forms suddenly), and a
+    # phase 2 started before it stalls at 0% success.
+    try:
+        if settings.short_steps > 0:
+            warm_start(model, tokenizer, [short_form(d) for d in demonstrations], steps=settings.short_steps,
+                       batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
+                       seed=settings.seed, on_step=on_short_step)
+    except _TargetReached:
+        pass
+    finally:
+        bar.close()
+    model.eval()
 
     validator = HeldOutEvaluator(
         model, tokenizer, suite,
