@@ -114,7 +114,7 @@ class ChatRenderer:
         without = self.render_text(probe, None, add_generation_prompt=False)
         self._generation_prompt = with_prompt[len(without) :] if with_prompt.startswith(without) else None
         if incremental:
-            key = (tokenizer.chat_template, json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
+            key = (str(tokenizer.chat_template), json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
                    tuple(sorted(self._end_of_turn_by_text)))
             if key not in _WINDOWS_ARE_EXACT:  # probing costs ~50 ms: once per template and process
                 _WINDOWS_ARE_EXACT[key] = self._windows_are_exact()

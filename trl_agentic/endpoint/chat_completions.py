@@ -31,7 +31,7 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
     req = service.validate(ChatCompletionRequest, service.parse_json(raw))
     service.check_model(req.model)
     conversation = Conversation(
-        messages=[m.model_dump(exclude_none=True) for m in req.messages],
+        messages=req.model_dump(exclude_none=True, include={"messages"})["messages"],  # one call: half the time
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else None,
         forced_tool_name=req.forced_tool_name,
