@@ -171,6 +171,9 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     assert isinstance(sampler, AdaptiveTaskSampler)
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(logs) == 4
+    # The embedded engine's work per rollout (issue #12): one-call episodes, 8 at a time, no earlier turn to reuse.
+    assert all(0 < e["engine/decode_occupancy"] <= 1.0 and 1.0 <= e["engine/mean_decode_batch"] <= 8.0 for e in logs)
+    assert all(e["engine/reused_prompt_tokens"] < 1.0 for e in logs)
     for entry in logs:
         # Our split rate is TRL's own zero-std share seen from the other side (no unscorable episode here).
         assert entry["sampling/split_rate"] == pytest.approx(1 - entry["frac_reward_zero_std"])

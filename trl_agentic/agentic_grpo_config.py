@@ -42,8 +42,9 @@ class AgenticGRPOConfig(GRPOConfig):
             Address the in-process OpenAI-compatible endpoint binds. Keep the loopback unless agents run elsewhere.
         endpoint_port (`int`, *optional*, defaults to `0`):
             Port of the endpoint; `0` picks a free one (each process of a multi-process run gets its own).
-        generation_batch_wait_ms (`float`, *optional*, defaults to `5.0`):
-            How long the embedded engine waits for concurrent requests to join a batch.
+        generation_batch_wait_ms (`float`, *optional*, defaults to `0.0`):
+            How long a request reaching an idle embedded engine waits for others before sampling starts. Batching is
+            continuous (later requests join the running batch between decode steps), so no wait is needed.
         max_generation_batch_size (`int`, *optional*, defaults to `64`):
             Most requests the embedded engine samples together.
         max_open_episodes (`int` or `None`, *optional*, defaults to `None`):
@@ -136,7 +137,7 @@ class AgenticGRPOConfig(GRPOConfig):
     endpoint_host: str = field(default="127.0.0.1", metadata={"help": "Address the agent endpoint binds."})
     endpoint_port: int = field(default=0, metadata={"help": "Port of the agent endpoint; 0 picks a free one."})
     generation_batch_wait_ms: float = field(
-        default=5.0, metadata={"help": "How long the embedded engine waits for requests to join a batch."}
+        default=0.0, metadata={"help": "How long a request reaching an idle embedded engine waits for company."}
     )
     max_generation_batch_size: int = field(
         default=64, metadata={"help": "Most requests the embedded engine samples together."}

@@ -261,6 +261,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = unwrapped_model
             self.engine.policy_version = self.state.global_step
+            stats = getattr(self.engine, "stats", None)
+            if stats is not None:
+                stats.reset()
             # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
             # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
             episodes = self._rollout_pool.submit(
@@ -275,6 +278,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     model=SERVED_MODEL_NAME,
                 ),
             ).result()
+        if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["engine/decode_occupancy"].append(stats.decode_occupancy)
+            self._metrics[mode]["engine/mean_decode_batch"].append(stats.mean_decode_batch)
+            prompt_tokens = stats.reused_tokens + stats.prefilled_tokens
+            self._metrics[mode]["engine/reused_prompt_tokens"].append(
+                stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0)
         rows_results = [
             episode_to_rows(
                 ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls

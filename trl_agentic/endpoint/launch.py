@@ -36,8 +36,9 @@ from .sessions import EpisodeLimits
 # Most requests the embedded engine samples together, wherever it runs (the default of
 # `AgenticGRPOConfig.max_generation_batch_size`, of `trl-agentic eval` and of `trl-agentic serve --max-batch-size`).
 DEFAULT_MAX_BATCH_SIZE = 64
-# How long the first request of a batch waits for others to join (`generation_batch_wait_ms`, `--batch-wait-ms`).
-DEFAULT_BATCH_WAIT_MS = 5.0
+# How long a request reaching an idle embedded engine waits for company (`generation_batch_wait_ms`,
+# `--batch-wait-ms`). 0: batching is continuous, later requests join the running batch between decode steps.
+DEFAULT_BATCH_WAIT_MS = 0.0
 # `max_tokens` of a request that sets none, when no cap is configured either.
 DEFAULT_MAX_TOKENS = 512
 
