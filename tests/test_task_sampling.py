@@ -80,11 +80,31 @@ def test_moves_to_harder_buckets_as_the_model_improves():
 
     data = leveled({1: 50, 2: 50, 3: 50})
     sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=3,
-                                  target_min_share=0.1, seed=1)
+                                  target_min_share=0.1, target_affinity=1.0, seed=1)
     drawn = simulate(sampler, success, groups=450)
     means = [sum(lv for lv, _ in drawn[i : i + 100]) / 100 for i in (0, 175, 350)]
     assert means[0] < means[1] < means[2]
     assert means[0] < 1.6 and means[2] > 2.4
+
+
+def test_the_target_is_preferred_while_its_groups_split():
+    data = leveled({1: 50, 2: 50, 3: 50})
+
+    def shares(success, affinity):
+        sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=2,
+                                      target_affinity=affinity, seed=2)
+        drawn = simulate(sampler, lambda level, n: success[level], groups=400)[50:]
+        return {level: sum(lv == level for lv, _ in drawn) / len(drawn) for level in success}
+
+    # Easier and target buckets both split: the target gets about twice its neighbour's share...
+    both = shares({1: 0.5, 2: 0.5, 3: 0.0}, affinity=0.5)
+    assert both[2] > 1.6 * both[1] and both[3] < 0.06
+    # ...without affinity they share evenly...
+    even = shares({1: 0.5, 2: 0.5, 3: 0.0}, affinity=1.0)
+    assert abs(even[2] - even[1]) < 0.1
+    # ...and while the target is out of reach, its easier neighbour takes over (the target keeps its floor).
+    out = shares({1: 0.5, 2: 0.0, 3: 0.0}, affinity=0.5)
+    assert out[1] > 0.6 and 0.2 <= out[2] <= 0.35
 
 
 def test_prefers_tasks_of_a_bucket_that_split():
@@ -117,6 +137,8 @@ def test_config_errors_say_how_to_fix():
         AdaptiveTaskSampler(leveled({1: 2, 2: 2}), 2, 1, target_difficulty=5)
     with pytest.raises(ValueError, match="num_generations"):
         AdaptiveTaskSampler(leveled({1: 2}), 1, 1)
+    with pytest.raises(ValueError, match="target_affinity"):
+        AdaptiveTaskSampler(leveled({1: 2}), 2, 1, target_affinity=1.5)
     with pytest.raises(ValueError, match="task_sampling"):
         AgenticGRPOConfig(output_dir="unused", use_cpu=True, task_sampling="curriculum")
 
@@ -156,6 +178,7 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     args = AgenticGRPOConfig(
         output_dir=str(tmp_path), max_steps=4, learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8,
         max_completion_length=4, task_sampling="adaptive", target_difficulty=2, target_min_share=0.25,
+        target_affinity=1.0,  # both levels drawn alike until observed
         sampling_explore=0.0, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
         seed=0, disable_tqdm=True, temperature=1.5,
     )

@@ -87,6 +87,9 @@ class AgenticGRPOConfig(GRPOConfig):
             The difficulty the run is for: it gets at least `target_min_share` of the groups. `None`: the hardest.
         target_min_share (`float`, *optional*, defaults to `0.25`):
             Least share of groups drawn from the target difficulty.
+        target_affinity (`float`, *optional*, defaults to `0.5`):
+            A bucket's draw weight (its split probability) is multiplied by this per bucket between it and the target:
+            the target is preferred while its groups split, neighbours take over while it is out of reach.
         sampling_explore (`float`, *optional*, defaults to `0.1`):
             Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
         sampling_memory (`int`, *optional*, defaults to `16`):
@@ -163,6 +166,7 @@ class AgenticGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Difficulty never starved by adaptive sampling (None = the hardest)."}
     )
     target_min_share: float = field(default=0.25, metadata={"help": "Least share of groups at the target difficulty."})
+    target_affinity: float = field(default=0.5, metadata={"help": "Weight factor per bucket away from the target."})
     sampling_explore: float = field(default=0.1, metadata={"help": "Share of groups spread evenly over buckets."})
     sampling_memory: int = field(default=16, metadata={"help": "Recent groups a bucket's estimate reflects."})
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
@@ -225,10 +229,12 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")
-        if not (0 <= self.target_min_share <= 1 and 0 <= self.sampling_explore <= 1 and self.sampling_memory >= 1):
+        if not (0 <= self.target_min_share <= 1 and 0 <= self.sampling_explore <= 1 and self.sampling_memory >= 1
+                and 0 <= self.target_affinity <= 1):
             raise ValueError(
-                "target_min_share and sampling_explore must be in [0, 1] and sampling_memory >= 1; got "
-                f"{self.target_min_share}, {self.sampling_explore} and {self.sampling_memory}."
+                "target_min_share, target_affinity and sampling_explore must be in [0, 1] and sampling_memory >= 1; "
+                f"got {self.target_min_share}, {self.target_affinity}, {self.sampling_explore} and "
+                f"{self.sampling_memory}."
             )
         if self.held_out_eval_steps < 0 or self.held_out_num_samples < 1 or self.alarm_window < 1:
             raise ValueError(

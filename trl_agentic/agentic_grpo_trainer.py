@@ -200,6 +200,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 difficulty_column=self.args.difficulty_column,
                 target_difficulty=self.args.target_difficulty,
                 target_min_share=self.args.target_min_share,
+                target_affinity=self.args.target_affinity,
                 explore=self.args.sampling_explore,
                 memory=self.args.sampling_memory,
                 key_columns=columns,

@@ -8,8 +8,9 @@ seen so far:
 - it keeps a running success estimate per difficulty bucket (a dataset column, e.g. the calculator's operand
   `digits`) and per task, updated from every scored group (`observe`);
 - a group of G episodes with success probability p splits with probability `1 - p^G - (1 - p)^G`, highest at
-  p = 0.5; buckets are drawn in proportion to it, so the sampler moves to harder buckets as easier ones saturate
-  and back to easier ones when a harder one stays out of reach;
+  p = 0.5; buckets are drawn in proportion to it, times `target_affinity` per bucket between it and the target, so
+  the sampler stays on the target while its groups split, moves to easier buckets while the target is out of reach
+  (and to harder ones once it is solved), and comes back as the model improves;
 - within a bucket, a few candidate tasks are drawn and one is kept in proportion to its own split probability,
   squared (tasks never seen inherit their bucket's estimate);
 - the target difficulty is never starved (`target_min_share` of the groups at least), and every bucket keeps a small
@@ -104,6 +105,9 @@ class AdaptiveTaskSampler(Sampler[int]):
         target_difficulty: the bucket(s) the run is for, which get at least `target_min_share` of the groups;
             `None`: the hardest bucket.
         target_min_share: least share of groups drawn from the target bucket(s).
+        target_affinity: a bucket's weight is multiplied by this for each bucket between it and the nearest target
+            (1.0: split probability alone; 0.5: a bucket next to the target needs twice its split probability to be
+            drawn as often).
         explore: share of groups spread evenly over all buckets whatever their estimate, so that an estimate
             follows the model (a bucket out of reach today is tried again).
         memory: how many recent groups of a bucket its estimate mostly reflects (older ones decay by
@@ -125,6 +129,7 @@ class AdaptiveTaskSampler(Sampler[int]):
         difficulty_column: str | None = "difficulty",
         target_difficulty: Any = None,
         target_min_share: float = 0.25,
+        target_affinity: float = 0.5,
         explore: float = 0.1,
         memory: int = 16,
         prior_success: float = 0.5,
@@ -141,7 +146,7 @@ class AdaptiveTaskSampler(Sampler[int]):
                 f"{tasks_per_batch}, {repeat_count}, {candidates} and {memory}."
             )
         for name, value in (("target_min_share", target_min_share), ("explore", explore),
-                            ("prior_success", prior_success)):
+                            ("prior_success", prior_success), ("target_affinity", target_affinity)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if len(dataset) == 0:
@@ -151,6 +156,7 @@ class AdaptiveTaskSampler(Sampler[int]):
         self.tasks_per_batch = tasks_per_batch
         self.repeat_count = repeat_count
         self.target_min_share = target_min_share
+        self.target_affinity = target_affinity
         self.explore = explore
         self.decay = 1.0 - 1.0 / memory
         self.prior_success = prior_success
@@ -185,6 +191,8 @@ class AdaptiveTaskSampler(Sampler[int]):
                 f"{list(self.buckets)}."
             )
         self.targets = targets
+        ranks = {level: rank for rank, level in enumerate(self.buckets)}
+        self._distance = {level: min(abs(ranks[level] - ranks[t]) for t in targets) for level in self.buckets}
         self._bucket_estimates = {level: _Estimate() for level in self.buckets}
         self._task_estimates: dict[str, _Estimate] = {}
         self._key_to_index: dict[str, int] | None = None
@@ -200,7 +208,8 @@ class AdaptiveTaskSampler(Sampler[int]):
         """The probability that the next group is drawn from each bucket."""
         levels = list(self.buckets)
         estimates = self.estimates()
-        weights = {level: split_probability(estimates[level], self.num_generations) for level in levels}
+        weights = {level: split_probability(estimates[level], self.num_generations)
+                   * self.target_affinity ** self._distance[level] for level in levels}
         total = sum(weights.values())
         if total <= 0:  # nothing is expected to split: spread evenly and let the estimates move
             weights, total = {level: 1.0 for level in levels}, float(len(levels))
