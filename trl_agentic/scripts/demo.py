@@ -11,17 +11,20 @@ The pipeline, each stage announced as it starts:
    then fine-tuned (SFT) on the calculator suite's demonstrations until it *sometimes* succeeds. A real base model
    arrives knowing the chat format and how to copy text; a randomly initialised one does not, and learning that
    under ~270 tokens of system prompt and tool schema is slow on CPU. So the warm start has two phases over the same
-   demonstrations: first the conversation alone (question, tool call, tool result, answer: short rows, cheap
-   steps), then the conversation exactly as the agent sends it (system prompt + tool schema), stopped as soon as
-   the model solves `warm_start_target` of a few training-split tasks. The result is cached (`--cache-dir`, else
+   demonstrations (1- and 2-digit operands): first the conversations alone (question, tool call, tool result,
+   answer; 1-3 of them per row so that the model copies from the last question, not from a fixed place: short
+   rows, cheap steps), until its loss is near 0; then the conversation exactly as the agent sends it (system prompt
+   + tool schema), stopped as soon as the model solves `warm_start_target` of a few training-split tasks. The result is cached (`--cache-dir`, else
    `$TRL_AGENTIC_CACHE/demo`, else `~/.cache/trl-agentic/demo`), keyed by a hash of every setting that shapes it,
    so a second run skips it.
 2. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
    the endpoint) runs on the eval split, which shares no question with the training split, at the sampling
    temperature used for training. Success is counted over all episodes (`trl_agentic.evaluation`): an episode that
    crashed, timed out or hit the turn limit is a failure.
-3. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward; the held-out success is
-   measured again every `--eval-every` steps. The trained model and tokenizer are saved to `<output-dir>/model`
+3. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward, tasks of 1-, 2- and
+   3-digit operands chosen by the adaptive task sampler (`trl_agentic.task_sampling`: groups go where they split,
+   the 2-digit target preferred); the held-out success (2-digit, the target) is measured again every
+   `--eval-every` steps by the alarms callback, which checks training reward against it. The trained model and tokenizer are saved to `<output-dir>/model`
    (and the task to `<output-dir>/task.py`).
 4. Held-out evaluation after training.
 5. Results: a before/after table, `summary.json`, one PNG per metric under `plots/`, and the `trl-agentic eval`
@@ -75,7 +78,7 @@ class DemoSettings:
     vocab_size: int = 1500
     # Warm start (SFT on the suite's demonstrations, train split only)
     num_demonstrations: int = 2000
-    short_steps: int = 600  # phase 1 (at most): the conversation without system prompt and tool schema...
+    short_steps: int = 600  # phase 1 (at most): 1-3 conversations per row without system prompt and tool schema...
     short_loss_target: float = 0.05  # ...stopped once the mean loss of its last 10 steps is below this
     short_batch_size: int = 32
     short_learning_rate: float = 3e-3
@@ -90,7 +93,7 @@ class DemoSettings:
     max_completion_length: int = 48  # tokens per model call
     max_turns: int = 4  # model calls per episode
     # GRPO
-    steps: int = 250
+    steps: int = 200
     # Optimisation (issue 13's seeds x arms study, benchmarks/seeds_arms_study.py): at a constant 4e-4 with no warmup,
     # Adam's first steps move every parameter by ~lr whatever its gradient and both arms collapsed on some seeds.
     learning_rate: float = 2e-4
@@ -121,7 +124,7 @@ class DemoSettings:
         payload["ops"] = list(self.ops)
         payload["warm_start_levels"] = list(self.level_list(self.warm_start_levels))
         payload["trl_agentic"] = __version__
-        payload["format"] = 3  # bump when the warm-start procedure changes (3: phase 1 stops on its loss)
+        payload["format"] = 4  # bump when the warm-start procedure changes (4: phase 1 on 1-3 exchanges per row)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def level_list(self, levels=None) -> tuple[int, ...]:
@@ -190,6 +193,25 @@ def short_form(demonstration: dict) -> dict:
     """The demonstration's conversation without its system prompt and tool schemas (phase 1 of the warm start)."""
     messages = [m for m in demonstration["messages"] if m["role"] != "system"]
     return {"messages": messages, "tools": None}
+
+
+def short_form_rows(demonstrations: list[dict], seed: int, max_exchanges: int = 3) -> list[dict]:
+    """Phase-1 rows: each demonstration's conversation (system prompt and tool schemas left out) after 0 to
+    `max_exchanges - 1` other demonstrations' conversations.
+
+    With the question always at the start of the row, a tiny model learns to copy it into the call from a fixed
+    place, and that copy breaks when phase 2 puts ~270 tokens of system prompt and tool schema in front (on some seeds
+    phase 2 then stalls at 0% success for 60+ steps). Earlier exchanges in front make it copy from the *last* question.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for demonstration in demonstrations:
+        messages = short_form(demonstration)["messages"]
+        for _ in range(rng.randrange(max_exchanges)):
+            other = demonstrations[rng.randrange(len(demonstrations))]
+            messages = short_form(other)["messages"] + messages
+        rows.append({"messages": messages, "tools": None})
+    return rows
 
 
 class _TargetReached(Exception):
@@ -284,7 +306,7 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     # phase 2 started before it stalls at 0% success.
     try:
         if settings.short_steps > 0:
-            warm_start(model, tokenizer, [short_form(d) for d in demonstrations], steps=settings.short_steps,
+            warm_start(model, tokenizer, short_form_rows(demonstrations, settings.seed), steps=settings.short_steps,
                        batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
                        seed=settings.seed, on_step=on_short_step)
     except _TargetReached:
