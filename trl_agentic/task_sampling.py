@@ -195,7 +195,6 @@ class AdaptiveTaskSampler(Sampler[int]):
         self._distance = {level: min(abs(ranks[level] - ranks[t]) for t in targets) for level in self.buckets}
         self._bucket_estimates = {level: _Estimate() for level in self.buckets}
         self._task_estimates: dict[str, _Estimate] = {}
-        self._key_to_index: dict[str, int] | None = None
         self.groups_drawn = {level: 0 for level in self.buckets}
 
     # Estimates
