@@ -11,7 +11,8 @@ Concurrent `generate` calls are queued for one worker thread that runs the model
   token under (top-p/top-k only restrict which tokens can be drawn);
 - the key/value states of finished requests (prompt + sampled ids) are kept in a [`PrefixCache`]: an agent's next
   call, which extends its previous call token for token, prefills only its new tokens. The cache belongs to one
-  policy: it is dropped when `policy_version`, the model object or its weights (parameter version counters) change.
+  policy: it is dropped when `policy_version`, the model object or its weights change (parameter version counters,
+  and any optimizer step in the process: fused optimizers update weights without bumping version counters).
 
 Every row is laid out `[padding | tokens]` in the batch's cache, right-aligned: a row is described by its length,
 the attention mask and position ids follow from it, and leading columns no row uses are trimmed.
@@ -37,6 +38,31 @@ from .prefix_cache import PrefixCache, PrefixEntry
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+
+
+class _OptimizerSteps:
+    """Counts optimizer steps taken anywhere in this process (a global post-step hook, registered on first use).
+
+    `torch.optim.AdamW(fused=True)`, TRL's default optimizer, updates the weights in place *without* bumping their
+    version counters, so the counters alone cannot tell an engine that serves the live model (without the trainer's
+    `policy_version`, e.g. a held-out evaluator) that its cached states are stale.
+    """
+
+    count = 0
+    _handle = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def ensure_hooked(cls) -> None:
+        with cls._lock:
+            if cls._handle is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                cls._handle = register_optimizer_step_post_hook(cls._step)
+
+    @classmethod
+    def _step(cls, optimizer, args, kwargs) -> None:
+        cls.count += 1
 # The worker thread ends after this long without work; the next request starts a new one.
 _IDLE_EXIT_S = 1.0
 
@@ -204,6 +230,7 @@ class TransformersEngine:
         self.model_lock = model_lock or threading.Lock()
         self.policy_version = 0
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        _OptimizerSteps.ensure_hooked()
         self.stats = EngineStats()
         self.batch_sizes: Counter[int] = Counter()  # requests admitted together (size: count)
         self._pending: deque[Request] = deque()
@@ -386,9 +413,11 @@ class TransformersEngine:
     # Steps
 
     def _policy(self) -> tuple:
-        """Identifies the weights: the model object, the trainer's `policy_version`, and the parameters' in-place
-        version counters (an optimizer step or `load_state_dict` bumps them even if `policy_version` is not)."""
-        return id(self.model), self.policy_version, sum(p._version for p in self.model.parameters())
+        """Identifies the weights: the model object, the trainer's `policy_version`, the parameters' in-place
+        version counters (`load_state_dict` or an unfused optimizer step bumps them even if `policy_version` is not)
+        and the process's optimizer steps (a fused optimizer step bumps no version counter)."""
+        return (id(self.model), self.policy_version, sum(p._version for p in self.model.parameters()),
+                _OptimizerSteps.count)
 
     def _admit(self, rows: list[_Row]) -> _Batch:
         """Prefill the joiners (reusing cached prefixes), sample their first token; the rows still running."""

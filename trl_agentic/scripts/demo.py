@@ -105,6 +105,7 @@ class DemoSettings:
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
     beta: float = 0.0
+    top_entropy_quantile: float = 1.0  # TRL's: train only this share of the sampled tokens, the most uncertain ones
     train_size: int = 2000
     # Held-out evaluation
     eval_size: int = 200
@@ -515,6 +516,7 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         per_device_train_batch_size=settings.num_generations * settings.tasks_per_step,
         gradient_accumulation_steps=1,
         beta=settings.beta,
+        top_entropy_quantile=settings.top_entropy_quantile,
         temperature=settings.temperature,
         max_completion_length=settings.max_completion_length,
         max_turns=settings.max_turns,
@@ -531,6 +533,9 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         seed=settings.seed,
         data_seed=settings.seed,
         disable_tqdm=False,
+        # TRL turns it on by default; recomputing a 2-layer model's activations only costs time on CPU (3.98 -> 3.26
+        # s/step measured on seed 1, 2 threads)
+        gradient_checkpointing=False,
         task_sampling=settings.task_sampling,
         target_difficulty=settings.digits,
         target_min_share=settings.target_min_share,
