@@ -1,7 +1,7 @@
 """`trl-agentic demo`: a black-box agent gets measurably better at its task from GRPO, on CPU, in minutes.
 
 ```bash
-trl-agentic demo                      # ~15 min on 2 CPU cores; outputs/demo/{summary.json,plots/*.png,model/}
+trl-agentic demo                      # ~18 min on 2 CPU cores (4 min of it the warm start, cached after); outputs/demo/{summary.json,plots/*.png,model/}
 trl-agentic demo --smoke              # the same pipeline at toy sizes (< 90 s), for CI
 ```
 
