@@ -63,6 +63,8 @@ class _OptimizerSteps:
     @classmethod
     def _step(cls, optimizer, args, kwargs) -> None:
         cls.count += 1
+
+
 # The worker thread ends after this long without work; the next request starts a new one.
 _IDLE_EXIT_S = 1.0
 
