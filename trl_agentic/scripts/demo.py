@@ -1,7 +1,8 @@
 """`trl-agentic demo`: a black-box agent gets measurably better at its task from GRPO, on CPU, in minutes.
 
 ```bash
-trl-agentic demo                      # ~18 min on 2 CPU cores (4 min of it the warm start, cached after); outputs/demo/{summary.json,plots/*.png,model/}
+trl-agentic demo                      # ~18 min on 2 CPU cores (~4 of them the warm start, cached for later runs)
+                                      # outputs/demo/{summary.json,plots/*.png,model/}
 trl-agentic demo --smoke              # the same pipeline at toy sizes (< 90 s), for CI
 ```
 
@@ -14,9 +15,9 @@ The pipeline, each stage announced as it starts:
    demonstrations (1- and 2-digit operands): first the conversations alone (question, tool call, tool result,
    answer; 1-3 of them per row so that the model copies from the last question, not from a fixed place: short
    rows, cheap steps), until its loss is near 0; then the conversation exactly as the agent sends it (system prompt
-   + tool schema), stopped as soon as the model solves `warm_start_target` of a few training-split tasks. The result is cached (`--cache-dir`, else
-   `$TRL_AGENTIC_CACHE/demo`, else `~/.cache/trl-agentic/demo`), keyed by a hash of every setting that shapes it,
-   so a second run skips it.
+   + tool schema), stopped as soon as the model solves `warm_start_target` of a few training-split tasks. The
+   result is cached (`--cache-dir`, else `$TRL_AGENTIC_CACHE/demo`, else `~/.cache/trl-agentic/demo`), keyed by a
+   hash of every setting that shapes it, so a second run skips it.
 2. Held-out evaluation before training: the bundled calculator agent (it only holds an `openai` client pointed at
    the endpoint) runs on the eval split, which shares no question with the training split, at the sampling
    temperature used for training. Success is counted over all episodes (`trl_agentic.evaluation`): an episode that
@@ -24,8 +25,8 @@ The pipeline, each stage announced as it starts:
 3. GRPO with `AgenticGRPOTrainer`: the same agent, the checker's score as the only reward, tasks of 1-, 2- and
    3-digit operands chosen by the adaptive task sampler (`trl_agentic.task_sampling`: groups go where they split,
    the 2-digit target preferred); the held-out success (2-digit, the target) is measured again every
-   `--eval-every` steps by the alarms callback, which checks training reward against it. The trained model and tokenizer are saved to `<output-dir>/model`
-   (and the task to `<output-dir>/task.py`).
+   `--eval-every` steps by the alarms callback, which checks training reward against it. The trained model and
+   tokenizer are saved to `<output-dir>/model` (and the task to `<output-dir>/task.py`).
 4. Held-out evaluation after training.
 5. Results: a before/after table, `summary.json`, one PNG per metric under `plots/`, and the `trl-agentic eval`
    and `trl-agentic serve` commands that use the saved model.
@@ -105,7 +106,6 @@ class DemoSettings:
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
     beta: float = 0.0
-    top_entropy_quantile: float = 1.0  # TRL's: train only this share of the sampled tokens, the most uncertain ones
     train_size: int = 2000
     # Held-out evaluation
     eval_size: int = 200
@@ -516,7 +516,6 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         per_device_train_batch_size=settings.num_generations * settings.tasks_per_step,
         gradient_accumulation_steps=1,
         beta=settings.beta,
-        top_entropy_quantile=settings.top_entropy_quantile,
         temperature=settings.temperature,
         max_completion_length=settings.max_completion_length,
         max_turns=settings.max_turns,
