@@ -150,3 +150,21 @@ def test_plot_training_curves_writes_one_png_per_metric(tmp_path):
 
     # Nothing to plot: no files, no error.
     assert plot_training_curves([], None, tmp_path / "empty") == []
+
+
+@pytest.mark.parametrize("steps", [0, 15, 25, 40])
+def test_split_rate_line_for_runs_shorter_than_its_window(steps):
+    # A 25-step demo crashed printing its results: after step 20 there were 5 values, no 10-step window.
+    from trl_agentic.scripts.demo import format_split_rate, split_rate_summary
+
+    history = [{"step": s, "reward": 0.5, "sampling/split_rate": 1.0 if s % 2 else 0.5} for s in range(1, steps + 1)]
+    signal = split_rate_summary(history)
+    line = format_split_rate(signal)
+    if steps <= 20:
+        assert signal["steps"] == 0 and line is None
+    elif steps == 25:
+        assert signal["steps"] == 5 and signal["lowest_window_mean"] is None
+        assert line == "split rate (groups whose rewards differ) after step 20: mean 80%"  # steps 21-25: 1, .5, 1, .5, 1
+    else:
+        assert signal["steps"] == 20 and signal["lowest_window_mean"] == pytest.approx(0.75)
+        assert line == "split rate (groups whose rewards differ) after step 20: mean 75%, lowest 10-step mean 75%"

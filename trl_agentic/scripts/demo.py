@@ -102,6 +102,8 @@ class DemoSettings:
     # Adam's first steps move every parameter by ~lr whatever its gradient and both arms collapsed on some seeds.
     learning_rate: float = 2e-4
     warmup_steps: int = 10  # linear warmup, then constant
+    lr_scheduler_type: str = "constant_with_warmup"
+    steps_per_generation: int = 1
     max_grad_norm: float = 1.0
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
@@ -509,7 +511,8 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         output_dir=str(output_dir / "grpo"),
         max_steps=settings.steps,
         learning_rate=settings.learning_rate,
-        lr_scheduler_type="constant_with_warmup",
+        lr_scheduler_type=settings.lr_scheduler_type,
+        steps_per_generation=settings.steps_per_generation,
         warmup_steps=settings.warmup_steps,
         max_grad_norm=settings.max_grad_norm,
         num_generations=settings.num_generations,
@@ -745,10 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     print("  held-out success by step: " + ", ".join(f"{s}: {v:.0%}" for s, v in sorted(held_out.items())),
           flush=True)
     signal = split_rate_summary(trainer.state.log_history)
-    if signal["steps"]:
-        print(f"  split rate (groups whose rewards differ) after step {signal['after_step']}: mean "
-              f"{signal['mean']:.0%}, lowest {signal['window']}-step mean {signal['lowest_window_mean']:.0%}",
-              flush=True)
+    if (line := format_split_rate(signal)) is not None:
+        print(f"  {line}", flush=True)
     alarms = trainer.alarms
     print("  alarms: " + ("none fired" if not alarms else
                           "; ".join(f"{a['name']} (steps {a['step']}-{a['last_step']})" for a in alarms)), flush=True)
@@ -792,6 +793,16 @@ def split_rate_summary(log_history: list[dict], after_step: int = 20, window: in
     return {"after_step": after_step, "window": window, "steps": len(values),
             "mean": sum(values) / len(values) if values else None,
             "lowest_window_mean": min(means) if means else None}
+
+
+def format_split_rate(signal: dict[str, Any]) -> str | None:
+    """The results line of `split_rate_summary(...)`; `None` when no step came after `after_step`."""
+    if not signal["steps"]:
+        return None
+    line = f"split rate (groups whose rewards differ) after step {signal['after_step']}: mean {signal['mean']:.0%}"
+    if signal["lowest_window_mean"] is not None:  # a run shorter than after_step + window has no window
+        line += f", lowest {signal['window']}-step mean {signal['lowest_window_mean']:.0%}"
+    return line
 
 
 def _json_default(value):
