@@ -71,6 +71,50 @@ def test_reward_hacking_compares_with_every_earlier_evaluation():
     assert alarm is not None and alarm.evidence["from_step"] == 40
 
 
+def test_reward_hacking_holds_held_out_against_training_success_at_the_target_difficulty():
+    # Adaptive sampling moved groups from hard to easy tasks: the mean reward rose 0.45 -> 0.65 while the training
+    # success at the target difficulty (what the held-out split measures) and held-out success stayed level.
+    history = {"reward": [(s, 0.45 if s <= 50 else 0.65) for s in range(1, 101)],
+               "sampling/target_success": [(s, 0.6) for s in range(1, 101)],
+               "held_out/success": [(0, 0.6), (50, 0.6), (100, 0.6)]}
+    assert names(history) == []
+    # Success at the target rising while held-out success does not: the alarm, naming what it compared.
+    history["sampling/target_success"] = [(s, 0.6 if s <= 50 else 0.8) for s in range(1, 101)]
+    alarms = check_alarms(history)
+    assert [a.name for a in alarms] == ["reward_hacking"]
+    assert "training success at the target difficulty rose 0.600 -> 0.800" in alarms[0].message
+    # Without the target's success the mean reward is what there is.
+    del history["sampling/target_success"]
+    assert "training reward rose 0.450 -> 0.650" in check_alarms(history)[0].message
+
+
+def test_reward_hacking_allows_for_the_noise_of_both_measurements():
+    # Seed 2 of the demo (issue #11): training success 0.69 -> 0.80 between two held-out evaluations of 200 episodes
+    # each, held-out 67.5% -> 65.5%. Per-step training success scatters by +-0.15 around its mean (~30 episodes a
+    # step, tasks solved always or never), held-out by ~3.3 points per evaluation: a shortfall of 0.13 is within
+    # twice the noise of the comparison (~0.17).
+    noisy = [(s, (0.69 if s <= 100 else 0.80) + (0.15 if s % 2 else -0.15)) for s in range(1, 151)]
+    held_out = [(0, 0.345), (100, 0.675), (150, 0.655)]
+    small = [(0, 200), (100, 200), (150, 200)]
+    assert reward_hacking(noisy, held_out, held_out_episodes=small) is None
+    # Steady training success and evaluations 25 times larger: the same shortfall is not noise any more.
+    steady = [(s, 0.69 if s <= 100 else 0.80) for s in range(1, 151)]
+    alarm = reward_hacking(steady, held_out, held_out_episodes=[(0, 5000), (100, 5000), (150, 5000)])
+    assert alarm is not None and alarm.evidence["from_step"] == 100
+    assert alarm.evidence["noise"] == pytest.approx(2 * (0.675 * 0.325 / 5000 + 0.655 * 0.345 / 5000) ** 0.5)
+    # A reward gamed far beyond the noise fires however small the evaluation; without episode counts only the
+    # training side's noise is known.
+    gamed = [(s, (0.2 if s <= 100 else 0.9) + (0.15 if s % 2 else -0.15)) for s in range(1, 151)]
+    assert reward_hacking(gamed, held_out, held_out_episodes=small) is not None
+    assert reward_hacking(steady, held_out) is not None
+    # Through the callback's history: `held_out/episodes` is what it records with each evaluation.
+    history = {"sampling/target_success": noisy, "held_out/success": held_out,
+               "held_out/episodes": [(s, float(n)) for s, n in small]}
+    assert names(history) == []
+    assert names({**history, "sampling/target_success": steady,
+                  "held_out/episodes": [(s, 5000.0) for s, _ in small]}) == ["reward_hacking"]
+
+
 def test_length_drift_fires_on_growing_episodes_without_reward():
     history = healthy_history()
     longer = with_series(history, "episodes/sampled_tokens_mean",
@@ -211,6 +255,7 @@ def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path
             "episodes/malformed_tool_calls_mean", "episodes/status_ok"} <= logs[0].keys()
     assert logs[-1]["reward"] - logs[0]["reward"] > 0.5  # the training reward was gamed...
     held_out = {step: value for step, value in trainer.alarms_callback.history["held_out/success"]}
+    assert dict(trainer.alarms_callback.history["held_out/episodes"]) == {0: 4.0, 4: 4.0, 8: 4.0, 12: 4.0}
     assert sorted(held_out) == [0, 4, 8, 12] and set(held_out.values()) == {0.0}  # ...held-out success was not
     # Logged with the step's metrics (the evaluation before training arrives with the first log).
     assert {entry["step"]: entry["held_out/success"] for entry in logs if "held_out/success" in entry} == {

@@ -205,6 +205,12 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
         assert entry["sampling/difficulty_mean"] == pytest.approx(shares[0] + 2 * shares[1])
         if "sampling/success/1" in entry:
             assert entry["sampling/success/1"] == 1.0
+        # The target's training success, what `reward_hacking` holds against held-out success (the mean reward moves
+        # with the mix of difficulties).
+        if "sampling/success/2" in entry:
+            assert entry["sampling/target_success"] == entry["sampling/success/2"]
+        else:
+            assert "sampling/target_success" not in entry
     # Level 1 was observed to always succeed: its estimate rose from the 0.5 prior, and it is now rarely drawn.
     estimates = sampler.estimates()
     assert estimates[1] > 0.8 > estimates[2]

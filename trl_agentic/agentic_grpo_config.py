@@ -129,6 +129,9 @@ class AgenticGRPOConfig(GRPOConfig):
             Entropy collapse: recent token entropy below this fraction of its level at the start of training.
         alarm_min_split_rate (`float`, *optional*, defaults to `0.25`):
             Least share of groups whose rewards differ (`1 - frac_reward_zero_std`) over the last `alarm_window` logs.
+        alarm_noise_z (`float`, *optional*, defaults to `2.0`):
+            `reward_hacking` fires only when held-out success falls short of the training reward's rise by more than
+            this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise).
     """
 
     max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})
@@ -186,6 +189,9 @@ class AgenticGRPOConfig(GRPOConfig):
     alarm_spike: float = field(default=0.1, metadata={"help": "Rise of the malformed or unscorable share that alarms."})
     alarm_entropy_ratio: float = field(default=0.1, metadata={"help": "Entropy below this x its start collapses."})
     alarm_min_split_rate: float = field(default=0.25, metadata={"help": "Least share of groups with differing rewards."})
+    alarm_noise_z: float = field(
+        default=2.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
+    )
     agent_columns: list[str] = field(
         default_factory=lambda: ["prompt"], metadata={"help": "Dataset columns the agent's task holds."}
     )
@@ -242,6 +248,6 @@ class AgenticGRPOConfig(GRPOConfig):
                 f"{self.held_out_eval_steps}, {self.held_out_num_samples} and {self.alarm_window}."
             )
         for name in ("alarm_reward_rise", "alarm_held_out_min_gain", "alarm_length_growth", "alarm_spike",
-                     "alarm_entropy_ratio", "alarm_min_split_rate"):
+                     "alarm_entropy_ratio", "alarm_min_split_rate", "alarm_noise_z"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")

@@ -5,7 +5,9 @@ cannot tell learning from gaming, so a run is watched for six patterns, each a p
 (`{metric: [(global_step, value), ...]}`, as logged):
 
 - `reward_hacking`: training reward rose by `reward_rise` since a held-out evaluation while held-out success gained
-  less than `held_out_min_gain` (it fell or stayed flat): the policy may be gaming the checker.
+  less than `held_out_min_gain` (it fell or stayed flat), beyond the noise of both measurements: the policy may be
+  gaming the checker. With a target difficulty (adaptive sampling), the training success at the target
+  (`sampling/target_success`) stands for the reward: the mean reward moves with the mix of difficulties drawn.
 - `length_drift`: sampled tokens or turns per episode grew by `length_growth` (relative) while the reward did not
   rise by `reward_rise`.
 - `malformed_tool_calls` / `unscorable_episodes`: the share of model calls with a malformed tool call, or of episodes
@@ -84,6 +86,8 @@ class AlarmSettings:
         spike: absolute rise of the malformed-tool-call share of calls, or of the unscorable share of episodes.
         entropy_ratio: `entropy_collapse` fires when recent entropy is below this fraction of its starting level.
         min_split_rate: `low_split_rate` fires when the recent split rate is below this.
+        noise_z: `reward_hacking` fires only when held-out success falls short of the training reward's rise by more
+            than this many standard errors of the comparison (both sides' noise; see [`reward_hacking`]).
     """
 
     window: int = 10
@@ -93,6 +97,7 @@ class AlarmSettings:
     spike: float = 0.1
     entropy_ratio: float = 0.1
     min_split_rate: float = 0.25
+    noise_z: float = 2.0
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
@@ -100,7 +105,7 @@ class AlarmSettings:
         return cls(window=args.alarm_window, reward_rise=args.alarm_reward_rise,
                    held_out_min_gain=args.alarm_held_out_min_gain, length_growth=args.alarm_length_growth,
                    spike=args.alarm_spike, entropy_ratio=args.alarm_entropy_ratio,
-                   min_split_rate=args.alarm_min_split_rate)
+                   min_split_rate=args.alarm_min_split_rate, noise_z=args.alarm_noise_z)
 
 
 @dataclass
@@ -128,12 +133,16 @@ def _mean_over_steps(series: Series, first: int, last: int) -> float | None:
 
 
 def reward_hacking(reward: Series, held_out_success: Series, *, window: int = 10, reward_rise: float = 0.1,
-                   held_out_min_gain: float = 0.02) -> Alarm | None:
-    """Training reward rising while held-out success falls or stays flat.
+                   held_out_min_gain: float = 0.02, held_out_episodes: Series | None = None, noise_z: float = 2.0,
+                   what: str = "training reward") -> Alarm | None:
+    """Training reward rising while held-out success falls or stays flat, beyond the noise of both measurements.
 
     The latest held-out point is compared with each earlier one (oldest first): the training reward around each
     held-out step is the mean of the `window` logged rewards up to it (the first `window` for a step before any
-    reward, e.g. the evaluation before training).
+    reward, e.g. the evaluation before training). It fires when the reward rose by `reward_rise`, held-out success
+    gained less than `held_out_min_gain`, and held-out success fell short of the reward's rise by more than `noise_z`
+    standard errors of that difference: the training side's from the scatter of each window's values, the held-out
+    side's binomial from `held_out_episodes` (episodes per evaluation, by step; without it, the training side's only).
 
     Example:
 
@@ -147,26 +156,41 @@ def reward_hacking(reward: Series, held_out_success: Series, *, window: int = 10
     """
     if len(held_out_success) < 2 or not reward:
         return None
+    episodes = dict(held_out_episodes or [])
 
-    def reward_around(step: int) -> float | None:  # the `window` rewards up to `step`, or the first `window`
-        before = [v for s, v in reward if s <= step][-window:]
-        return _mean(before if len(before) == window else [v for _, v in list(reward)[:window]])
+    def reward_around(step: int) -> tuple[float, float] | None:
+        """Mean and squared standard error of the `window` rewards up to `step` (or the first `window`)."""
+        values = [v for s, v in reward if s <= step][-window:]
+        values = values if len(values) == window else [v for _, v in list(reward)[:window]]
+        values = [v for v in values if v is not None and not math.isnan(v)]
+        if not values:
+            return None
+        mean = sum(values) / len(values)
+        variance = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        return mean, variance / len(values)
+
+    def held_out_variance(step: int, success: float) -> float:
+        n = episodes.get(step)
+        return success * (1.0 - success) / n if n else 0.0
 
     last_step, last_success = held_out_success[-1]
-    last_reward = reward_around(last_step)
+    last = reward_around(last_step)
     for step, success in held_out_success[:-1]:
-        earlier_reward = reward_around(step)
-        if last_reward is None or earlier_reward is None or step >= last_step:
+        earlier = reward_around(step)
+        if last is None or earlier is None or step >= last_step:
             continue
-        rise, gain = last_reward - earlier_reward, last_success - success
-        if rise >= reward_rise and gain < held_out_min_gain:
+        rise, gain = last[0] - earlier[0], last_success - success
+        noise = noise_z * math.sqrt(last[1] + earlier[1] + held_out_variance(step, success)
+                                    + held_out_variance(last_step, last_success))
+        if rise >= reward_rise and gain < held_out_min_gain and rise - gain > noise:
             trend = "fell" if gain < 0 else "stayed flat"
             return Alarm("reward_hacking", last_step, (
-                f"training reward rose {earlier_reward:.3f} -> {last_reward:.3f} (+{rise:.3f}) between steps {step} "
-                f"and {last_step} while held-out success {trend} ({success:.1%} -> {last_success:.1%}): the policy "
-                "may be gaming the reward. Read some episodes (`trl-agentic inspect <output_dir>`) and tighten the "
-                "checker."), {"from_step": step, "reward_before": earlier_reward, "reward_after": last_reward,
-                              "held_out_before": success, "held_out_after": last_success})
+                f"{what} rose {earlier[0]:.3f} -> {last[0]:.3f} (+{rise:.3f}) between steps {step} and {last_step} "
+                f"while held-out success {trend} ({success:.1%} -> {last_success:.1%}; noise of the comparison "
+                f"{noise:.3f}): the policy may be gaming the reward. Read some episodes "
+                "(`trl-agentic inspect <output_dir>`) and tighten the checker."),
+                {"from_step": step, "reward_before": earlier[0], "reward_after": last[0], "held_out_before": success,
+                 "held_out_after": last_success, "noise": noise})
     return None
 
 
@@ -297,7 +321,9 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     unscorable = get("episodes/unscorable") or [(s, 1.0 - v) for s, v in get("episodes/status_ok")]
     return {
         "reward": get("reward"),
+        "target_success": get("sampling/target_success"),
         "held_out_success": get("held_out/success"),
+        "held_out_episodes": get("held_out/episodes"),
         "split_rate": [(s, 1.0 - v) for s, v in get("frac_reward_zero_std")],
         "sampled_tokens": get("episodes/sampled_tokens_mean") or get("completions/mean_length"),
         "turns": get("episodes/turns_mean"),
@@ -322,8 +348,13 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
     series = derived_series(history)
     window = settings.window
     found = [
-        reward_hacking(series["reward"], series["held_out_success"], window=window, reward_rise=settings.reward_rise,
-                       held_out_min_gain=settings.held_out_min_gain),
+        # The mean reward moves with the mix of difficulties an adaptive sampler draws: held-out success (measured at
+        # the target difficulty) is held against the training success at the target when the trainer logs it.
+        reward_hacking(series["target_success"] or series["reward"], series["held_out_success"], window=window,
+                       reward_rise=settings.reward_rise, held_out_min_gain=settings.held_out_min_gain,
+                       held_out_episodes=series["held_out_episodes"], noise_z=settings.noise_z,
+                       what="training success at the target difficulty" if series["target_success"] else
+                       "training reward"),
         length_drift(series["sampled_tokens"], series["reward"], window=window, length_growth=settings.length_growth,
                      reward_rise=settings.reward_rise)
         or length_drift(series["turns"], series["reward"], window=window, length_growth=settings.length_growth,
@@ -481,6 +512,8 @@ class AlarmsCallback(TrainerCallback):
         logged with the next training log; the whole result stays in `held_out_results[step]`."""
         self.held_out_results[step] = result
         metrics = {"held_out/success": result["success"]}
+        if isinstance(result.get("episodes"), int | float):
+            metrics["held_out/episodes"] = float(result["episodes"])  # the alarm allows for its binomial noise
         for key in ("scored_mean_reward", "malformed_tool_call_rate", "mean_sampled_tokens", "mean_turns"):
             if isinstance(result.get(key), int | float):
                 metrics[f"held_out/{key}"] = float(result[key])
