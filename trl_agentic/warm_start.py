@@ -15,15 +15,43 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def assistant_masked_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None):
-    """Token ids of a conversation and a mask that is 1 on assistant tokens (found by rendering prefixes)."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    """Token ids of a conversation and a mask that is 1 on assistant tokens.
+
+    Each assistant message spans from the end of the conversation before it (with the generation prompt) to the end
+    of the conversation through it. Those prefixes are rendered as text and the whole conversation is tokenized once:
+    a message's tokens are the ones between its two prefixes' ends. Where a prefix is not a prefix of the whole text
+    (a template that rewrites earlier turns), or a token straddles its end, every prefix is tokenized instead (as
+    many tokenizer calls as messages, several times slower).
+    """
+    render = lambda part, **kw: tokenizer.apply_chat_template(part, tools=tools, tokenize=False, **kw)  # noqa: E731
+    text = render(messages)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoding["input_ids"])
+    ends = {end: i + 1 for i, (_, end) in enumerate(encoding["offset_mapping"])}  # char offset -> tokens before it
+    ends[0] = 0
     mask = [0] * len(ids)
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(tokenizer.apply_chat_template(messages[:k], tools=tools, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-        end = len(tokenizer.apply_chat_template(messages[: k + 1], tools=tools, tokenize=True, return_dict=False))
+        before, through = render(messages[:k], add_generation_prompt=True), render(messages[: k + 1])
+        if not (text.startswith(before) and text.startswith(through)) or len(before) not in ends or (
+                len(through) not in ends):
+            return _assistant_masked_ids_by_prefixes(tokenizer, messages, tools)
+        for i in range(ends[len(before)], ends[len(through)]):
+            mask[i] = 1
+    return ids, mask
+
+
+def _assistant_masked_ids_by_prefixes(tokenizer, messages: list[dict], tools: list[dict] | None):
+    tokenize = lambda part, **kw: tokenizer.apply_chat_template(part, tools=tools, tokenize=True,  # noqa: E731
+                                                                return_dict=False, **kw)
+    ids = tokenize(messages)
+    mask = [0] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(tokenize(messages[:k], add_generation_prompt=True))
+        end = len(tokenize(messages[: k + 1]))
         for i in range(start, min(end, len(ids))):
             mask[i] = 1
     return list(ids), mask
