@@ -236,14 +236,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
                     if outcomes:
                         metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
-                        if level in self._target_levels(levels):  # what the reward_hacking alarm holds to held-out
+                        if level in self._target_levels():  # what the reward_hacking alarm holds to held-out
                             metrics["sampling/target_success"].append(sum(outcomes) / len(outcomes))
         if sampler is not None and mode == "train":
             sampler.observe(rows, rewards)
             for level, value in sampler.estimates().items():
                 metrics[f"sampling/estimate/{level:g}"].append(value)
 
-    def _target_levels(self, levels: list) -> tuple:
+    def _target_levels(self) -> tuple:
         """The target difficulty: the sampler's, else `target_difficulty`, else none (a mix without a target)."""
         sampler = getattr(self, "task_sampler", None)
         if sampler is not None:

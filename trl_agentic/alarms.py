@@ -311,7 +311,8 @@ def low_split_rate(split_rate: Series, *, window: int = 10, min_split_rate: floa
 def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     """The series the detectors read, from logged metrics (TRL's and the trainer's `episodes/*`):
 
-    `reward`, `held_out_success` (`held_out/success`), `split_rate` (`1 - frac_reward_zero_std`), `sampled_tokens`
+    `reward`, `target_success` (`sampling/target_success`), `held_out_success` (`held_out/success`),
+    `held_out_episodes` (`held_out/episodes`), `split_rate` (`1 - frac_reward_zero_std`), `sampled_tokens`
     (`episodes/sampled_tokens_mean`, else TRL's `completions/mean_length`), `turns` (`episodes/turns_mean`),
     `malformed_rate` (malformed tool calls per model call), `unscorable` (`episodes/unscorable` when logged, else the
     share of episodes that did not end `ok`, which are unscorable unless a checker scores failures) and `entropy`.
