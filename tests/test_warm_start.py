@@ -1,24 +1,12 @@
-"""The warm start's supervised rows: token ids and assistant masks exactly as rendering every prefix gives them."""
+"""The warm start's supervised rows: token ids and a mask on exactly the assistant messages' text."""
 
 import pytest
 
 from trl_agentic.scripts.demo import DemoSettings, short_form_rows, warm_start_demonstrations
 from trl_agentic.tasks.calculator import make_calculator_suite
 from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.warm_start import _assistant_masked_ids_by_prefixes as masked_ids_by_prefixes  # the fallback
 from trl_agentic.warm_start import assistant_masked_ids
-
-
-def masked_ids_by_prefixes(tokenizer, messages, tools):
-    """The reference: tokenize the whole conversation, then every prefix around each assistant message."""
-    render = lambda part, **kw: tokenizer.apply_chat_template(part, tools=tools, tokenize=True, return_dict=False,
-                                                              **kw)  # noqa: E731
-    ids = list(render(messages))
-    mask = [0] * len(ids)
-    for k, message in enumerate(messages):
-        if message["role"] == "assistant":
-            start, end = len(render(messages[:k], add_generation_prompt=True)), len(render(messages[: k + 1]))
-            mask[start:end] = [1] * (end - start)
-    return ids, mask
 
 
 def assistant_texts(tokenizer, messages, tools):
