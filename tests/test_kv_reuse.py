@@ -6,7 +6,7 @@ import torch
 
 from trl_agentic.generation.engine import SamplingParams
 from trl_agentic.generation.prefix_cache import BLOCK, PrefixCache
-from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.generation.transformers_engine import SHARED_PREFIX_MIN, TransformersEngine
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -156,3 +156,36 @@ def test_prefix_cache_lookup_finds_the_longest_prefix_and_checks_tokens():
     assert cache.lookup(long + [1])[1] == len(long)
     assert cache.lookup(list(range(BLOCK - 1)) + [7] * BLOCK) == (None, 0)  # diverges inside the first block
     assert cache.lookup(short)[1] == len(short) - 1  # the last prompt token is always fed
+
+
+def test_a_prefix_shared_by_joiners_is_prefilled_once(tokenizer, model):
+    """A GRPO group's first turns: G identical prompts, and several groups sharing the system prompt. Their common
+    prefixes are computed once (the system prompt once, each group's prompt once) and every row samples what it
+    samples alone without reuse."""
+    system = [{"role": "system", "content": "You are a careful assistant. " * 6}]
+    prompts, samplings = [], []
+    for task in range(3):
+        question = f"Task {task}: what is {task + 11} * {task + 47}? Think it through, show the steps, then answer."
+        messages = system + [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for g in range(4):
+            prompts.append(prompt)
+            samplings.append(SamplingParams(max_tokens=6, temperature=1.0, seed=10 * task + g))
+    common = 0
+    while all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    per_task = len(prompts[0]) - 1 - common
+    assert min(common, per_task) >= SHARED_PREFIX_MIN  # the system prompt is shared, each question by its group
+
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    cold = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, prefix_cache_bytes=0)
+    outs = engine.generate_batch(prompts, samplings)
+    for prompt, sampling, out in zip(prompts, samplings, outs):
+        alone = cold.generate_batch([prompt], [sampling])[0]
+        assert out.token_ids == alone.token_ids
+        assert out.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    # Computed: the common prefix once, each task's prompt but its last token once (on top of the common prefix),
+    # and each row's last prompt token.
+    assert engine.stats.prefilled_tokens == common + 3 * per_task + len(prompts)
+    assert engine.stats.reused_tokens == len(prompts) * (len(prompts[0]) - 1)
+    assert cold.stats.prefilled_tokens == len(prompts) * len(prompts[0])  # (cold: one prompt at a time, 12 of them)

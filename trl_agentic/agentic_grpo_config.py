@@ -31,6 +31,10 @@ class AgenticGRPOConfig(GRPOConfig):
             Wall-clock seconds an episode may run, counted from its start (not while it waits for a slot); then the
             agent is cancelled (a command agent's process group is killed), given a second to end and otherwise
             abandoned, and the episode ends with status `timeout`.
+        shared_prefix_scoring (`bool`, *optional*, defaults to `True`):
+            Score the rows of a micro-batch with the prompt prefix they share (system prompt, tool schemas) computed
+            once instead of once per row (`trl_agentic/shared_prefix.py`): the same log-probabilities as TRL's, up to
+            float rounding. Used on a single process without gradient checkpointing; elsewhere TRL's own scoring runs.
         agent_columns (`list[str]`, *optional*, defaults to `["prompt"]`):
             Dataset columns the agent's `task` dict holds. The others (the checker's `answer`, `expected`, ...) never
             reach the agent; every column still reaches the reward functions. Bundled tasks declare theirs
@@ -191,6 +195,9 @@ class AgenticGRPOConfig(GRPOConfig):
     alarm_min_split_rate: float = field(default=0.25, metadata={"help": "Least share of groups with differing rewards."})
     alarm_noise_z: float = field(
         default=2.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
+    )
+    shared_prefix_scoring: bool = field(
+        default=True, metadata={"help": "Score rows with their shared prompt prefix computed once (one process)."}
     )
     agent_columns: list[str] = field(
         default_factory=lambda: ["prompt"], metadata={"help": "Dataset columns the agent's task holds."}

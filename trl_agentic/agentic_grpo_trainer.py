@@ -38,6 +38,7 @@ from .rollout.agents import resolve_agent
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
+from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
 from .task_sampling import AdaptiveTaskSampler, group_split_rate
 from .trace import EPISODE_STATUSES, Episode, json_text
 
@@ -436,6 +437,43 @@ class AgenticGRPOTrainer(GRPOTrainer):
         loss_mask = merged["completion_mask"] * merged["tool_mask"]
         merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # every rank appends (see above)
         return merged
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **model_inputs):
+        """TRL's, with the prompt prefix the rows share (system prompt, tool schemas, the task) computed once per
+        chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`)."""
+        if not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **model_inputs)
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            prefix_length = shared_prefix_length(ids, mask, logits_to_keep)
+            with self.accelerator.autocast():
+                if prefix_length < MIN_SHARED_PREFIX:
+                    logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                        model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
+                else:
+                    logps, entropies = shared_prefix_logps(model, ids, mask, logits_to_keep, prefix_length,
+                                                           compute_entropy=compute_entropy)
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return torch.cat(all_logps, dim=0), entropies, None
+
+    def _shared_prefix_scoring(self, model, compute_aux_loss: bool, model_inputs: dict) -> bool:
+        """Whether rows may be scored with their shared prefix computed once: asked for, text-only, not MoE, and a
+        plain model on one process (a DDP, DeepSpeed or FSDP wrapper expects one forward per backward; checkpointed
+        layers drop the key/value states the rest attends to)."""
+        if not self.args.shared_prefix_scoring or compute_aux_loss:
+            return False
+        if any(value is not None for value in model_inputs.values()):
+            return False
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return False
+        return not getattr(self.accelerator.unwrap_model(model), "is_gradient_checkpointing", False)
 
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
         if self.ref_model is not None:

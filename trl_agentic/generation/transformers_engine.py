@@ -38,6 +38,8 @@ from .prefix_cache import PrefixCache, PrefixEntry
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+# Joiners sharing a prefix at least this much longer than what the cache holds for them get it computed once.
+SHARED_PREFIX_MIN = 32
 
 
 class _OptimizerSteps:
@@ -428,13 +430,57 @@ class TransformersEngine:
             self.prefix_cache.clear(policy)  # never sample from states of other weights
         for row in rows:
             row.policy = policy
-            if self.prefix_cache.max_bytes:
+        if self.prefix_cache.max_bytes:
+            for row in rows:
                 row.entry, row.reused = self.prefix_cache.lookup(row.prompt)
+            if len(rows) > 1 and self._prefill_shared_prefixes(rows, policy):
+                for row in rows:
+                    row.entry, row.reused = self.prefix_cache.lookup(row.prompt)
         admitted = _Batch()
         for group in _prefill_groups(rows):
             for batch in self._prefill_isolating(group):
                 admitted.merge(batch)
         return admitted
+
+    def _prefill_shared_prefixes(self, rows: list[_Row], policy: tuple) -> bool:
+        """Compute once, into the prefix cache, the prefixes that several joiners share beyond what the cache holds
+        for them: a GRPO group's G identical first prompts, the system prompt and tool schemas of every episode.
+        Without this each row prefills its whole prompt (a group's first turns cost G full prefills). Returns whether
+        anything was computed."""
+        fresh = sorted((row for row in rows if len(row.prompt) - 1 - row.reused >= SHARED_PREFIX_MIN),
+                       key=lambda row: row.prompt)
+        computed = False
+        for prefix, known in _shared_prefixes([row.prompt for row in fresh], [row.reused for row in fresh]):
+            try:
+                computed |= self._prefill_prefix(prefix, known, policy)
+            except Exception:  # noqa: BLE001 - an optimisation: the rows still prefill (and fail) on their own
+                return computed
+        return computed
+
+    def _prefill_prefix(self, tokens: list[int], known: int, policy: tuple) -> bool:
+        """Store the key/value states of `tokens` in the prefix cache, computing the ones past its longest cached
+        prefix."""
+        entry, reused = self.prefix_cache.lookup(tokens + [-1])  # any next token: the match may cover all of `tokens`
+        if len(tokens) - reused < SHARED_PREFIX_MIN:
+            return False
+        device = self._device
+        cache = None
+        if reused:
+            cache = DynamicCache(ddp_cache_data=[_stack_prefixes([(entry, reused)], layer, reused)
+                                                 for layer in range(len(entry.keys))])
+        outputs = self.model(
+            input_ids=torch.tensor([tokens[reused:]], device=device),
+            attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=device),
+            position_ids=torch.arange(reused, len(tokens), device=device).unsqueeze(0),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        keys = [layer.keys[0].clone() for layer in outputs.cache.layers]
+        values = [layer.values[0].clone() for layer in outputs.cache.layers]
+        self.prefix_cache.store(list(tokens), keys, values, policy)
+        self.stats.prefilled_tokens += len(tokens) - reused
+        return True
 
     def _prefill_isolating(self, rows: list[_Row]) -> list[_Batch]:
         # One request must never cost the others (issue #9: one bad id failed 80 innocent requests): a failing
@@ -579,6 +625,45 @@ class TransformersEngine:
         keys = [layer.keys[i, :, start:].clone() for layer in batch.cache.layers]
         values = [layer.values[i, :, start:].clone() for layer in batch.cache.layers]
         self.prefix_cache.store(row.prompt + row.tokens[:-1], keys, values, row.policy, replaces=row.entry)
+
+
+def _shared_prefixes(prompts: list[list[int]], cached: list[int]) -> list[tuple[list[int], int]]:
+    """The prefixes worth computing once for `prompts` (sorted), parents before children: every prefix that two or
+    more prompts share, is at least `SHARED_PREFIX_MIN` tokens longer than its parent's and than what the cache holds
+    for all of them (`cached`), and stops before their last token (always fed, its logits give the first sample).
+
+    ```python
+    >>> a, b, c = [1] * 40 + [2] * 40 + [5], [1] * 40 + [2] * 40 + [6], [1] * 40 + [3] * 40 + [7]
+    >>> [(len(p), known) for p, known in _shared_prefixes([a, b, c], [0, 0, 0])]
+    [(40, 0), (80, 40)]
+    ```
+    """
+    found: list[tuple[list[int], int]] = []
+
+    def walk(lo: int, hi: int, depth: int) -> None:  # prompts[lo:hi] share their first `depth` tokens
+        if hi - lo < 2:
+            return
+        lcps = [_common_length(prompts[i - 1], prompts[i], depth) for i in range(lo + 1, hi)]
+        shared = min(min(lcps), min(len(p) for p in prompts[lo:hi]) - 1)
+        if shared - max(depth, min(cached[lo:hi])) >= SHARED_PREFIX_MIN:
+            found.append((prompts[lo][:shared], depth))
+            depth = shared
+        cuts = [i for i, lcp in zip(range(lo + 1, hi), lcps) if lcp <= shared]
+        if not cuts:  # they share more, but only up to the shortest one's last token: nothing longer to compute
+            return
+        for start, end in zip([lo, *cuts], [*cuts, hi]):  # the runs that share more than `shared`
+            walk(start, end, depth)
+
+    walk(0, len(prompts), 0)
+    return found
+
+
+def _common_length(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b`, known to be at least `start`."""
+    end = min(len(a), len(b))
+    while start < end and a[start] == b[start]:
+        start += 1
+    return start
 
 
 def _prefill_groups(rows: list[_Row]) -> list[list[_Row]]:

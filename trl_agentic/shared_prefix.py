@@ -1,0 +1,92 @@
+"""Scoring rows that share a prompt prefix: the prefix once, then every row's rest against its key/value states.
+
+An agent's episodes all start with the same system prompt and tool schemas (on the calculator demo, ~270 of each
+row's ~370 tokens), and TRL's `_get_per_token_logps_and_entropies` runs the whole of every row through the model, in
+the forward and again in the backward. [`shared_prefix_logps`] runs the common prefix once (one row), expands its
+key/value states over the rows (the backward sums their gradients back into the one computation) and runs only each
+row's rest. The log-probabilities and entropies are TRL's, computed by TRL's fused LM head, up to float rounding; each
+row's tokens keep their positions relative to the prefix, so rotary embeddings see the same distances as in TRL's
+left-padded layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+# Rows whose common prefix is shorter than this are scored TRL's way: the saving would not pay for the extra call.
+MIN_SHARED_PREFIX = 32
+
+
+def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> int:
+    """The number of leading real tokens every row has in common, stopping before the last prompt token of the row
+    with the shortest prompt (the hidden state there predicts its first completion token: it must be in the rest).
+
+    Rows are TRL's layout: `[left padding | prompt | completion | right padding]`, the completion in the last
+    `logits_to_keep` columns.
+    """
+    prompt_width = input_ids.size(1) - logits_to_keep
+    prompt_lengths = attention_mask[:, :prompt_width].sum(dim=1)
+    limit = int(prompt_lengths.min()) - 1
+    if limit <= 0:
+        return 0
+    starts = prompt_width - prompt_lengths  # first real column of each row
+    columns = starts.unsqueeze(1) + torch.arange(limit, device=input_ids.device)  # (B, limit)
+    heads = input_ids.gather(1, columns)
+    differs = (heads != heads[:1]).any(dim=0).nonzero()
+    return int(differs[0]) if len(differs) else limit
+
+
+def shared_prefix_logps(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, prefix_length: int,
+    compute_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(logps, entropies)` of the last `logits_to_keep` columns, shaped as TRL's (rows, logits_to_keep), with the
+    first `prefix_length` real tokens of every row (identical, see [`shared_prefix_length`]) computed once.
+
+    `model` is TRL's model with its fused LM head (`model(..., labels=..., fused_lm_head=True)`).
+    """
+    rows, width = input_ids.shape
+    device = input_ids.device
+    prompt_width = width - logits_to_keep
+    prompt_lengths = attention_mask[:, :prompt_width].sum(dim=1)
+    lengths = attention_mask.sum(dim=1)  # real tokens per row (prompt + completion up to its right padding)
+    starts = prompt_width - prompt_lengths
+
+    # The prefix: one row, its key/value states kept (and differentiable).
+    first = int(starts[0])
+    prefix = input_ids[:1, first : first + prefix_length]
+    outputs = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, logits_to_keep=1)
+    states = [(layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
+              for layer in outputs.cache.layers]
+    cache = DynamicCache(ddp_cache_data=states)
+
+    # The rests, right-padded: row b's real tokens after the prefix.
+    rest_lengths = lengths - prefix_length
+    rest_width = int(rest_lengths.max())
+    offsets = torch.arange(rest_width, device=device)
+    columns = (starts + prefix_length).unsqueeze(1) + offsets  # (B, rest_width) in the input layout
+    real = offsets.unsqueeze(0) < rest_lengths.unsqueeze(1)
+    rest = input_ids.gather(1, columns.clamp(max=width - 1)).masked_fill(~real, 0)
+    rest_mask = torch.cat([torch.ones(rows, prefix_length, dtype=attention_mask.dtype, device=device),
+                           real.to(attention_mask.dtype)], dim=1)
+    # Score the completion tokens only, as TRL does: in the rest, row b's completion starts at its prompt's end.
+    completion_start = prompt_lengths - prefix_length  # (B,) index in the rest of the first completion token
+    in_completion = offsets.unsqueeze(0) >= completion_start.unsqueeze(1)
+    labels = rest.masked_fill(~(real & in_completion), -100)
+    position_ids = (prefix_length + offsets).unsqueeze(0).expand(rows, -1)
+    scored = model(input_ids=rest, attention_mask=rest_mask, position_ids=position_ids, cache=cache, labels=labels,
+                   fused_lm_head=True)
+
+    # Back to TRL's columns: completion column c of row b is rest token completion_start[b] + c, whose log-prob the
+    # fused head returns at index completion_start[b] + c - 1 (it scores token j + 1 from position j).
+    index = (completion_start.unsqueeze(1) - 1 + torch.arange(logits_to_keep, device=device)).clamp(
+        min=0, max=rest_width - 2)
+    inside = (torch.arange(logits_to_keep, device=device).unsqueeze(0)
+              < (lengths - prompt_lengths).unsqueeze(1))  # columns past a row's completion: TRL's padding
+    logps = scored.log_probs.gather(1, index).masked_fill(~inside, 0.0)
+    entropies = None
+    if compute_entropy:
+        entropies = scored.entropy.gather(1, index).masked_fill(~inside, 0.0)
+    return logps, entropies
