@@ -88,6 +88,22 @@ def test_reward_hacking_holds_held_out_against_training_success_at_the_target_di
     assert "training reward rose 0.450 -> 0.650" in check_alarms(history)[0].message
 
 
+def test_reward_hacking_holds_held_out_against_training_success_on_tasks_not_seen_before():
+    # The sampler revisits tasks: success on revisited tasks rose (learned by heart, the demo's seed 0: 0.43 on first
+    # visits, 0.56 on revisits at steps 150-200) while success on first visits followed held-out success. Not a gamed
+    # checker: no alarm.
+    history = {"sampling/target_success": [(s, 0.4 if s <= 50 else 0.6) for s in range(1, 101)],
+               "sampling/target_success_unseen": [(s, 0.4) for s in range(1, 101, 3)],
+               "held_out/success": [(0, 0.4), (50, 0.4), (100, 0.41)]}
+    assert names(history) == []
+    # Success on new tasks rising while held-out success does not: the training checker pays for something the
+    # held-out one does not.
+    history["sampling/target_success_unseen"] = [(s, 0.4 if s <= 50 else 0.6) for s in range(1, 101, 3)]
+    alarms = check_alarms(history)
+    assert [a.name for a in alarms] == ["reward_hacking"]
+    assert "training success on new tasks at the target difficulty rose 0.400 -> 0.600" in alarms[0].message
+
+
 def test_reward_hacking_allows_for_the_noise_of_both_measurements():
     # Seed 2 of the demo (issue #11): training success 0.69 -> 0.80 between two held-out evaluations of 200 episodes
     # each, held-out 67.5% -> 65.5%. Per-step training success scatters by +-0.15 around its mean (~30 episodes a

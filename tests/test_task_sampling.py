@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -180,11 +181,11 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
         max_completion_length=4, task_sampling="adaptive", target_difficulty=2, target_min_share=0.25,
         target_affinity=1.0,  # both levels drawn alike until observed
         sampling_explore=0.0, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        seed=0, disable_tqdm=True, temperature=1.5,
+        seed=0, disable_tqdm=True, temperature=1.5, log_episodes=True,
     )
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
-        args=args, train_dataset=leveled({1: 20, 2: 20}), processing_class=tokenizer,
+        args=args, train_dataset=leveled({1: 3, 2: 3}), processing_class=tokenizer,
     )
     try:
         trainer.train()
@@ -211,6 +212,21 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
             assert entry["sampling/target_success"] == entry["sampling/success/2"]
         else:
             assert "sampling/target_success" not in entry
+    # ... and on the target's tasks drawn for the first time, what held-out tasks are to the policy (a revisited task
+    # may have been learned by heart): recomputed here from the episode log.
+    seen, expected = set(), {}
+    records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()]
+    for step in sorted({r["step"] for r in records}):
+        batch = [r for r in records if r["step"] == step]
+        tasks = [r["episode"]["messages"][0]["content"] for r in batch]
+        outcomes = [r["episode"]["metadata"]["rewards"]["level_reward"] for r, task in zip(batch, tasks)
+                    if task.startswith("task 2-") and task not in seen]
+        if outcomes:
+            expected[step + 1] = sum(outcomes) / len(outcomes)
+        seen.update(tasks)
+    logged = {e["step"]: e["sampling/target_success_unseen"] for e in logs if "sampling/target_success_unseen" in e}
+    assert logged == pytest.approx(expected)
+    assert 1 in logged and len(logged) < len(logs)  # 3 target tasks: every target group of step 1 is new, later few
     # Level 1 was observed to always succeed: its estimate rose from the 0.5 prior, and it is now rarely drawn.
     estimates = sampler.estimates()
     assert estimates[1] > 0.8 > estimates[2]

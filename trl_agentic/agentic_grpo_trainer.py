@@ -157,6 +157,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             port=args.endpoint_port,
         )
         self._pending_inputs: list[dict] | None = None
+        self._seen_tasks: set[str] = set()  # the tasks drawn so far (their agent and difficulty columns, as JSON)
         self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
 
@@ -223,6 +224,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             local.append((keep, sum(scored) if scored else None))
         gathered = gather_object(local)
         rows, rewards = [r for r, _ in gathered], [v for _, v in gathered]
+        keys = [json_text(row) for row in rows]
+        # Tasks not drawn before in this run: to the policy what held-out tasks are (a revisited task may have been
+        # learned by heart; on the demo, late in training, 0.56 success on revisits against 0.43 on first visits).
+        seen = self._seen_tasks if mode == "train" else set()
+        unseen = [key not in seen for key in keys]
         metrics = self._metrics[mode]
         metrics["sampling/split_rate"].append(group_split_rate(rewards, self.num_generations))
         sampler = getattr(self, "task_sampler", None)
@@ -239,6 +245,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
                         metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
                         if level in self._target_levels():  # what the reward_hacking alarm holds to held-out
                             metrics["sampling/target_success"].append(sum(outcomes) / len(outcomes))
+                            fresh = [float(r >= threshold) for lv, r, new in zip(levels, rewards, unseen, strict=True)
+                                     if lv == level and r is not None and new]
+                            if fresh:
+                                metrics["sampling/target_success_unseen"].append(sum(fresh) / len(fresh))
+        if mode == "train":
+            self._seen_tasks.update(keys)
         if sampler is not None and mode == "train":
             sampler.observe(rows, rewards)
             for level, value in sampler.estimates().items():

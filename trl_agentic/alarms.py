@@ -6,8 +6,9 @@ cannot tell learning from gaming, so a run is watched for six patterns, each a p
 
 - `reward_hacking`: training reward rose by `reward_rise` since a held-out evaluation while held-out success gained
   less than `held_out_min_gain` (it fell or stayed flat), beyond the noise of both measurements: the policy may be
-  gaming the checker. With a target difficulty (adaptive sampling), the training success at the target
-  (`sampling/target_success`) stands for the reward: the mean reward moves with the mix of difficulties drawn.
+  gaming the checker. With a target difficulty (adaptive sampling), the training success at the target on tasks drawn
+  for the first time (`sampling/target_success_unseen`) stands for the reward: the mean reward moves with the mix of
+  difficulties drawn, and a revisited task may have been learned by heart, which held-out tasks cannot be.
 - `length_drift`: sampled tokens or turns per episode grew by `length_growth` (relative) while the reward did not
   rise by `reward_rise`.
 - `malformed_tool_calls` / `unscorable_episodes`: the share of model calls with a malformed tool call, or of episodes
@@ -308,10 +309,23 @@ def low_split_rate(split_rate: Series, *, window: int = 10, min_split_rate: floa
 # Histories
 
 
+def _training_success(series: dict[str, Series]) -> tuple[Series, str]:
+    """What `reward_hacking` holds against held-out success, and its name: the training success on tasks drawn for
+    the first time at the target difficulty (to the policy what held-out tasks are: the checker is the only thing that
+    differs), else on all tasks at the target (revisited ones may have been learned by heart), else the reward (the
+    mean reward moves with the mix of difficulties an adaptive sampler draws)."""
+    if series["target_success_unseen"]:
+        return series["target_success_unseen"], "training success on new tasks at the target difficulty"
+    if series["target_success"]:
+        return series["target_success"], "training success at the target difficulty"
+    return series["reward"], "training reward"
+
+
 def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     """The series the detectors read, from logged metrics (TRL's and the trainer's `episodes/*`):
 
-    `reward`, `target_success` (`sampling/target_success`), `held_out_success` (`held_out/success`),
+    `reward`, `target_success` (`sampling/target_success`), `target_success_unseen` (the same on tasks drawn for the
+    first time, `sampling/target_success_unseen`), `held_out_success` (`held_out/success`),
     `held_out_episodes` (`held_out/episodes`), `split_rate` (`1 - frac_reward_zero_std`), `sampled_tokens`
     (`episodes/sampled_tokens_mean`, else TRL's `completions/mean_length`), `turns` (`episodes/turns_mean`),
     `malformed_rate` (malformed tool calls per model call), `unscorable` (`episodes/unscorable` when logged, else the
@@ -323,6 +337,7 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     return {
         "reward": get("reward"),
         "target_success": get("sampling/target_success"),
+        "target_success_unseen": get("sampling/target_success_unseen"),
         "held_out_success": get("held_out/success"),
         "held_out_episodes": get("held_out/episodes"),
         "split_rate": [(s, 1.0 - v) for s, v in get("frac_reward_zero_std")],
@@ -348,14 +363,13 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
     settings = settings or AlarmSettings()
     series = derived_series(history)
     window = settings.window
+    training_success, what = _training_success(series)
     found = [
         # The mean reward moves with the mix of difficulties an adaptive sampler draws: held-out success (measured at
-        # the target difficulty) is held against the training success at the target when the trainer logs it.
-        reward_hacking(series["target_success"] or series["reward"], series["held_out_success"], window=window,
+        # the target difficulty) is held against the training success at the target (on new tasks) when logged.
+        reward_hacking(training_success, series["held_out_success"], window=window,
                        reward_rise=settings.reward_rise, held_out_min_gain=settings.held_out_min_gain,
-                       held_out_episodes=series["held_out_episodes"], noise_z=settings.noise_z,
-                       what="training success at the target difficulty" if series["target_success"] else
-                       "training reward"),
+                       held_out_episodes=series["held_out_episodes"], noise_z=settings.noise_z, what=what),
         length_drift(series["sampled_tokens"], series["reward"], window=window, length_growth=settings.length_growth,
                      reward_rise=settings.reward_rise)
         or length_drift(series["turns"], series["reward"], window=window, length_growth=settings.length_growth,
