@@ -485,7 +485,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             return False
         if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled:
             return False
-        return not getattr(self.accelerator.unwrap_model(model), "is_gradient_checkpointing", False)
+        unwrapped = self.accelerator.unwrap_model(model)
+        # `is_activation_checkpointing` from transformers 5 (the old name warns on every call), else the old name
+        checkpointing = getattr(unwrapped, "is_activation_checkpointing", None)
+        if checkpointing is None:
+            checkpointing = getattr(unwrapped, "is_gradient_checkpointing", False)
+        return not checkpointing
 
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
         if self.ref_model is not None:

@@ -450,14 +450,14 @@ class TransformersEngine:
         fresh = sorted((row for row in rows if len(row.prompt) - 1 - row.reused >= SHARED_PREFIX_MIN),
                        key=lambda row: row.prompt)
         computed = False
-        for prefix, known in _shared_prefixes([row.prompt for row in fresh], [row.reused for row in fresh]):
+        for prefix in _shared_prefixes([row.prompt for row in fresh], [row.reused for row in fresh]):
             try:
-                computed |= self._prefill_prefix(prefix, known, policy)
+                computed |= self._prefill_prefix(prefix, policy)
             except Exception:  # noqa: BLE001 - an optimisation: the rows still prefill (and fail) on their own
                 return computed
         return computed
 
-    def _prefill_prefix(self, tokens: list[int], known: int, policy: tuple) -> bool:
+    def _prefill_prefix(self, tokens: list[int], policy: tuple) -> bool:
         """Store the key/value states of `tokens` in the prefix cache, computing the ones past its longest cached
         prefix."""
         entry, reused = self.prefix_cache.lookup(tokens + [-1])  # any next token: the match may cover all of `tokens`
@@ -627,18 +627,18 @@ class TransformersEngine:
         self.prefix_cache.store(row.prompt + row.tokens[:-1], keys, values, row.policy, replaces=row.entry)
 
 
-def _shared_prefixes(prompts: list[list[int]], cached: list[int]) -> list[tuple[list[int], int]]:
+def _shared_prefixes(prompts: list[list[int]], cached: list[int]) -> list[list[int]]:
     """The prefixes worth computing once for `prompts` (sorted), parents before children: every prefix that two or
     more prompts share, is at least `SHARED_PREFIX_MIN` tokens longer than its parent's and than what the cache holds
     for all of them (`cached`), and stops before their last token (always fed, its logits give the first sample).
 
     ```python
     >>> a, b, c = [1] * 40 + [2] * 40 + [5], [1] * 40 + [2] * 40 + [6], [1] * 40 + [3] * 40 + [7]
-    >>> [(len(p), known) for p, known in _shared_prefixes([a, b, c], [0, 0, 0])]
-    [(40, 0), (80, 40)]
+    >>> [len(prefix) for prefix in _shared_prefixes([a, b, c], [0, 0, 0])]
+    [40, 80]
     ```
     """
-    found: list[tuple[list[int], int]] = []
+    found: list[list[int]] = []
 
     def walk(lo: int, hi: int, depth: int) -> None:  # prompts[lo:hi] share their first `depth` tokens
         if hi - lo < 2:
@@ -646,7 +646,7 @@ def _shared_prefixes(prompts: list[list[int]], cached: list[int]) -> list[tuple[
         lcps = [_common_length(prompts[i - 1], prompts[i], depth) for i in range(lo + 1, hi)]
         shared = min(min(lcps), min(len(p) for p in prompts[lo:hi]) - 1)
         if shared - max(depth, min(cached[lo:hi])) >= SHARED_PREFIX_MIN:
-            found.append((prompts[lo][:shared], depth))
+            found.append(prompts[lo][:shared])
             depth = shared
         cuts = [i for i, lcp in zip(range(lo + 1, hi), lcps) if lcp <= shared]
         if not cuts:  # they share more, but only up to the shortest one's last token: nothing longer to compute
