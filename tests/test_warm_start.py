@@ -45,3 +45,57 @@ def test_assistant_masked_ids_mark_exactly_the_assistant_text(template):
         if template == "qwen2_5":  # the demo's: its tokenization is stable at every prefix, so counting the tokens
             # of each prefix gives the same mask (the warm start it cached before is unchanged)
             assert (ids, mask) == masked_ids_by_prefixes(tokenizer, messages, tools)
+
+
+def test_length_chunks_cut_padding_and_keep_every_row():
+    from trl_agentic.warm_start import length_chunks
+
+    lengths = [81, 233, 90, 150, 85, 230, 152, 88]
+    batch = [([7] * n, [1] * n) for n in lengths]
+    chunks = length_chunks(batch, max_chunks=4)
+    assert sorted(len(ids) for chunk in chunks for ids, _ in chunk) == sorted(lengths)
+    padded = sum(len(chunk) * max(len(ids) for ids, _ in chunk) for chunk in chunks)
+    assert len(chunks) > 1 and padded < len(lengths) * max(lengths)
+    # rows of one length: no padding to save, one chunk
+    assert length_chunks([([7] * 50, [1] * 50)] * 6, max_chunks=4) == [[([7] * 50, [1] * 50)] * 6]
+    assert length_chunks(batch, max_chunks=1) == [batch]
+
+
+def test_a_length_chunked_step_has_the_gradient_of_the_whole_batch():
+    """Splitting a batch by length (less padding) and summing token losses over the whole batch's label count gives the
+    gradient of the one padded batch: the same step, cheaper."""
+    import torch
+
+    from trl_agentic.tiny_models import build_tiny_model
+    from trl_agentic.warm_start import batch_loss, length_chunks
+
+    settings = DemoSettings(num_demonstrations=24)
+    suite = make_calculator_suite(digits=2, ops=("*",))
+    tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=4, seed=0)
+    rows = short_form_rows(warm_start_demonstrations(suite, settings), seed=0)
+    batch = [assistant_masked_ids(tokenizer, row["messages"], None) for row in rows[:12]]
+    assert len({len(ids) for ids, _ in batch}) > 3  # 1-3 exchanges per row: lengths differ
+
+    def gradient(chunks):
+        model.zero_grad()
+        loss = batch_loss(model, chunks, tokenizer.pad_token_id)
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    whole_loss, whole = gradient([batch])
+    chunks = length_chunks(batch, max_chunks=4)
+    assert len(chunks) > 1
+    chunked_loss, chunked = gradient(chunks)
+    assert chunked_loss == pytest.approx(whole_loss, rel=1e-5)
+    # the one-batch reference: the model's own mean loss over the padded batch
+    width = max(len(ids) for ids, _ in batch)
+    pad = tokenizer.pad_token_id
+    reference = model(
+        input_ids=torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch]),
+        attention_mask=torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch]),
+        labels=torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids))
+                             for ids, mask in batch]),
+    ).loss
+    assert whole_loss == pytest.approx(reference.item(), rel=1e-5)
+    for a, b in zip(whole, chunked, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

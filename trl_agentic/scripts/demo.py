@@ -106,6 +106,7 @@ class DemoSettings:
     warmup_steps: int = 10  # linear warmup, then constant
     lr_scheduler_type: str = "constant_with_warmup"
     steps_per_generation: int = 1  # 2 or 4: one rollout of 2x or 4x the episodes per 2 or 4 steps, no faster on CPU
+    num_iterations: int = 1  # optimizer steps per rollout (TRL's mu)
     max_grad_norm: float = 1.0
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
@@ -483,6 +484,7 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
         def __init__(self):
             super().__init__()
             self.window: dict[str, list[float]] = {}
+            self.window_start = 1
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or self.training_bar is None or not logs or "reward" not in logs:
@@ -490,9 +492,11 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
             for key, _, _ in self.fields:
                 if isinstance(logs.get(key), (int, float)):
                     self.window.setdefault(key, []).append(float(logs[key]))
-            if state.global_step % self.every and state.global_step != state.max_steps:
+            # Rollout metrics arrive once per rollout (every num_iterations * steps_per_generation steps): a line
+            # closes once its window spans at least `every` steps.
+            if state.global_step - self.window_start + 1 < self.every and state.global_step != state.max_steps:
                 return
-            first = state.global_step - len(self.window.get("reward", [])) + 1
+            first, self.window_start = self.window_start, state.global_step + 1
             parts = [f"{label} {fmt.format(sum(v) / len(v))}" for key, label, fmt in self.fields
                      if (v := self.window.get(key))]
             self.training_bar.write(f"  steps {first:>3}-{state.global_step:<3} " + "  ".join(parts))
@@ -515,6 +519,7 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
         learning_rate=settings.learning_rate,
         lr_scheduler_type=settings.lr_scheduler_type,
         steps_per_generation=settings.steps_per_generation,
+        num_iterations=settings.num_iterations,
         warmup_steps=settings.warmup_steps,
         max_grad_norm=settings.max_grad_norm,
         num_generations=settings.num_generations,
