@@ -168,3 +168,32 @@ def test_split_rate_line_for_runs_shorter_than_its_window(steps):
     else:
         assert signal["steps"] == 20 and signal["lowest_window_mean"] == pytest.approx(0.75)
         assert line == "split rate (groups whose rewards differ) after step 20: mean 75%, lowest 10-step mean 75%"
+
+
+@pytest.mark.parametrize("rollout_every", [1, 2, 3])
+def test_progress_lines_cover_every_step_when_rollout_metrics_skip_steps(rollout_every):
+    """With `num_iterations` (or `steps_per_generation`) above 1, the reward arrives once per rollout, on every 2nd or
+    3rd step only: the progress lines still come every ~`steps // 15` steps and together cover every rollout."""
+    from types import SimpleNamespace
+
+    from trl_agentic.scripts.demo import DemoSettings, _make_callbacks
+
+    settings = DemoSettings(steps=45)  # a line every 3 steps
+    _, progress_class = _make_callbacks(None, settings, held_out_evaluation=False)
+    progress = progress_class()
+    lines = []
+    progress.training_bar = SimpleNamespace(write=lines.append)
+    for step in range(1, settings.steps + 1):
+        state = SimpleNamespace(is_world_process_zero=True, global_step=step, max_steps=settings.steps)
+        logs = {"loss": 0.1}
+        if (step - 1) % rollout_every == 0:  # TRL logs the rollout's metrics on the step that generated it
+            logs.update({"reward": float(step), "sampling/split_rate": 0.5})
+        progress.on_log(None, state, None, logs=logs)
+    spans = [tuple(map(int, re.match(r"\s*steps\s+(\d+)-(\d+)", line).groups())) for line in lines]
+    assert spans[0][0] == 1 and spans[-1][1] > settings.steps - rollout_every  # through the last rollout's step
+    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))  # contiguous, no step in two lines
+    assert all(3 <= end - start + 1 <= 3 + rollout_every - 1 for start, end in spans[:-1])
+    # each line's reward is the mean of the rewards logged within its span
+    for (start, end), line in zip(spans, lines, strict=True):
+        logged = [s for s in range(start, end + 1) if (s - 1) % rollout_every == 0]
+        assert f"reward {sum(logged) / len(logged):.2f}" in line

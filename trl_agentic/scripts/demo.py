@@ -487,14 +487,17 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
             self.window_start = 1
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not state.is_world_process_zero or self.training_bar is None or not logs or "reward" not in logs:
+            last = state.global_step == state.max_steps
+            if not state.is_world_process_zero or self.training_bar is None or not logs:
+                return
+            if "reward" not in logs and not (last and self.window):
                 return
             for key, _, _ in self.fields:
                 if isinstance(logs.get(key), (int, float)):
                     self.window.setdefault(key, []).append(float(logs[key]))
             # Rollout metrics arrive once per rollout (every num_iterations * steps_per_generation steps): a line
             # closes once its window spans at least `every` steps.
-            if state.global_step - self.window_start + 1 < self.every and state.global_step != state.max_steps:
+            if state.global_step - self.window_start + 1 < self.every and not last:
                 return
             first, self.window_start = self.window_start, state.global_step + 1
             parts = [f"{label} {fmt.format(sum(v) / len(v))}" for key, label, fmt in self.fields
