@@ -197,3 +197,31 @@ def test_progress_lines_cover_every_step_when_rollout_metrics_skip_steps(rollout
     for (start, end), line in zip(spans, lines, strict=True):
         logged = [s for s in range(start, end + 1) if (s - 1) % rollout_every == 0]
         assert f"reward {sum(logged) / len(logged):.2f}" in line
+
+
+def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_target():
+    from trl_agentic.scripts.demo import StagedCheck
+
+    class Half:
+        def __init__(self, success, episodes, malformed, mean_turns):
+            self.result = {"success": success, "episodes": episodes, "malformed_tool_calls": malformed,
+                           "mean_turns": mean_turns}
+            self.seeds = []
+
+        def evaluate(self, model=None, seed=0):
+            self.seeds.append(seed)
+            return dict(self.result)
+
+    # 2 of 32 (6.25%) is under half of a 25% target: the check stops at the first half
+    first, rest = Half(2 / 32, 32, 3, 2.0), Half(14 / 32, 32, 1, 2.5)
+    check = StagedCheck([first, rest], gate=0.125)
+    assert check.evaluate(None, seed=7) == {"success": 2 / 32, "episodes": 32, "malformed_tool_call_rate": 3 / 64}
+    assert (first.seeds, rest.seeds) == ([7], [])
+    # 5 of 32 passes the gate: both halves, pooled (success over episodes, malformed calls over model calls)
+    first.result["success"] = 5 / 32
+    result = check.evaluate(None, seed=9)
+    assert result == {"success": 19 / 64, "episodes": 64, "malformed_tool_call_rate": 4 / (64 + 80)}
+    assert (first.seeds, rest.seeds) == ([7, 9], [9])
+    # gate 0: every stage runs
+    first.result["success"] = 0.0
+    assert StagedCheck([first, rest], gate=0.0).evaluate(None, seed=1)["episodes"] == 64
