@@ -107,7 +107,7 @@ class DemoSettings:
     steps: int = 200
     # Optimisation (issue 13's seeds x arms study, benchmarks/seeds_arms_study.py): at a constant 4e-4 with no warmup,
     # Adam's first steps move every parameter by ~lr whatever its gradient and both arms collapsed on some seeds.
-    # Issue 11's probes (README, "What was tried"): a linear decay from a 3e-4 peak collapsed seed 0 for ~50 steps
+    # Issue 11's probes (docs/demo_history.md): a linear decay from a 3e-4 peak collapsed seed 0 for ~50 steps
     # once the warmup ended; 2 tasks x 8 episodes per step (300 steps) helped seed 1 and not seed 0. A 30-step warmup
     # to the same constant 2e-4: mean gain +36.9 on five fresh seeds, against +33.1 with 10 steps (README).
     learning_rate: float = 2e-4
