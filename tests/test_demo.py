@@ -240,3 +240,34 @@ def test_warm_start_checks_can_use_the_target_difficulty_alone():
     operands = lambda tasks: {len(n) for t in tasks for n in re.findall(r"\d+", t["prompt"][-1]["content"])}  # noqa: E731
     assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((2,)))) == {2}
     assert operands(validation_tasks(suite, demonstrations, 16, 0, DemoSettings().level_list((1, 2)))) == {1, 2}
+
+
+@pytest.mark.parametrize("decay_steps", [0, 50])
+def test_demo_learning_rate_schedule(tmp_path, decay_steps):
+    """Linear warmup to `learning_rate`, constant, and with `decay_steps` a linear decay to 0 over the last steps, as
+    transformers' scheduler builds it from the demo's config."""
+    import torch
+    from transformers.optimization import get_scheduler
+
+    from trl_agentic.scripts.demo import DemoSettings, grpo_config
+
+    settings = DemoSettings(decay_steps=decay_steps)
+    config = grpo_config(settings, tmp_path)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
+    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.get_warmup_steps(
+        settings.steps), num_training_steps=settings.steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs)
+    rates = []
+    for _ in range(settings.steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    peak = settings.learning_rate
+    assert rates[0] == 0.0 and rates[settings.warmup_steps // 2] == pytest.approx(peak / 2)
+    stable_end = settings.steps - decay_steps
+    assert all(r == pytest.approx(peak) for r in rates[settings.warmup_steps:stable_end])
+    if decay_steps:
+        assert rates[stable_end + decay_steps // 2] == pytest.approx(peak / 2)
+        assert rates[-1] == pytest.approx(peak / decay_steps)  # the last step still learns a little
+    # a run shorter than warmup + decay (--smoke) keeps a valid schedule: the decay is cut to what is left
+    short = grpo_config(DemoSettings(decay_steps=decay_steps, steps=20), tmp_path)
+    assert short.get_warmup_steps(20) == 20 and short.lr_scheduler_type.value == "constant_with_warmup"
