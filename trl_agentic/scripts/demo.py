@@ -114,7 +114,7 @@ class DemoSettings:
     warmup_steps: int = 30  # linear warmup, then constant
     lr_scheduler_type: str = "constant_with_warmup"
     # > 0: the learning rate decays linearly to 0 over the last `decay_steps` steps (warmup-stable-decay); the five
-    # seeds' held-out success fell by 7-13 points between steps 150 and 200 on three of nine runs at a constant rate.
+    # seeds' held-out success fell by 7-14 points between steps 150 and 200 on three of nine runs at a constant rate.
     decay_steps: int = 0
     steps_per_generation: int = 1  # 2 or 4: one rollout of 2x or 4x the episodes per 2 or 4 steps, no faster on CPU
     num_iterations: int = 1  # optimizer steps per rollout (TRL's mu); 2 on seeds 0 and 1: +3.5 and +23.5 at step 200
@@ -449,8 +449,8 @@ class StagedCheck:
 
     With two halves of the validation tasks and `gate` at half the stop target, a check far below the target (most of
     a slow seed's phase 2) costs half; the stop decision is the one-stage one unless the whole set reaches the target
-    while its first half scores under half of it (for 64 tasks at a 25% target: at most 3 successes in one half and
-    13+ in the other, which at any success rate is rarer than 1 in 1,000).
+    while its first half scores under half of it (for 64 tasks at a 25% target: at most 3 successes in the first half
+    and 13+ in the second, which at any success rate is rarer than 1 in 1,000).
     """
 
     def __init__(self, evaluators: list[HeldOutEvaluator], gate: float):
