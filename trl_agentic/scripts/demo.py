@@ -697,7 +697,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--eval-size", type=int, default=None, help="Held-out tasks per evaluation.")
     parser.add_argument("--eval-every", type=int, default=None, help="Held-out evaluation every N GRPO steps.")
     parser.add_argument("--learning-rate", type=float, default=None, help="GRPO learning rate.")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores).")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1; 0: torch's default, all cores). One thread leaves a core to "
+                             "the endpoint and the agents (faster on 2 cores) and builds the same warm start whatever "
+                             "the machine's core count.")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* "
                              "(repeatable).")
@@ -740,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     from trl_agentic.plots import plot_training_curves
     from trl_agentic.tasks.calculator import make_calculator_suite
 
+    if args.threads < 0:
+        raise SystemExit(f"--threads {args.threads}: expected 0 (all cores) or a positive thread count")
     if args.threads:
         torch.set_num_threads(args.threads)
     set_seed(settings.seed)
