@@ -36,6 +36,7 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
         assert block["episodes"] == summary["settings"]["eval_size"]
         assert sum(block["status"].values()) == block["episodes"]
         assert block["mean_turns"] >= 1.0
+    assert summary["torch_threads"] == 1  # the default, whatever the machine's cores
     assert summary["improvement_points"] == pytest.approx(
         (summary["after"]["success"] - summary["before"]["success"]) * 100
     )
@@ -240,6 +241,16 @@ def test_warm_start_checks_can_use_the_target_difficulty_alone():
     operands = lambda tasks: {len(n) for t in tasks for n in re.findall(r"\d+", t["prompt"][-1]["content"])}  # noqa: E731
     assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((2,)))) == {2}
     assert operands(validation_tasks(suite, demonstrations, 16, 0, DemoSettings().level_list((1, 2)))) == {1, 2}
+
+
+def test_demo_threads_default_to_one_and_reject_negative_counts():
+    from trl_agentic.scripts.demo import main, parse_args
+
+    assert parse_args([]).threads == 1
+    assert parse_args(["--threads", "0"]).threads == 0  # torch's default
+
+    with pytest.raises(SystemExit, match="--threads -2"):
+        main(["--threads", "-2", "--smoke"])
 
 
 @pytest.mark.parametrize("decay_steps", [0, 50])

@@ -837,6 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         "examples": {"before": before["examples"], "after": after["examples"]},
         "settings": dataclasses.asdict(settings),
         "smoke": args.smoke,
+        "torch_threads": torch.get_num_threads(),
         "warm_start": {k: v for k, v in warm_info.items() if k != "settings"} | {"cache_dir": str(cache_path)},
         "timings_seconds": timings,
         "seconds_per_grpo_step": grpo_only / max(settings.steps, 1),
