@@ -108,7 +108,7 @@ def test_reward_hacking_allows_for_the_noise_of_both_measurements():
     # Seed 2 of the demo (issue #11): training success 0.69 -> 0.80 between two held-out evaluations of 200 episodes
     # each, held-out 67.5% -> 65.5%. Per-step training success scatters by +-0.15 around its mean (~30 episodes a
     # step, tasks solved always or never), held-out by ~3.3 points per evaluation: a shortfall of 0.13 is within
-    # twice the noise of the comparison (~0.17).
+    # twice the noise of the comparison (~0.17), let alone three times.
     noisy = [(s, (0.69 if s <= 100 else 0.80) + (0.15 if s % 2 else -0.15)) for s in range(1, 151)]
     held_out = [(0, 0.345), (100, 0.675), (150, 0.655)]
     small = [(0, 200), (100, 200), (150, 200)]
@@ -117,7 +117,7 @@ def test_reward_hacking_allows_for_the_noise_of_both_measurements():
     steady = [(s, 0.69 if s <= 100 else 0.80) for s in range(1, 151)]
     alarm = reward_hacking(steady, held_out, held_out_episodes=[(0, 5000), (100, 5000), (150, 5000)])
     assert alarm is not None and alarm.evidence["from_step"] == 100
-    assert alarm.evidence["noise"] == pytest.approx(2 * (0.675 * 0.325 / 5000 + 0.655 * 0.345 / 5000) ** 0.5)
+    assert alarm.evidence["noise"] == pytest.approx(3 * (0.675 * 0.325 / 5000 + 0.655 * 0.345 / 5000) ** 0.5)
     # A reward gamed far beyond the noise fires however small the evaluation; without episode counts only the
     # training side's noise is known.
     gamed = [(s, (0.2 if s <= 100 else 0.9) + (0.15 if s % 2 else -0.15)) for s in range(1, 151)]
@@ -237,6 +237,34 @@ def answer_looks_like_a_number(prompts, completions, episodes, **kwargs):
 
 def correct_answer(prompts, completions, episodes, answer, **kwargs):
     return [float(ep.result.strip() == expected) for ep, expected in zip(episodes, answer, strict=True)]
+
+
+def test_reward_hacking_stays_silent_on_a_healthy_runs_swings():
+    # Issue #11, the demo's seed 1 (default settings, decay over the last 50 steps): its success on new 2-digit
+    # tasks, logged step by step (step 91 drew none), swung from a 10-step mean of 0.54 at step 50 to 0.78 at step
+    # 100 and back to 0.56 over steps 101-125, while held-out success read 51.5% and 53.0% (200 episodes each) and
+    # then rose to 72.0% by step 200. With 2 standard errors `reward_hacking` fired at step 100 (noise 0.170 against
+    # a shortfall of 0.219): a run compares each evaluation with every earlier one (10 comparisons over 5
+    # evaluations), and a policy's state carries from step to step, so 10-step windows scatter more than their
+    # per-step values say. The default is 3.
+    steps = [s for s in range(1, 101) if s != 91]
+    values = [
+        0.3125, 0.0938, 0.25, 0.25, 0.4583, 0.1875, 0.5, 0.3125, 0.2812, 0.3125, 0.5417, 0.2917,
+        0.3333, 0.5312, 0.4375, 0.375, 0.5, 0.1667, 0.6667, 0.2917, 0.4375, 0.5, 0.3333, 0.5,
+        0.5625, 0.4583, 0.4583, 0.7083, 0.5, 0.4688, 0.2917, 0.5, 0.5625, 0.75, 0.4375, 0.625,
+        0.75, 0.6875, 0.4583, 0.5938, 0.4167, 0.7917, 0.2917, 0.5417, 0.3438, 0.7083, 0.5, 0.4583,
+        0.5417, 0.8125, 0.5938, 0.7083, 0.625, 0.0, 0.375, 0.5625, 0.5833, 0.0, 0.4583, 0.5625,
+        0.25, 0.5312, 0.625, 0.5, 0.0625, 0.5, 0.4688, 0.6875, 0.625, 0.625, 0.125, 0.625,
+        0.5625, 0.4583, 0.375, 0.5625, 0.6667, 0.4583, 0.25, 0.75, 0.625, 0.3125, 0.6562, 0.75,
+        0.7083, 0.6875, 0.5, 0.6667, 0.75, 0.75, 1.0, 0.8125, 0.625, 0.625, 0.875, 0.6875,
+        0.875, 0.8125, 0.6875,
+    ]
+    success = list(zip(steps, values))
+    held_out, episodes = [(0, 0.235), (50, 0.515), (100, 0.53)], [(0, 200), (50, 200), (100, 200)]
+    assert reward_hacking(success, held_out, held_out_episodes=episodes, noise_z=2.0) is not None  # the false alarm
+    assert reward_hacking(success, held_out, held_out_episodes=episodes) is None
+    assert names({"sampling/target_success_unseen": success, "held_out/success": held_out,
+                  "held_out/episodes": [(s, float(n)) for s, n in episodes]}) == []
 
 
 def tasks(start, n):

@@ -133,7 +133,7 @@ class AgenticGRPOConfig(GRPOConfig):
             Entropy collapse: recent token entropy below this fraction of its level at the start of training.
         alarm_min_split_rate (`float`, *optional*, defaults to `0.25`):
             Least share of groups whose rewards differ (`1 - frac_reward_zero_std`) over the last `alarm_window` logs.
-        alarm_noise_z (`float`, *optional*, defaults to `2.0`):
+        alarm_noise_z (`float`, *optional*, defaults to `3.0`):
             `reward_hacking` fires only when held-out success falls short of the training reward's rise by more than
             this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise).
     """
@@ -194,7 +194,7 @@ class AgenticGRPOConfig(GRPOConfig):
     alarm_entropy_ratio: float = field(default=0.1, metadata={"help": "Entropy below this x its start collapses."})
     alarm_min_split_rate: float = field(default=0.25, metadata={"help": "Least share of groups with differing rewards."})
     alarm_noise_z: float = field(
-        default=2.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
+        default=3.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
     )
     shared_prefix_scoring: bool = field(
         default=True, metadata={"help": "Score rows with their shared prompt prefix computed once (one process)."}

@@ -88,7 +88,9 @@ class AlarmSettings:
         entropy_ratio: `entropy_collapse` fires when recent entropy is below this fraction of its starting level.
         min_split_rate: `low_split_rate` fires when the recent split rate is below this.
         noise_z: `reward_hacking` fires only when held-out success falls short of the training reward's rise by more
-            than this many standard errors of the comparison (both sides' noise; see [`reward_hacking`]).
+            than this many standard errors of the comparison (both sides' noise; see [`reward_hacking`]). 3: a run
+            compares each evaluation with every earlier one, and a policy's state carries from step to step, so
+            training windows scatter more than their per-step values say (at 2 a healthy demo run fired).
     """
 
     window: int = 10
@@ -98,7 +100,7 @@ class AlarmSettings:
     spike: float = 0.1
     entropy_ratio: float = 0.1
     min_split_rate: float = 0.25
-    noise_z: float = 2.0
+    noise_z: float = 3.0
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
@@ -134,7 +136,7 @@ def _mean_over_steps(series: Series, first: int, last: int) -> float | None:
 
 
 def reward_hacking(reward: Series, held_out_success: Series, *, window: int = 10, reward_rise: float = 0.1,
-                   held_out_min_gain: float = 0.02, held_out_episodes: Series | None = None, noise_z: float = 2.0,
+                   held_out_min_gain: float = 0.02, held_out_episodes: Series | None = None, noise_z: float = 3.0,
                    what: str = "training reward") -> Alarm | None:
     """Training reward rising while held-out success falls or stays flat, beyond the noise of both measurements.
 
