@@ -374,3 +374,32 @@ def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, toke
         assert [(tok, lp) for tok, mask, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"])
                 if mask] == sampled
     assert trainer.state.log_history[0]["episodes/forks_mean"] == 0.0
+
+
+def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, tokenizer):
+    """TRL's `mask_truncated_completions` (DAPO's overlong filtering) on every row: the main rows TRL builds and the
+    fork rows the trainer appends. A row whose last token is not a stop token was cut at `max_tokens`: no loss."""
+    from trl_agentic.rollout.rows import Row
+
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
+                                 args=config(tmp_path, mask_truncated_completions=True, log_episodes=False),
+                                 train_dataset=dataset(2), processing_class=tokenizer)
+    trainer.model.train()
+    try:
+        output = trainer._generate_and_score_completions([dict(dataset(2)[i]) for i in (0, 0)])
+        ends = {*trainer.eos_token_ids, tokenizer.pad_token_id}
+        lengths = (output["completion_ids"] != tokenizer.pad_token_id).sum(1)  # rows end in a sampled token or pad
+        for ids, mask, n in zip(output["completion_ids"].tolist(), output["completion_mask"].tolist(), lengths):
+            last = ids[int(n) - 1]
+            assert (sum(mask) == 0) == (last not in ends), (ids, mask)
+        eos, prompt = trainer.eos_token_ids[0], output["prompt_ids"][0][output["prompt_mask"][0].bool()].tolist()
+        rows = [Row(prompt, [11, 12, 13, eos], [1, 1, 1, 1], [-0.5] * 4, [0], "fork"),  # ended: trained
+                Row(prompt, [11, 12, 13, 14], [1, 1, 1, 1], [-0.5] * 4, [1], "fork")]  # cut at max_tokens: masked
+        merged = trainer._append_rows(output, rows, torch.ones(2))
+        assert merged["completion_mask"][-2:, :4].tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
+        kept = merged["completion_mask"] * merged["tool_mask"]
+        assert merged["num_items_in_batch"] == kept.sum()
+        trainer.mask_truncated_completions = False  # TRL's default: both trained
+        assert trainer._append_rows(output, rows, torch.ones(2))["completion_mask"][-2:, :4].tolist() == [[1] * 4] * 2
+    finally:
+        trainer.close()

@@ -406,6 +406,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 [[math.nan if lp is None else lp for lp in r.logprobs] for r in rows], 0.0, torch.float32
             ),
         }
+        if self.mask_truncated_completions:
+            # TRL's rule for its own rows (DAPO's overlong filtering): a row whose last token is not a stop token was
+            # cut at `max_tokens` and is left out of the loss; masked before scoring, as TRL does.
+            ends = {*self.eos_token_ids, pad_id}
+            ended = torch.tensor([[int(bool(r.completion_ids) and r.completion_ids[-1] in ends)] for r in rows],
+                                 device=device)
+            new["completion_mask"] = new["completion_mask"] * ended
         if "old_per_token_logps" in output or "ref_per_token_logps" in output:
             input_ids = torch.cat([new["prompt_ids"], new["completion_ids"]], dim=1)
             attention_mask = torch.cat([new["prompt_mask"], new["completion_mask"]], dim=1)

@@ -90,11 +90,11 @@ class DemoSettings:
     full_batch_size: int = 16
     full_learning_rate: float = 1e-3
     warm_start_target: float = 0.25  # phase 2 stops once this success rate is reached (training-split tasks)
-    # The operand sizes of the checks' tasks (always with the target). Seed 2 stopped at 22-34% on 1- and 2-digit tasks
-    # with 35-37.5% held-out (2-digit) success: its 1-digit success lags. `--set warm_start_check_levels=2`: the target
-    # alone (not yet measured on the five seeds).
-    warm_start_check_levels: tuple[int, ...] = (1, 2)
-    warm_start_check_every: int = 2
+    # The operand sizes of the checks' tasks (always with the target): the target alone. Checked on 1- and 2-digit
+    # tasks, seed 2 stopped at 22-34% with 35-37.5% held-out (2-digit) success, its 1-digit success lagging; checked
+    # on 2-digit tasks after every step, it started GRPO at 31.0%.
+    warm_start_check_levels: tuple[int, ...] = (2,)
+    warm_start_check_every: int = 1
     # A check runs half of its tasks first and the other half only if that half reached this share of the target
     # (`StagedCheck`; 0: all at once): a slow seed's phase 2 spends most of its time in checks far below the target.
     warm_start_check_gate: float = 0.5
@@ -113,9 +113,15 @@ class DemoSettings:
     learning_rate: float = 2e-4
     warmup_steps: int = 30  # linear warmup, then constant
     lr_scheduler_type: str = "constant_with_warmup"
-    # > 0: the learning rate decays linearly to 0 over the last `decay_steps` steps (warmup-stable-decay); the five
-    # seeds' held-out success fell by 7-14 points between steps 150 and 200 on three of nine runs at a constant rate.
-    decay_steps: int = 0
+    # > 0: the learning rate decays linearly to 0 over the last `decay_steps` steps (warmup-stable-decay). At a
+    # constant rate held-out success fell by 7-14 points between steps 150 and 200 on three of nine runs; with the
+    # decay it fell on none of the eight runs measured (README).
+    decay_steps: int = 50
+    # TRL's `mask_truncated_completions` (DAPO's overlong filtering): an episode whose last call was cut at
+    # `max_completion_length` is left out of the loss. Without it seed 3's answers grew a tail of dots after the
+    # number ("The answer is 165......", the checker reads the last number) from step 155: sampled tokens per episode
+    # 34 -> 70 at the same reward, and `length_drift` fired.
+    mask_truncated_completions: bool = True
     steps_per_generation: int = 1  # 2 or 4: one rollout of 2x or 4x the episodes per 2 or 4 steps, no faster on CPU
     num_iterations: int = 1  # optimizer steps per rollout (TRL's mu); 2 on seeds 0 and 1: +3.5 and +23.5 at step 200
     max_grad_norm: float = 1.0
@@ -577,6 +583,7 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
         beta=settings.beta,
         temperature=settings.temperature,
         max_completion_length=settings.max_completion_length,
+        mask_truncated_completions=settings.mask_truncated_completions,
         max_turns=settings.max_turns,
         max_concurrent_episodes=256,
         max_generation_batch_size=256,
