@@ -96,6 +96,35 @@ def test_shared_prefix_scoring_matches_trls(trainer, tokenizer):
     assert shared_tokens < 0.5 * trl_tokens
 
 
+
+@pytest.mark.parametrize("masked_rows", [[1], [0, 1, 2, 3]])
+def test_rows_masked_as_truncated_are_scored_like_trls(trainer, tokenizer, masked_rows):
+    # `mask_truncated_completions` zeroes a cut row's completion in the attention mask. A group of one task shares its
+    # whole prompt, so with every completion masked nothing is left after the prefix (the demo's smoke run crashed
+    # there: "index -1 is out of bounds").
+    questions = ["What is 12 * 34?"] * 4
+    generator = torch.Generator().manual_seed(2)
+    completions = [torch.randint(20, 300, (n,), generator=generator).tolist() for n in (8, 3, 6, 1)]
+    input_ids, attention_mask, width, _ = trl_layout(tokenizer, questions, completions)
+    attention_mask[masked_rows, -width:] = 0
+    completion_mask = attention_mask[:, -width:]
+
+    def score(shared: bool):
+        trainer.args.shared_prefix_scoring = shared
+        trainer.model.zero_grad()
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, width)
+        (logps * completion_mask * torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)).sum().backward()
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+        return logps.detach() * completion_mask, grads
+
+    logps, grads = score(True)
+    trl_logps, trl_grads = score(False)
+    assert logps.shape == trl_logps.shape == (4, width)
+    torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=1e-5)
+    for name in trl_grads:
+        torch.testing.assert_close(grads.get(name, torch.zeros_like(trl_grads[name])), trl_grads[name], atol=1e-5,
+                                   rtol=1e-4, msg=name)
+
 def test_rows_without_a_long_common_prefix_are_scored_trls_way(trainer, tokenizer):
     input_ids = torch.tensor([[5, 6, 7, 8, 9], [6, 6, 7, 8, 9]])
     attention_mask = torch.ones_like(input_ids)

@@ -64,7 +64,9 @@ def shared_prefix_logps(
 
     # The rests, right-padded: row b's real tokens after the prefix.
     rest_lengths = lengths - prefix_length
-    rest_width = int(rest_lengths.max())
+    # At least 2 columns: with every completion masked (`mask_truncated_completions`) and one prompt shared whole,
+    # nothing is left after the prefix; the padding columns are scored and masked as TRL's are.
+    rest_width = max(int(rest_lengths.max()), 2)
     offsets = torch.arange(rest_width, device=device)
     columns = (starts + prefix_length).unsqueeze(1) + offsets  # (B, rest_width) in the input layout
     real = offsets.unsqueeze(0) < rest_lengths.unsqueeze(1)
