@@ -228,19 +228,20 @@ def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_targe
     assert StagedCheck([first, rest], gate=0.0).evaluate(None, seed=1)["episodes"] == 64
 
 
-def test_warm_start_checks_can_use_the_target_difficulty_alone():
+def test_warm_start_checks_use_the_target_difficulty_alone_by_default():
     from trl_agentic.scripts.demo import (DemoSettings, parse_args, settings_from_args, validation_tasks,
                                           warm_start_demonstrations)
     from trl_agentic.tasks.calculator import make_calculator_suite
 
-    settings = settings_from_args(parse_args(["--set", "warm_start_check_levels=2"]))
-    assert settings.level_list(settings.warm_start_check_levels) == (2,)
+    assert DemoSettings().level_list(DemoSettings().warm_start_check_levels) == (2,)
+    settings = settings_from_args(parse_args(["--set", "warm_start_check_levels=1,2"]))
+    assert settings.level_list(settings.warm_start_check_levels) == (1, 2)
     assert settings.warm_start_key() != DemoSettings().warm_start_key()  # another warm start, cached apart
     suite = make_calculator_suite(digits=2, ops=("*",))
     demonstrations = warm_start_demonstrations(suite, DemoSettings(num_demonstrations=40))
     operands = lambda tasks: {len(n) for t in tasks for n in re.findall(r"\d+", t["prompt"][-1]["content"])}  # noqa: E731
-    assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((2,)))) == {2}
-    assert operands(validation_tasks(suite, demonstrations, 16, 0, DemoSettings().level_list((1, 2)))) == {1, 2}
+    assert operands(validation_tasks(suite, demonstrations, 16, 0, DemoSettings().level_list((2,)))) == {2}
+    assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((1, 2)))) == {1, 2}
 
 
 def test_demo_threads_default_to_one_and_reject_negative_counts():
