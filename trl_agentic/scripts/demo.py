@@ -706,8 +706,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=None, help="GRPO learning rate.")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1; 0: torch's default, all cores). One thread leaves a core to "
-                             "the endpoint and the agents (faster on 2 cores) and builds the same warm start whatever "
-                             "the machine's core count.")
+                             "the endpoint and the agents (faster on 2 cores), and the warm start's first phase is then "
+                             "the same whatever the machine's core count.")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* "
                              "(repeatable).")
