@@ -244,6 +244,29 @@ def test_warm_start_checks_use_the_target_difficulty_alone_by_default():
     assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((1, 2)))) == {1, 2}
 
 
+def test_grpo_tasks_leave_out_the_warm_starts_demonstrations():
+    """Defect: GRPO's tasks were drawn with the demonstrations' seed, so every one of seed 0's 642 2-digit GRPO tasks
+    was a demonstration the warm start had trained on."""
+    from trl_agentic.scripts.demo import DemoSettings, grpo_tasks, warm_start_demonstrations
+    from trl_agentic.tasks.calculator import make_calculator_suite
+    from trl_agentic.tasks.splits import split_of
+
+    settings = DemoSettings()
+    suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
+    demonstrated = {d["messages"][1]["content"] for d in warm_start_demonstrations(suite, settings)}
+    dataset = grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings))
+    questions = {level: [row["prompt"][-1]["content"] for row in dataset if row["difficulty"] == level]
+                 for level in (1, 2, 3)}
+    # the target and the harder level: nothing the warm start saw, and enough distinct tasks for 200 steps' ~800
+    # groups to be mostly first visits
+    assert not demonstrated & set(questions[2]) and not demonstrated & set(questions[3])
+    assert len(set(questions[2])) > 2000 and len(set(questions[3])) > 2000
+    # 1-digit products are all demonstrated: that level keeps its tasks rather than vanish
+    assert set(questions[1]) <= demonstrated and len(set(questions[1])) > 80
+    # all from the training split
+    assert {split_of(expression) for expression in dataset["expression"]} == {"train"}
+
+
 def test_demo_threads_default_to_one_and_reject_negative_counts():
     from trl_agentic.scripts.demo import main, parse_args
 

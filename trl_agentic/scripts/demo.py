@@ -128,7 +128,7 @@ class DemoSettings:
     num_generations: int = 8  # episodes per task (the group)
     tasks_per_step: int = 4
     beta: float = 0.0
-    train_size: int = 2000
+    train_size: int = 9000  # GRPO's tasks, over the levels (3,000 each): 200 steps draw ~800 groups
     # Held-out evaluation
     eval_size: int = 200
     eval_every: int = 50
@@ -271,6 +271,27 @@ def validation_tasks(suite, demonstrations: list[dict], size: int, seed: int, le
     rows = rows if len(rows) >= size else list(dataset)
     random.Random(seed).shuffle(rows)
     return rows[:size]
+
+
+def grpo_tasks(suite, settings: DemoSettings, demonstrations: list[dict]):
+    """GRPO's training tasks: `train_size` training-split tasks over `settings.level_list()`, without the questions
+    the warm start was trained on wherever a level has others (1-digit products are all demonstrated: that level
+    keeps them).
+
+    Drawn with the demonstrations' seed, as they once were, they were the demonstrations: all 642 of seed 0's 2-digit
+    GRPO tasks had been trained on in the warm start, so training success measured recall as much as skill, and the
+    sampler's "new" tasks were not new to the model.
+    """
+    from trl_agentic.tasks import build_difficulty_dataset
+
+    dataset = build_difficulty_dataset(suite, split="train", size=settings.train_size, seed=settings.seed + 20_000,
+                                       levels=list(settings.level_list()))
+    seen = {d["messages"][1]["content"] for d in demonstrations}
+    unseen = [row["prompt"][-1]["content"] not in seen for row in dataset]
+    levels = dataset["difficulty"]
+    keep_level = {level: any(ok for ok, lv in zip(unseen, levels) if lv == level) for level in set(levels)}
+    keep = [i for i, (ok, level) in enumerate(zip(unseen, levels)) if ok or not keep_level[level]]
+    return dataset.select(keep) if len(keep) < len(dataset) else dataset
 
 
 def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cache: bool = True):
@@ -611,11 +632,8 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
 def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path, callbacks):
     from trl_agentic import AgenticGRPOTrainer
 
-    from trl_agentic.tasks import build_difficulty_dataset
-
     alarms_callback, progress_class = callbacks
-    train_dataset = build_difficulty_dataset(suite, split="train", size=settings.train_size, seed=settings.seed,
-                                             levels=list(settings.level_list()))
+    train_dataset = grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings))
     config = grpo_config(settings, output_dir)
     trainer = AgenticGRPOTrainer(
         model, agent=suite.agent, reward_funcs=suite.reward_funcs, args=config, train_dataset=train_dataset,
