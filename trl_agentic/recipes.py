@@ -33,6 +33,7 @@ from .agentic_grpo_config import AgenticGRPOConfig
 from .imports import import_object
 from .rollout.agents import CommandAgent
 from .tasks import TaskSuite
+from .rewards import cut_off_penalty
 from .tasks.calculator import calculator_correct
 from .tasks.files import files_correct
 
@@ -40,6 +41,7 @@ from .tasks.files import files_correct
 # Reward functions a recipe may name (`reward_funcs: [calculator_correct]`); anything else is an import path.
 REWARD_FUNCS: dict[str, Callable] = {
     "calculator_correct": calculator_correct,
+    "cut_off_penalty": cut_off_penalty,
     "files_correct": files_correct,
 }
 

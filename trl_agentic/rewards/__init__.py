@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .utils import (
     RewardModelFunc,
+    cut_off_penalty,
     episode_for,
     final_assistant_text,
     is_scorable,
@@ -29,6 +30,7 @@ from .utils import (
 
 __all__ = [
     "RewardModelFunc",
+    "cut_off_penalty",
     "episode_for",
     "final_assistant_text",
     "is_scorable",

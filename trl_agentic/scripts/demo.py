@@ -117,11 +117,16 @@ class DemoSettings:
     # constant rate held-out success fell by 7-14 points between steps 150 and 200 on three of nine runs; with the
     # decay it moved by -1.5 to +18.5 points over those steps on thirteen runs (README).
     decay_steps: int = 50
-    # TRL's `mask_truncated_completions` (DAPO's overlong filtering): an episode whose last call was cut at
-    # `max_completion_length` is left out of the loss. Without it seed 3's answers grew a tail of dots after the
-    # number ("The answer is 165......", the checker reads the last number) from step 155: sampled tokens per episode
-    # 34 -> 70 at the same reward, and `length_drift` fired.
-    mask_truncated_completions: bool = True
+    # An episode whose last call was cut at `max_completion_length` scores 1 less in training
+    # (`trl_agentic.rewards.cut_off_penalty`, DAPO's overlong punishment; held-out success is the checker's alone).
+    # With neither this nor the filtering below, seed 3's answers grew a tail of dots after the number ("The answer is
+    # 165......", the checker reads the last number) from step 155: sampled tokens per episode 34 -> 70 at the same
+    # reward, and `length_drift` fired.
+    cut_off_penalty: bool = True
+    # TRL's `mask_truncated_completions` (DAPO's overlong filtering) leaves those episodes out of the loss instead: it
+    # stopped the dots, but nothing then pushed back on what runs into the limit; a loop of repeated `<tool_call>`
+    # openings grew on seed 2 and `malformed_tool_calls` fired three times (README).
+    mask_truncated_completions: bool = False
     steps_per_generation: int = 1  # 2 or 4: one rollout of 2x or 4x the episodes per 2 or 4 steps, no faster on CPU
     num_iterations: int = 1  # optimizer steps per rollout (TRL's mu); 2 on seeds 0 and 1: +3.5 and +23.5 at step 200
     max_grad_norm: float = 1.0
@@ -629,6 +634,13 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
     )
 
 
+def grpo_reward_funcs(suite, settings: DemoSettings) -> list:
+    """The training reward: the suite's checker, and `cut_off_penalty` unless switched off."""
+    from trl_agentic.rewards import cut_off_penalty
+
+    return [*suite.reward_funcs, *([cut_off_penalty] if settings.cut_off_penalty else [])]
+
+
 def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path, callbacks):
     from trl_agentic import AgenticGRPOTrainer
 
@@ -636,7 +648,7 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
     train_dataset = grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings))
     config = grpo_config(settings, output_dir)
     trainer = AgenticGRPOTrainer(
-        model, agent=suite.agent, reward_funcs=suite.reward_funcs, args=config, train_dataset=train_dataset,
+        model, agent=suite.agent, reward_funcs=grpo_reward_funcs(suite, settings), args=config, train_dataset=train_dataset,
         processing_class=tokenizer, callbacks=[alarms_callback],
     )
     from transformers.trainer_callback import ProgressCallback
@@ -811,7 +823,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # 4. GRPO
         _stage(3, total_stages, f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
-                                f"{settings.num_generations} episodes, reward = the checker's score only")
+                                f"{settings.num_generations} episodes, reward = the checker's score"
+                                + (", -1 for an answer cut at the token limit" if settings.cut_off_penalty else " only"))
         t = time.monotonic()
         _info(f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, "
               f"{settings.task_sampling} task sampling (target: {settings.digits} digits, at least "
