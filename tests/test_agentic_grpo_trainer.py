@@ -376,6 +376,38 @@ def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, toke
     assert trainer.state.log_history[0]["episodes/forks_mean"] == 0.0
 
 
+async def stopping_agent(client, task):
+    """One call; even tasks ask for stop strings (so some calls end before `max_tokens`), odd ones do not."""
+    stop = ["e", "a", "o", "i"] if int(task["prompt"][0]["content"].split()[1]) % 2 == 0 else None
+    response = await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=6, stop=stop)
+    return response.choices[0].message.content
+
+
+def test_cut_off_penalty_scores_each_episode_by_its_last_calls_finish_reason(tmp_path, tokenizer):
+    """`cut_off_penalty` next to a checker: -1 for the episodes whose last call was cut at `max_tokens`, 0 for the
+    others, and TRL adds it to the checker's score (its own `rewards/<name>/mean` metric)."""
+    from trl_agentic.rewards import cut_off_penalty
+
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=stopping_agent,
+                                 reward_funcs=[length_reward, cut_off_penalty],
+                                 args=config(tmp_path, max_steps=1, per_device_train_batch_size=4),
+                                 train_dataset=dataset(2), processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = read_episode_log(tmp_path)
+    assert len(records) == 4
+    finishes = [record["episode"]["turns"][-1]["finish_reason"] for record in records]
+    penalties = [record["episode"]["metadata"]["rewards"]["cut_off_penalty"] for record in records]
+    assert penalties == [-1.0 if finish == "length" else 0.0 for finish in finishes]
+    assert set(penalties) == {-1.0, 0.0}, finishes  # both kinds occur: the test can tell them apart
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/cut_off_penalty/mean"] == pytest.approx(sum(penalties) / 4)
+    totals = [sum(record["episode"]["metadata"]["rewards"].values()) for record in records]
+    assert logged["reward"] == pytest.approx(sum(totals) / 4)
+
+
 def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, tokenizer):
     """TRL's `mask_truncated_completions` (DAPO's overlong filtering) on every row: the main rows TRL builds and the
     fork rows the trainer appends. A row whose last token is not a stop token was cut at `max_tokens`: no loss."""

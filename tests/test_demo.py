@@ -50,6 +50,9 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     assert all("sampling/split_rate" in r and "sampling/difficulty_mean" in r and "alarms/reward_hacking" in r
                for r in logs)
     assert all(1.0 <= r["sampling/difficulty_mean"] <= 3.0 for r in logs)
+    # the training reward: the checker and the cut-off penalty (truncated episodes stay in the loss)
+    assert summary["settings"]["cut_off_penalty"] and not summary["settings"]["mask_truncated_completions"]
+    assert all("rewards/calculator_correct/mean" in r and "rewards/cut_off_penalty/mean" in r for r in logs)
     logged_held_out = {r["step"]: r["held_out/success"] for r in logs if "held_out/success" in r}
     assert logged_held_out[1] == summary["before"]["success"]  # step 0's value arrives with the first log
     assert logged_held_out[steps[-1]] == summary["after"]["success"]

@@ -41,3 +41,19 @@ def test_reward_model_given_as_id_or_module_leaves_failed_episodes_unscored(tmp_
         assert scores[2] is None  # the timed-out episode is not scored
         assert torch.allclose(torch.tensor(scores[:2]), torch.tensor(expected[:2]), atol=1e-5)
     assert isinstance(RewardModelFunc(model, tokenizer=tokenizer), RewardModelFunc)  # a module without a path
+
+
+def test_cut_off_penalty_needs_episodes_and_leaves_failed_episodes_unscored():
+    import pytest
+
+    from trl_agentic.rewards import cut_off_penalty
+    from trl_agentic.trace import Turn
+
+    cut, done = Turn(0, [1], [2, 3], [-0.1, -0.2], "length"), Turn(0, [1], [2, 0], [-0.1, -0.2], "tool_calls")
+    episodes = [Episode(id="a", status="ok", turns=[cut, done]), Episode(id="b", status="ok", turns=[done, cut]),
+                Episode(id="c", status="ok"), Episode(id="d", status="timeout", turns=[cut])]
+    # the last call decides (an earlier cut call that the agent went on from is not the answer)
+    assert cut_off_penalty([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, -1.0]
+    assert unscorable_unless_ok(cut_off_penalty)([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, None]
+    with pytest.raises(ValueError, match="episodes"):
+        cut_off_penalty([None], [[{"role": "assistant", "content": "4"}]])
