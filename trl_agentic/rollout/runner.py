@@ -104,8 +104,8 @@ async def run_episode(
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    """httpx's default context, built once: a client builds one per instance and loads the CA bundle to do it (~2.5%
-    of a CPU demo step, one client per rollout)."""
+    """httpx's default context, built once: a client builds one per instance and loads the CA bundle to do it (~30 ms
+    of CPU)."""
     return httpx.create_ssl_context()
 
 
@@ -117,21 +117,26 @@ async def run_episodes(
     max_concurrent: int = 64,
     timeout: float = 300.0,
     model: str | None = None,
+    http_client: httpx.AsyncClient | None = None,
 ) -> list[Episode]:
     """Run one episode per entry of `tasks` (a task repeated G times makes a group), at most `max_concurrent` at once.
 
-    Returns the episodes in the order of `tasks`.
+    Each episode's agent gets an HTTP client (a connection pool) of its own, unless `http_client` is given for all
+    (`benchmarks/rollout_benchmark.py` compares the two). Returns the episodes in the order of `tasks`.
     """
     semaphore = asyncio.Semaphore(max_concurrent)
     group_indices = group_indices or [0] * len(tasks)
-    limits = httpx.Limits(max_connections=max_concurrent, max_keepalive_connections=max_concurrent)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, verify=_ssl_context()) as http_client:
 
-        async def one(i: int) -> Episode:
-            async with semaphore:
+    async def one(i: int) -> Episode:
+        async with semaphore:
+            # A connection pool per episode, not one for all: httpcore walks every pooled connection (two system calls
+            # each) at each request and response, which cost ~9% of a CPU demo step with 32 episodes sharing a pool.
+            if http_client is not None:
                 return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client)
+            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as own_client:
+                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, own_client)
 
-        return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
+    return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
 
 
 def run_rollout(coroutine: Coroutine[Any, Any, T], cancel_grace_s: float = CANCEL_GRACE_S) -> T:
