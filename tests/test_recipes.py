@@ -204,3 +204,10 @@ def test_train_cpu_recipe_end_to_end(tmp_path):
     assert all("sampling/estimate/2" in e for e in logs)  # the adaptive sampler's running estimates
     assert (output_dir / "config.json").is_file()  # save_model after training
     assert (output_dir / "model.safetensors").is_file()
+
+
+def test_cut_off_penalty_is_a_bundled_reward_name():
+    from trl_agentic.recipes import get_reward_func
+    from trl_agentic.rewards import cut_off_penalty
+
+    assert get_reward_func("cut_off_penalty") is cut_off_penalty  # `reward_funcs: [calculator_correct, cut_off_penalty]`
