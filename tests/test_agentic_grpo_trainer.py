@@ -69,6 +69,15 @@ def read_episode_log(tmp_path):
     return [json.loads(line) for line in lines]
 
 
+def train_and_read_log(trainer, tmp_path):
+    """Train, stop the trainer's endpoint whatever happens, and return the episode log."""
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return read_episode_log(tmp_path)
+
+
 def test_multi_turn_tool_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -179,11 +188,7 @@ def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, token
                                  args=config(tmp_path, max_steps=1, episode_timeout=3, steps_per_generation=2,  # 2 tasks
                                              agent_columns=["prompt", "a"]),  # the agent reads `a`
                                  train_dataset=dataset(2), processing_class=tokenizer)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    records = read_episode_log(tmp_path)
+    records = train_and_read_log(trainer, tmp_path)
     by_status = sorted(r["episode"]["status"] for r in records)
     assert by_status == ["agent_error", "ok", "ok", "timeout"]
     for record in records:
@@ -392,11 +397,7 @@ def test_cut_off_penalty_scores_each_episode_by_its_last_calls_finish_reason(tmp
                                  reward_funcs=[length_reward, cut_off_penalty],
                                  args=config(tmp_path, max_steps=1, per_device_train_batch_size=4),
                                  train_dataset=dataset(2), processing_class=tokenizer)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    records = read_episode_log(tmp_path)
+    records = train_and_read_log(trainer, tmp_path)
     assert len(records) == 4
     finishes = [record["episode"]["turns"][-1]["finish_reason"] for record in records]
     penalties = [record["episode"]["metadata"]["rewards"]["cut_off_penalty"] for record in records]
