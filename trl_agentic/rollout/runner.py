@@ -130,7 +130,8 @@ async def run_episodes(
     async def one(i: int) -> Episode:
         async with semaphore:
             # A connection pool per episode, not one for all: httpcore walks every pooled connection (two system calls
-            # each) at each request and response, which cost ~9% of a CPU demo step with 32 episodes sharing a pool.
+            # each) at each request and response, 9% of a CPU demo step's profile with 32 episodes sharing one pool
+            # (benchmarks/rollout_benchmark.py: 0.95x the shared pool's time on a zero-cost engine).
             if http_client is not None:
                 return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client)
             async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as own_client:
