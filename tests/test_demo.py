@@ -256,8 +256,9 @@ def test_grpo_tasks_leave_out_the_warm_starts_demonstrations():
 
     settings = DemoSettings()
     suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
-    demonstrated = {d["messages"][1]["content"] for d in warm_start_demonstrations(suite, settings)}
-    dataset = grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings))
+    demonstrations = warm_start_demonstrations(suite, settings)
+    demonstrated = {d["messages"][1]["content"] for d in demonstrations}
+    dataset = grpo_tasks(suite, settings, demonstrations)
     questions = {level: [row["prompt"][-1]["content"] for row in dataset if row["difficulty"] == level]
                  for level in (1, 2, 3)}
     # the target and the harder level: nothing the warm start saw, and enough distinct tasks for 200 steps' ~800

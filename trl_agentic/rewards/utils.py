@@ -215,11 +215,6 @@ def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[flo
             "cut_off_penalty reads each episode's last finish reason from the `episodes` column, which "
             "AgenticGRPOTrainer passes to reward functions; plain TRL does not (use `mask_truncated_completions`)."
         )
-    penalties: list[float] = []
-    for index in range(len(completions)):
-        episode = episode_for(kwargs, index)
-        if not episode.turns:
-            penalties.append(0.0)  # never called the model: nothing was cut
-        else:
-            penalties.append(-1.0 if episode.turns[-1].finish_reason == "length" else 0.0)
-    return penalties
+    # an episode that never called the model had nothing cut
+    return [-1.0 if episode.turns and episode.turns[-1].finish_reason == "length" else 0.0
+            for episode in kwargs["episodes"][: len(completions)]]

@@ -292,10 +292,10 @@ def grpo_tasks(suite, settings: DemoSettings, demonstrations: list[dict]):
     dataset = build_difficulty_dataset(suite, split="train", size=settings.train_size, seed=settings.seed + 20_000,
                                        levels=list(settings.level_list()))
     seen = {d["messages"][1]["content"] for d in demonstrations}
-    unseen = [row["prompt"][-1]["content"] not in seen for row in dataset]
+    unseen = [prompt[-1]["content"] not in seen for prompt in dataset["prompt"]]
     levels = dataset["difficulty"]
-    keep_level = {level: any(ok for ok, lv in zip(unseen, levels) if lv == level) for level in set(levels)}
-    keep = [i for i, (ok, level) in enumerate(zip(unseen, levels)) if ok or not keep_level[level]]
+    with_unseen = {level for ok, level in zip(unseen, levels) if ok}
+    keep = [i for i, (ok, level) in enumerate(zip(unseen, levels)) if ok or level not in with_unseen]
     return dataset.select(keep) if len(keep) < len(dataset) else dataset
 
 
