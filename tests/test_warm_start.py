@@ -99,3 +99,36 @@ def test_a_length_chunked_step_has_the_gradient_of_the_whole_batch():
     assert whole_loss == pytest.approx(reference.item(), rel=1e-5)
     for a, b in zip(whole, chunked, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunks_run_at_once_give_the_same_steps_bit_for_bit():
+    """`workers=2` runs a batch's chunks in two threads (one torch thread each) and adds their gradients in chunk
+    order: the losses and the weights after every step equal, bit for bit, those of one chunk after the other on one
+    torch thread, so the demo's warm start (and where its phases stop) does not change."""
+    import copy
+
+    import torch
+
+    from conftest import torch_threads
+    from trl_agentic.tiny_models import build_tiny_model
+    from trl_agentic.warm_start import warm_start
+
+    settings = DemoSettings(num_demonstrations=48)
+    suite = make_calculator_suite(digits=2, ops=("*",))
+    tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
+    rows = short_form_rows(warm_start_demonstrations(suite, settings), seed=0)
+    start = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=0)
+    runs = {}
+    with torch_threads(1):
+        for workers in (1, 2):
+            model = copy.deepcopy(start)
+            seen = []
+            losses = warm_start(model, tokenizer, rows, steps=6, batch_size=12, seed=0, workers=workers,
+                                on_step=lambda step, loss: seen.append([p.detach().clone() for p in model.parameters()]))
+            runs[workers] = losses, seen
+    (one_losses, one_weights), (two_losses, two_weights) = runs[1], runs[2]
+    assert two_losses == one_losses
+    assert len(two_weights) == 6
+    for one, two in zip(one_weights, two_weights, strict=True):  # every step
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(one_weights[-1], start.parameters()))  # it did train

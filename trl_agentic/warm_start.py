@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,22 +95,58 @@ def length_chunks(batch: list[tuple[list[int], list[int]]], max_chunks: int = 4)
     return chunks[::-1]
 
 
-def batch_loss(model: PreTrainedModel, chunks, pad_token_id: int) -> float:
+def _chunk_tensors(chunk, pad_token_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in chunk)
+    return {
+        "input_ids": torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in chunk]),
+        "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk]),
+        "labels": torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids))
+                                for ids, mask in chunk]),
+    }
+
+
+def batch_loss(model: PreTrainedModel, chunks, pad_token_id: int, pool: ThreadPoolExecutor | None = None) -> float:
     """Back-propagate the mean token loss of a batch given as `chunks` of `(ids, mask)` rows (`length_chunks`); each
     chunk's summed token losses are divided by the whole batch's label count, so the gradient is the one batch's.
-    Returns the loss."""
+    Returns the loss.
+
+    With a `pool` (threads that each run torch with one thread, `chunk_pool`), the chunks run at once, one per
+    thread, each computing its own gradients; they are then added to `.grad` in chunk order, which is what one
+    `backward` after the other does: the same sums, the same bits as without a pool on one torch thread. A tiny
+    model's ops are too small for two intra-op threads to speed up much (and their float rounding differs from one
+    thread's); two chunks at once keep two cores busy.
+    """
     num_labels = sum(sum(mask) for chunk in chunks for _, mask in chunk)
-    total = 0.0
-    for chunk in chunks:
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in chunk])
-        attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids))
-                               for ids, mask in chunk])
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels, num_items_in_batch=num_labels).loss
-        loss.backward()
-        total += loss.item()
-    return total
+    if pool is None:
+        total = 0.0
+        for chunk in chunks:
+            loss = model(**_chunk_tensors(chunk, pad_token_id), num_items_in_batch=num_labels).loss
+            loss.backward()
+            total += loss.item()
+        return total
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def chunk_gradients(chunk):
+        loss = model(**_chunk_tensors(chunk, pad_token_id), num_items_in_batch=num_labels).loss
+        return loss.item(), torch.autograd.grad(loss, params, allow_unused=True)
+
+    results = list(pool.map(chunk_gradients, chunks))
+    with torch.no_grad():
+        for i, param in enumerate(params):
+            for _, grads in results:
+                if grads[i] is None:
+                    continue
+                if param.grad is None:
+                    param.grad = grads[i]
+                else:
+                    param.grad += grads[i]
+    return sum(loss for loss, _ in results)
+
+
+def chunk_pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for `batch_loss`'s chunks, each running torch with one intra-op thread."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trl-agentic-warm-start",
+                              initializer=torch.set_num_threads, initargs=(1,))
 
 
 def warm_start(
@@ -122,12 +159,16 @@ def warm_start(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
     max_chunks: int = 4,
+    workers: int = 1,
 ) -> list[float]:
     """Fine-tune `model` in place on `demonstrations` (`[{"messages": [...], "tools": [...]}]`). Returns the losses.
 
     Each step's batch is run in up to `max_chunks` model calls of rows of similar lengths (`length_chunks`): the
     same loss and gradient as one padded call (the token losses are summed over the whole batch's label count), with
-    less of the compute spent on padding (`max_chunks=1`: one call).
+    less of the compute spent on padding (`max_chunks=1`: one call). With `workers > 1`, that many chunks run at
+    once, in threads of one torch thread each, with the same losses and gradients, bit for bit, as one chunk after the
+    other on one torch thread (`batch_loss`); a model with dropout draws its masks in an order that then depends on
+    timing.
 
     Example:
 
@@ -141,17 +182,22 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
     pad = tokenizer.pad_token_id
+    pool = chunk_pool(workers) if workers > 1 else None
     model.train()
     losses = []
-    for step in range(steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        loss = batch_loss(model, length_chunks(batch, max_chunks), pad)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss)
-        if on_step is not None:
-            on_step(step, loss)
+    try:
+        for step in range(steps):
+            batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+            loss = batch_loss(model, length_chunks(batch, max_chunks), pad, pool=pool)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+            if on_step is not None:
+                on_step(step, loss)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     model.eval()
     return losses

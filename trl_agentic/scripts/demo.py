@@ -90,6 +90,9 @@ class DemoSettings:
     full_batch_size: int = 16
     full_learning_rate: float = 1e-3
     warm_start_target: float = 0.25  # phase 2 stops once this success rate is reached (training-split tasks)
+    # Chunks of a warm-start batch run at once, in threads of one torch thread each: the same losses and weights, bit
+    # for bit, as one after the other (`trl_agentic.warm_start.batch_loss`), so it is not part of the cache key.
+    warm_start_workers: int = 2
     # The operand sizes of the checks' tasks (always with the target): the target alone. Checked on 1- and 2-digit
     # tasks, seed 2 stopped at 22-34% with 35-37.5% held-out (2-digit) success, its 1-digit success lagging; checked
     # on 2-digit tasks after every step, its model measured 31.0% and 38.0% in two runs (no clear change).
@@ -362,7 +365,7 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         if settings.short_steps > 0:
             warm_start(model, tokenizer, short_form_rows(demonstrations, settings.seed), steps=settings.short_steps,
                        batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
-                       seed=settings.seed, on_step=on_short_step)
+                       seed=settings.seed, on_step=on_short_step, workers=settings.warm_start_workers)
     except _TargetReached:
         pass
     finally:
@@ -399,7 +402,7 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         if settings.full_steps > 0:
             warm_start(model, tokenizer, demonstrations, steps=settings.full_steps,
                        batch_size=settings.full_batch_size, learning_rate=settings.full_learning_rate,
-                       seed=settings.seed + 1, on_step=on_full_step)
+                       seed=settings.seed + 1, on_step=on_full_step, workers=settings.warm_start_workers)
     except _TargetReached:
         pass
     finally:
