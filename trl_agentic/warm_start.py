@@ -182,6 +182,7 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
     pad = tokenizer.pad_token_id
+    threads = torch.get_num_threads()
     pool = chunk_pool(workers) if workers > 1 else None
     model.train()
     losses = []
@@ -199,5 +200,7 @@ def warm_start(
     finally:
         if pool is not None:
             pool.shutdown()
+            # the workers' set_num_threads(1) is also torch's default for threads started later: the caller's again
+            torch.set_num_threads(threads)
     model.eval()
     return losses
