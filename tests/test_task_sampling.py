@@ -121,6 +121,54 @@ def test_prefers_tasks_of_a_bucket_that_split():
     assert sum(i % 2 == 1 for i in picks) / len(picks) > 0.7
 
 
+def test_revisits_tasks_that_split_when_a_bucket_mixes_easy_and_hard_tasks():
+    # One bucket of 3000 tasks whose mean success is 0.5 but whose tasks are not alike: 40% always solved, 40%
+    # never, 20% solved half the time. A new task splits 1 time in 5 whatever the bucket's estimate says.
+    data = leveled({1: 3000})
+    kinds = random.Random(1).choices([1.0, 0.0, 0.5], weights=[0.4, 0.4, 0.2], k=3000)
+
+    def run(revisit):
+        sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, revisit=revisit, seed=4)
+        rng = random.Random(0)
+        splits = []
+        for _ in range(400):
+            index = sampler.draw_task()
+            row = data[index]
+            rewards = [float(rng.random() < kinds[index]) for _ in range(8)]
+            sampler.observe([row] * 8, rewards)
+            splits.append(len(set(rewards)) > 1)
+        return sampler, sum(splits[50:]) / len(splits[50:])
+
+    sampler, without = run(0.0)
+    assert 0.12 < without < 0.3 and sampler.groups_revisited[1] == 0
+    sampler, revisiting = run(0.5)
+    # Half of the groups go back to a task whose last group split (it splits again with 0.99): 0.5 * 0.99 + 0.5 * 0.2
+    assert 0.5 < revisiting < 0.7
+    assert 0.4 < sampler.groups_revisited[1] / sampler.groups_drawn[1] < 0.6
+    # The pool holds tasks whose last group split, and only those: here only the half-solved kind.
+    pool = sampler._split_tasks[1]
+    assert pool and all(kinds[i] == 0.5 for i in pool)
+    assert sampler.revisit_pools() == {1: len(pool)}
+
+
+def test_a_task_leaves_the_revisit_pool_once_its_group_does_not_split_and_the_pool_keeps_the_newest():
+    data = leveled({1: 10})
+    sampler = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=1, revisit=1.0, revisit_pool=2, seed=0)
+    while not {0, 1, 2, 3} <= set(sampler._index_of.values()):  # draw until tasks 0-3 have been drawn
+        sampler.draw_task()
+    for index in range(4):  # each seen to split, in this order
+        sampler.observe([data[index]] * 2, [1.0, 0.0])
+    assert list(sampler._split_tasks[1]) == [2, 3]  # the newest two
+    sampler.observe([data[2]] * 2, [1.0, 1.0])  # task 2's next group does not split: it leaves
+    assert list(sampler._split_tasks[1]) == [3]
+    # With revisit=1.0 every group now goes back to task 3 (the pool's only task).
+    assert {sampler.draw_task() for _ in range(20)} == {3}
+    # A row the sampler never drew (another dataset's, the same level) changes estimates but joins no pool.
+    foreign = {"prompt": [{"role": "user", "content": "not in the dataset"}], "difficulty": 1}
+    sampler.observe([foreign] * 2, [1.0, 0.0])
+    assert list(sampler._split_tasks[1]) == [3]
+
+
 def test_unscorable_episodes_are_left_out_of_the_estimates():
     data = leveled({1: 4, 2: 4})
     sampler = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=1, seed=0)
@@ -181,7 +229,7 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
         max_completion_length=4, task_sampling="adaptive", target_difficulty=2, target_min_share=0.25,
         target_affinity=1.0,  # both levels drawn alike until observed
         sampling_explore=0.0, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        seed=0, disable_tqdm=True, temperature=1.5, log_episodes=True,
+        seed=0, disable_tqdm=True, temperature=1.5, log_episodes=True, sampling_revisit=0.5,
     )
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
@@ -214,11 +262,13 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
             assert "sampling/target_success" not in entry
     # ... and on the target's tasks drawn for the first time, what held-out tasks are to the policy (a revisited task
     # may have been learned by heart): recomputed here from the episode log.
-    seen, expected = set(), {}
+    seen, expected, revisits = set(), {}, {}
     records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()]
     for step in sorted({r["step"] for r in records}):
         batch = [r for r in records if r["step"] == step]
         tasks = [r["episode"]["messages"][0]["content"] for r in batch]
+        firsts = tasks[::4]  # one per group of 4
+        revisits[step + 1] = sum(task in seen for task in firsts) / len(firsts)
         outcomes = [r["episode"]["metadata"]["rewards"]["level_reward"] for r, task in zip(batch, tasks)
                     if task.startswith("task 2-") and task not in seen]
         if outcomes:
@@ -227,6 +277,9 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     logged = {e["step"]: e["sampling/target_success_unseen"] for e in logs if "sampling/target_success_unseen" in e}
     assert logged == pytest.approx(expected)
     assert 1 in logged and len(logged) < len(logs)  # 3 target tasks: every target group of step 1 is new, later few
+    # The share of groups whose task was drawn before (3 tasks a level: step 1 none, later most).
+    assert {e["step"]: e["sampling/revisit_share"] for e in logs} == pytest.approx(revisits)
+    assert revisits[1] == 0.0 and revisits[4] > 0.0
     # Level 1 was observed to always succeed: its estimate rose from the 0.5 prior, and it is now rarely drawn.
     estimates = sampler.estimates()
     assert estimates[1] > 0.8 > estimates[2]

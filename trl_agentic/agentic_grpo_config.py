@@ -98,6 +98,10 @@ class AgenticGRPOConfig(GRPOConfig):
             Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
         sampling_memory (`int`, *optional*, defaults to `16`):
             Recent groups a bucket's success estimate mostly reflects.
+        sampling_revisit (`float`, *optional*, defaults to `0.0`):
+            Share of a bucket's groups that go back to a task whose last group split (a bucket's tasks are seldom
+            alike: its mean success overrates a new task's chance to split). `sampling/revisit_share` logs the share
+            of groups whose task was drawn before.
 
         > Parameters that control logging
 
@@ -176,6 +180,9 @@ class AgenticGRPOConfig(GRPOConfig):
     target_affinity: float = field(default=0.5, metadata={"help": "Weight factor per bucket away from the target."})
     sampling_explore: float = field(default=0.1, metadata={"help": "Share of groups spread evenly over buckets."})
     sampling_memory: int = field(default=16, metadata={"help": "Recent groups a bucket's estimate reflects."})
+    sampling_revisit: float = field(
+        default=0.0, metadata={"help": "Share of groups that go back to a task whose last group split."}
+    )
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
     alarms: bool = field(
         default=True, metadata={"help": "Check training metrics for reward hacking, drift, spikes, collapse."}
@@ -243,11 +250,11 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")
         if not (0 <= self.target_min_share <= 1 and 0 <= self.sampling_explore <= 1 and self.sampling_memory >= 1
-                and 0 <= self.target_affinity <= 1):
+                and 0 <= self.target_affinity <= 1 and 0 <= self.sampling_revisit <= 1):
             raise ValueError(
-                "target_min_share, target_affinity and sampling_explore must be in [0, 1] and sampling_memory >= 1; "
-                f"got {self.target_min_share}, {self.target_affinity}, {self.sampling_explore} and "
-                f"{self.sampling_memory}."
+                "target_min_share, target_affinity, sampling_explore and sampling_revisit must be in [0, 1] and "
+                f"sampling_memory >= 1; got {self.target_min_share}, {self.target_affinity}, {self.sampling_explore}, "
+                f"{self.sampling_revisit} and {self.sampling_memory}."
             )
         if self.held_out_eval_steps < 0 or self.held_out_num_samples < 1 or self.alarm_window < 1:
             raise ValueError(

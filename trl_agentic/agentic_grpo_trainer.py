@@ -205,6 +205,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 target_affinity=self.args.target_affinity,
                 explore=self.args.sampling_explore,
                 memory=self.args.sampling_memory,
+                revisit=self.args.sampling_revisit,
                 key_columns=columns,
                 seed=self.args.seed,
             )
@@ -231,6 +232,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         unseen = [key not in seen for key in keys]
         metrics = self._metrics[mode]
         metrics["sampling/split_rate"].append(group_split_rate(rewards, self.num_generations))
+        if mode == "train" and unseen:  # share of groups whose task this run had drawn before
+            firsts = unseen[:: self.num_generations]
+            metrics["sampling/revisit_share"].append(1.0 - sum(firsts) / len(firsts))
         sampler = getattr(self, "task_sampler", None)
         if column and rows and column in rows[0]:
             levels = [row[column] for row in rows]

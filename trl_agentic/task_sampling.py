@@ -13,6 +13,10 @@ seen so far:
   (and to harder ones once it is solved), and comes back as the model improves;
 - within a bucket, a few candidate tasks are drawn and one is kept in proportion to its own split probability,
   squared (tasks never seen inherit their bucket's estimate);
+- a bucket's tasks are not alike (on the demo, some two-digit products are solved by every episode, others by
+  none, while the bucket's mean sits near the middle), so a bucket's estimate overrates a new task's chance to
+  split. A `revisit` share of the groups goes back to a task whose last group split (the bucket's recently split
+  tasks, newest `revisit_pool` of them); a task leaves that pool once a group of it does not split;
 - the target difficulty is never starved (`target_min_share` of the groups at least), and every bucket keeps a small
   exploration share so that its estimate follows the model.
 
@@ -117,6 +121,9 @@ class AdaptiveTaskSampler(Sampler[int]):
         candidates: tasks drawn from the chosen bucket, of which one is kept in proportion to its split probability.
         key_columns: the columns that identify a task (`task_key`), e.g. the agent's columns and the difficulty
             column; default: every column of the dataset.
+        revisit: share of a bucket's groups that go back to a task whose last group split (when the bucket has
+            one), the others to new candidates: 0 draws every group from the whole bucket.
+        revisit_pool: how many of a bucket's recently split tasks are kept for revisits (the newest).
         seed: the sampler's RNG seed (the same on every process).
     """
 
@@ -136,17 +143,20 @@ class AdaptiveTaskSampler(Sampler[int]):
         success_threshold: float = 1.0,
         candidates: int = 8,
         key_columns: Sequence[str] | None = None,
+        revisit: float = 0.0,
+        revisit_pool: int = 256,
         seed: int = 0,
     ):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2 (a group of one never splits), got {num_generations}.")
-        if tasks_per_batch < 1 or repeat_count < 1 or candidates < 1 or memory < 1:
+        if tasks_per_batch < 1 or repeat_count < 1 or candidates < 1 or memory < 1 or revisit_pool < 1:
             raise ValueError(
-                "tasks_per_batch, repeat_count, candidates and memory must be >= 1; got "
-                f"{tasks_per_batch}, {repeat_count}, {candidates} and {memory}."
+                "tasks_per_batch, repeat_count, candidates, memory and revisit_pool must be >= 1; got "
+                f"{tasks_per_batch}, {repeat_count}, {candidates}, {memory} and {revisit_pool}."
             )
         for name, value in (("target_min_share", target_min_share), ("explore", explore),
-                            ("prior_success", prior_success), ("target_affinity", target_affinity)):
+                            ("prior_success", prior_success), ("target_affinity", target_affinity),
+                            ("revisit", revisit)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if len(dataset) == 0:
@@ -162,6 +172,8 @@ class AdaptiveTaskSampler(Sampler[int]):
         self.prior_success = prior_success
         self.success_threshold = success_threshold
         self.candidates = candidates
+        self.revisit = revisit
+        self.revisit_pool = revisit_pool
         self.seed = seed
         self._rng = random.Random(seed)
 
@@ -196,6 +208,11 @@ class AdaptiveTaskSampler(Sampler[int]):
         self._bucket_estimates = {level: _Estimate() for level in self.buckets}
         self._task_estimates: dict[str, _Estimate] = {}
         self.groups_drawn = {level: 0 for level in self.buckets}
+        self.groups_revisited = {level: 0 for level in self.buckets}
+        # Per bucket, the tasks whose last group split (index -> None, oldest first), and the index of every task
+        # drawn so far by its key (observe gets rows, revisits need indices).
+        self._split_tasks: dict[Any, dict[int, None]] = {level: {} for level in self.buckets}
+        self._index_of: dict[str, int] = {}
 
     # Estimates
 
@@ -249,6 +266,19 @@ class AdaptiveTaskSampler(Sampler[int]):
             # Decay per group: a bucket's estimate follows its last `memory` groups.
             self._bucket_estimates[level].update(outcomes, self.decay)
             self._task_estimates.setdefault(key, _Estimate()).update(outcomes, 1.0)
+            index = self._index_of.get(key)
+            if index is None:
+                continue  # not drawn by this sampler (e.g. a row of another dataset at the same level)
+            pool = self._split_tasks[level]
+            pool.pop(index, None)
+            if len(set(outcomes)) > 1:  # it split: to the end of the pool (the newest)
+                pool[index] = None
+                if len(pool) > self.revisit_pool:
+                    del pool[next(iter(pool))]
+
+    def revisit_pools(self) -> dict[Any, int]:
+        """How many tasks of each bucket can be revisited (their last group split)."""
+        return {level: len(pool) for level, pool in self._split_tasks.items()}
 
     # Sampling
 
@@ -258,14 +288,22 @@ class AdaptiveTaskSampler(Sampler[int]):
         levels = list(probs)
         level = self._rng.choices(levels, weights=[probs[lv] for lv in levels])[0]
         self.groups_drawn[level] += 1
-        pool = self.buckets[level]
+        split = self._split_tasks[level]
+        if split and self.revisit > 0 and self._rng.random() < self.revisit:
+            self.groups_revisited[level] += 1
+            pool = list(split)
+        else:
+            pool = self.buckets[level]
         candidates = [pool[self._rng.randrange(len(pool))] for _ in range(min(self.candidates, len(pool)))]
         if len(candidates) == 1:
-            return candidates[0]
-        # Squared: a task seen to split is clearly preferred over one seen to be always solved (or never).
-        weights = [split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3
-                   for i in candidates]
-        return self._rng.choices(candidates, weights=weights)[0]
+            index = candidates[0]
+        else:
+            # Squared: a task seen to split is clearly preferred over one seen to be always solved (or never).
+            weights = [split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3
+                       for i in candidates]
+            index = self._rng.choices(candidates, weights=weights)[0]
+        self._index_of[self._key(self.dataset[index])] = index
+        return index
 
     def __iter__(self) -> Iterator[int]:
         for _ in range(len(self.dataset) // self.tasks_per_batch or 1):

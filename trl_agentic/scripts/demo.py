@@ -75,6 +75,9 @@ class DemoSettings:
     # Easier operands only while the target's groups do not split: on seeds 1-4 at 0.5, a third of the groups went to
     # 1-digit tasks while the target split, and 1-digit success rose while 2-digit success stalled or fell.
     target_affinity: float = 0.1
+    # A two-digit bucket's tasks are not alike (some products every episode gets right, some none), so half of the
+    # groups go back to a task whose last group split (`AdaptiveTaskSampler(revisit=)`); 0: every group a new draw.
+    sampling_revisit: float = 0.5
     # Model
     hidden_size: int = 128
     num_layers: int = 2
@@ -634,6 +637,7 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
         target_difficulty=settings.digits,
         target_min_share=settings.target_min_share,
         target_affinity=settings.target_affinity,
+        sampling_revisit=settings.sampling_revisit,
     )
 
 
