@@ -188,6 +188,12 @@ def test_config_errors_say_how_to_fix():
         AdaptiveTaskSampler(leveled({1: 2}), 1, 1)
     with pytest.raises(ValueError, match="target_affinity"):
         AdaptiveTaskSampler(leveled({1: 2}), 2, 1, target_affinity=1.5)
+    with pytest.raises(ValueError, match="revisit"):
+        AdaptiveTaskSampler(leveled({1: 2}), 2, 1, revisit=-0.1)
+    with pytest.raises(ValueError, match="revisit_pool"):
+        AdaptiveTaskSampler(leveled({1: 2}), 2, 1, revisit_pool=0)
+    with pytest.raises(ValueError, match="sampling_revisit must be in"):
+        AgenticGRPOConfig(output_dir="unused", use_cpu=True, sampling_revisit=2.0)
     with pytest.raises(ValueError, match="task_sampling"):
         AgenticGRPOConfig(output_dir="unused", use_cpu=True, task_sampling="curriculum")
 

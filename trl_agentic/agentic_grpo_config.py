@@ -98,7 +98,7 @@ class AgenticGRPOConfig(GRPOConfig):
             Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
         sampling_memory (`int`, *optional*, defaults to `16`):
             Recent groups a bucket's success estimate mostly reflects.
-        sampling_revisit (`float`, *optional*, defaults to `0.0`):
+        sampling_revisit (`float`, *optional*, defaults to `0.5`):
             Share of a bucket's groups that go back to a task whose last group split (a bucket's tasks are seldom
             alike: its mean success overrates a new task's chance to split). `sampling/revisit_share` logs the share
             of groups whose task was drawn before.
@@ -181,7 +181,7 @@ class AgenticGRPOConfig(GRPOConfig):
     sampling_explore: float = field(default=0.1, metadata={"help": "Share of groups spread evenly over buckets."})
     sampling_memory: int = field(default=16, metadata={"help": "Recent groups a bucket's estimate reflects."})
     sampling_revisit: float = field(
-        default=0.0, metadata={"help": "Share of groups that go back to a task whose last group split."}
+        default=0.5, metadata={"help": "Share of groups that go back to a task whose last group split."}
     )
     log_episodes: bool = field(default=False, metadata={"help": "Write every episode as JSONL under output_dir."})
     alarms: bool = field(

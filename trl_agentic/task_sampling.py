@@ -143,7 +143,7 @@ class AdaptiveTaskSampler(Sampler[int]):
         success_threshold: float = 1.0,
         candidates: int = 8,
         key_columns: Sequence[str] | None = None,
-        revisit: float = 0.0,
+        revisit: float = 0.5,
         revisit_pool: int = 256,
         seed: int = 0,
     ):
