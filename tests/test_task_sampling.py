@@ -106,6 +106,13 @@ def test_the_target_is_preferred_while_its_groups_split():
     # ...and while the target is out of reach, its easier neighbour takes over (the target keeps its floor).
     out = shares({1: 0.5, 2: 0.0, 3: 0.0}, affinity=0.5)
     assert out[1] > 0.6 and 0.2 <= out[2] <= 0.35
+    # A strong affinity (0.1) keeps the groups on the target while it splits...
+    strong = shares({1: 0.5, 2: 0.5, 3: 0.0}, affinity=0.1)
+    assert strong[2] > 0.8 and strong[1] < 0.12
+    # ...and once the target is solved (0.97: 22% of its groups split), the groups go where they still split, the
+    # target keeping its floor. (With the affinity fixed at 0.1, the target would keep ~65%: split rate ~0.45.)
+    solved = shares({1: 0.5, 2: 0.97, 3: 0.0}, affinity=0.1)
+    assert solved[1] > 0.55 and 0.2 <= solved[2] <= 0.4
 
 
 def test_prefers_tasks_of_a_bucket_that_split():

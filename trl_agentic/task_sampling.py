@@ -8,9 +8,11 @@ seen so far:
 - it keeps a running success estimate per difficulty bucket (a dataset column, e.g. the calculator's operand
   `digits`) and per task, updated from every scored group (`observe`);
 - a group of G episodes with success probability p splits with probability `1 - p^G - (1 - p)^G`, highest at
-  p = 0.5; buckets are drawn in proportion to it, times `target_affinity` per bucket between it and the target, so
-  the sampler stays on the target while its groups split, moves to easier buckets while the target is out of reach
-  (and to harder ones once it is solved), and comes back as the model improves;
+  p = 0.5; buckets are drawn in proportion to it, times an affinity per bucket between it and the target:
+  `target_affinity` while the target's groups split, rising towards 1 as they stop splitting (`1 -` the target's
+  split probability, when larger). So the sampler stays on the target while its groups split, moves to easier
+  buckets while the target is out of reach (and to harder or easier ones once it is solved, whichever still
+  split), and comes back as the model improves;
 - within a bucket, a few candidate tasks are drawn and one is kept in proportion to its own split probability,
   squared (tasks never seen inherit their bucket's estimate);
 - a bucket's tasks are not alike (on the demo, some two-digit products are solved by every episode, others by
@@ -110,8 +112,9 @@ class AdaptiveTaskSampler(Sampler[int]):
             `None`: the hardest bucket.
         target_min_share: least share of groups drawn from the target bucket(s).
         target_affinity: a bucket's weight is multiplied by this for each bucket between it and the nearest target
-            (1.0: split probability alone; 0.5: a bucket next to the target needs twice its split probability to be
-            drawn as often).
+            while the target's groups split (1.0: split probability alone; 0.5: a bucket next to the target needs
+            twice its split probability to be drawn as often); as the target's split probability p falls (solved
+            or out of reach), the factor rises to `1 - p` when that is larger.
         explore: share of groups spread evenly over all buckets whatever their estimate, so that an estimate
             follows the model (a bucket out of reach today is tried again).
         memory: how many recent groups of a bucket its estimate mostly reflects (older ones decay by
@@ -224,8 +227,11 @@ class AdaptiveTaskSampler(Sampler[int]):
         """The probability that the next group is drawn from each bucket."""
         levels = list(self.buckets)
         estimates = self.estimates()
-        weights = {level: split_probability(estimates[level], self.num_generations)
-                   * self.target_affinity ** self._distance[level] for level in levels}
+        splits = {level: split_probability(estimates[level], self.num_generations) for level in levels}
+        # Away from the target, a bucket's weight is cut by `target_affinity` per bucket between them while the
+        # target's groups split, and by less as they stop splitting (solved or out of reach): 1 - its split chance.
+        affinity = max(self.target_affinity, 1.0 - max(splits[t] for t in self.targets))
+        weights = {level: splits[level] * affinity ** self._distance[level] for level in levels}
         total = sum(weights.values())
         if total <= 0:  # nothing is expected to split: spread evenly and let the estimates move
             weights, total = {level: 1.0 for level in levels}, float(len(levels))
