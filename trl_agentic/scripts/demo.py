@@ -111,6 +111,8 @@ class DemoSettings:
     max_turns: int = 4  # model calls per episode
     # GRPO
     steps: int = 200
+    # The GRPO rollouts' sampling temperature (None: `temperature`, the held-out evaluation's and the warm start's).
+    grpo_temperature: float | None = None
     # Optimisation (issue 13's seeds x arms study, benchmarks/seeds_arms_study.py): at a constant 4e-4 with no warmup,
     # Adam's first steps move every parameter by ~lr whatever its gradient and both arms collapsed on some seeds.
     # Issue 11's probes (docs/demo_history.md): a linear decay from a 3e-4 peak collapsed seed 0 for ~50 steps
@@ -613,7 +615,7 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
         per_device_train_batch_size=settings.num_generations * settings.tasks_per_step,
         gradient_accumulation_steps=1,
         beta=settings.beta,
-        temperature=settings.temperature,
+        temperature=settings.temperature if settings.grpo_temperature is None else settings.grpo_temperature,
         max_completion_length=settings.max_completion_length,
         mask_truncated_completions=settings.mask_truncated_completions,
         max_turns=settings.max_turns,
@@ -769,6 +771,8 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             value = tuple(v.strip() for v in raw.split(",") if v.strip())
         elif isinstance(current, bool):
             value = raw.lower() in ("1", "true", "yes")
+        elif current is None:  # the optional numbers (grpo_temperature)
+            value = None if raw.lower() == "none" else float(raw)
         else:
             value = type(current)(raw)
         settings = dataclasses.replace(settings, **{name: value})
