@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -57,6 +58,14 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     assert logged_held_out[1] == summary["before"]["success"]  # step 0's value arrives with the first log
     assert logged_held_out[steps[-1]] == summary["after"]["success"]
     assert summary["alarms"] == json.loads((output_dir / "grpo" / "alarms.json").read_text())["alarms"]
+    # GRPO's episodes are sampled at grpo_temperature (recorded per call by the endpoint); the held-out evaluation and
+    # the printed eval/serve commands use `temperature`.
+    settings = summary["settings"]
+    assert settings["grpo_temperature"] == 1.2 and settings["temperature"] == 1.0
+    records = [json.loads(line) for line in Path(summary["episode_log"]).read_text().splitlines()]
+    used = {turn["sampling"]["temperature"] for record in records for turn in record["episode"]["turns"]}
+    assert used == {1.2}
+    assert "--temperature 1.0" in " ".join(summary["commands"].values())
     assert "split_rate" in summary and "alarms:" in result.stdout
 
     plots = {os.path.basename(p) for p in summary["plots"]}
@@ -310,3 +319,11 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     # a run shorter than warmup + decay (--smoke) keeps a valid schedule: the decay is cut to what is left
     short = grpo_config(DemoSettings(decay_steps=decay_steps, steps=20), tmp_path)
     assert short.get_warmup_steps(20) == 20 and short.lr_scheduler_type.value == "constant_with_warmup"
+
+
+def test_demo_set_parses_the_optional_grpo_temperature():
+    from trl_agentic.scripts.demo import parse_args, settings_from_args
+
+    assert settings_from_args(parse_args([])).grpo_temperature == 1.2
+    assert settings_from_args(parse_args(["--set", "grpo_temperature=1.5"])).grpo_temperature == 1.5
+    assert settings_from_args(parse_args(["--set", "grpo_temperature=none"])).grpo_temperature is None

@@ -774,7 +774,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             value = tuple(v.strip() for v in raw.split(",") if v.strip())
         elif isinstance(current, bool):
             value = raw.lower() in ("1", "true", "yes")
-        elif current is None:  # the optional numbers (grpo_temperature)
+        elif "None" in str(types[name]):  # the optional numbers (grpo_temperature): a float or "none"
             value = None if raw.lower() == "none" else float(raw)
         else:
             value = type(current)(raw)
