@@ -275,9 +275,11 @@ def tasks(start, n):
 def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), max_steps=12, learning_rate=5e-2,  # a big lr: the tiny model games it in ~8 steps
+        # A big lr: the tiny model games it in ~8-15 steps. With 12 steps, 3 of 12 seeds had not yet gamed it (one CI
+        # run failed so); with 20, the alarm fired on 12 of 12 seeds.
+        output_dir=str(tmp_path), max_steps=20, learning_rate=5e-2,
         num_generations=4, per_device_train_batch_size=8, max_completion_length=8,  # 2 tasks x 4 episodes per step
-        held_out_eval_steps=4, alarm_window=3,  # held-out at steps 0, 4, 8, 12; 3-step means
+        held_out_eval_steps=5, alarm_window=3,  # held-out at steps 0, 5, 10, 15, 20; 3-step means
         use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
     )
     trainer = AgenticGRPOTrainer(
@@ -297,15 +299,15 @@ def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path
     # The TRL metric names the detectors read (a rename in TRL would silence them).
     assert {"reward", "frac_reward_zero_std", "entropy", "episodes/sampled_tokens_mean", "episodes/turns_mean",
             "episodes/malformed_tool_calls_mean", "episodes/status_ok"} <= logs[0].keys()
-    assert logs[-1]["reward"] - logs[0]["reward"] > 0.5  # the training reward was gamed...
+    assert max(entry["reward"] for entry in logs) - logs[0]["reward"] > 0.5  # the training reward was gamed...
     held_out = {step: value for step, value in trainer.alarms_callback.history["held_out/success"]}
-    assert dict(trainer.alarms_callback.history["held_out/episodes"]) == {0: 4.0, 4: 4.0, 8: 4.0, 12: 4.0}
-    assert sorted(held_out) == [0, 4, 8, 12] and set(held_out.values()) == {0.0}  # ...held-out success was not
+    assert dict(trainer.alarms_callback.history["held_out/episodes"]) == {0: 4.0, 5: 4.0, 10: 4.0, 15: 4.0, 20: 4.0}
+    assert sorted(held_out) == [0, 5, 10, 15, 20] and set(held_out.values()) == {0.0}  # ...held-out success was not
     # Logged with the step's metrics (the evaluation before training arrives with the first log).
     assert {entry["step"]: entry["held_out/success"] for entry in logs if "held_out/success" in entry} == {
-        1: 0.0, 4: 0.0, 8: 0.0, 12: 0.0}
+        1: 0.0, 5: 0.0, 10: 0.0, 15: 0.0, 20: 0.0}
     fired = {alarm["name"]: alarm for alarm in trainer.alarms}
-    assert "reward_hacking" in fired and fired["reward_hacking"]["step"] in (4, 8, 12)
+    assert "reward_hacking" in fired and fired["reward_hacking"]["step"] in (5, 10, 15, 20)
     assert logs[-1]["alarms/reward_hacking"] == 1.0 and logs[0]["alarms/reward_hacking"] == 0.0
     summary = json.loads((tmp_path / "alarms.json").read_text())
     assert [a["name"] for a in summary["alarms"]] == [a["name"] for a in trainer.alarms]
