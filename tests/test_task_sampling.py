@@ -299,3 +299,39 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     assert logs[-1]["sampling/estimate/1"] == pytest.approx(estimates[1])
     assert sampler.bucket_probabilities()[2] > 0.6
     assert sum(sampler.groups_drawn.values()) >= 4 * 2  # 2 tasks per step (plus what the dataloader prefetched)
+
+
+def test_metrics_mode_waits_for_the_engine_to_hand_the_model_back(tmp_path):
+    """The embedded engine puts the shared model in eval mode around each forward; a rollout's last decode step can
+    still hold it when every episode has been answered. The trainer's post-rollout metrics must still be filed under
+    "train" (a CI run logged a training step without its `engine/*` metrics)."""
+    import threading
+    import time
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    args = AgenticGRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=2, per_device_train_batch_size=2,
+                             use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
+        args=args, train_dataset=leveled({1: 2, 2: 2}), processing_class=tokenizer,
+    )
+    try:
+        trainer.model.train()
+        entered, release = threading.Event(), threading.Event()
+
+        def decode_step():  # what the engine's worker does around one forward
+            with trainer.engine._using_model():
+                entered.set()
+                release.wait(5)
+
+        worker = threading.Thread(target=decode_step)
+        worker.start()
+        entered.wait(5)
+        assert not trainer.model.training  # mid-step: an unlocked read would say "eval"
+        threading.Timer(0.2, release.set).start()
+        started = time.monotonic()
+        assert trainer._mode() == "train"
+        assert time.monotonic() - started >= 0.1  # it waited for the step to end
+        worker.join()
+    finally:
+        trainer.close()

@@ -13,6 +13,7 @@ TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (com
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter
@@ -211,10 +212,19 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
         return self.task_sampler
 
+    def _mode(self) -> str:
+        """`"train"` or `"eval"`, read under the embedded engine's model lock: the engine puts the shared model in eval
+        mode around each forward, and its last decode step may still be running when a rollout's episodes have all
+        been answered, so an unlocked read could file a training step's metrics under "eval" (seen in CI: a log
+        without its `engine/*` metrics)."""
+        lock = getattr(self.engine, "model_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            return "train" if self.model.training else "eval"
+
     def _observe_tasks(self, inputs: list[dict], episodes: list[Episode]) -> None:
         """Log the `sampling/*` metrics of this batch and feed the adaptive sampler (every rank sees every result, so
         every rank's sampler draws the same next tasks)."""
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode()
         column = self.args.difficulty_column
         weights = self.reward_weights.tolist()
         local = []
@@ -306,7 +316,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 ),
             ).result()
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
-            mode = "train" if self.model.training else "eval"
+            mode = self._mode()
             self._metrics[mode]["engine/decode_occupancy"].append(stats.decode_occupancy)
             self._metrics[mode]["engine/mean_decode_batch"].append(stats.mean_decode_batch)
             prompt_tokens = stats.reused_tokens + stats.prefilled_tokens
@@ -547,7 +557,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
     # Metrics and episode logs
 
     def _log_episodes(self, episodes: list[Episode], rows_results, advantages: torch.Tensor) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode()
         device = self.accelerator.device
         per_episode = {
             "turns": [len(ep.turns) for ep in episodes],
