@@ -92,8 +92,9 @@ class AgenticGRPOConfig(GRPOConfig):
         target_min_share (`float`, *optional*, defaults to `0.25`):
             Least share of groups drawn from the target difficulty.
         target_affinity (`float`, *optional*, defaults to `0.5`):
-            A bucket's draw weight (its split probability) is multiplied by this per bucket between it and the target:
-            the target is preferred while its groups split, neighbours take over while it is out of reach.
+            A bucket's draw weight (its split probability) is multiplied by this per bucket between it and the target
+            while the target's groups split; as they stop splitting (solved or out of reach) the factor rises to
+            `1 -` the target's split probability, so neighbours that still split take over.
         sampling_explore (`float`, *optional*, defaults to `0.1`):
             Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
         sampling_memory (`int`, *optional*, defaults to `16`):
