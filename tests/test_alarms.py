@@ -161,6 +161,52 @@ def test_malformed_tool_call_and_unscorable_spikes():
     assert names(blip) == []
 
 
+def by_level_history(steps: int, rates: dict, shares) -> dict:
+    """Per-level malformed-call metrics as the trainer logs them (`sampling/model_calls/<level>`, model calls at that
+    level in the step, and `sampling/malformed_rate/<level>`) and the overall ones they add up to, 64 episodes of 2
+    calls a step. `rates(step)`/`shares(step)`: {level: malformed calls per call}, {level: share of episodes}."""
+    history: dict[str, list] = {"reward": [], "episodes/turns_mean": [], "episodes/malformed_tool_calls_mean": []}
+    for step in range(1, steps + 1):
+        calls = {level: 128 * share for level, share in shares(step).items() if share}
+        malformed = sum(calls[level] * rates(step)[level] for level in calls)
+        history["reward"].append((step, 0.5))
+        history["episodes/turns_mean"].append((step, 2.0))
+        history["episodes/malformed_tool_calls_mean"].append((step, malformed / 64))
+        for level, count in calls.items():
+            history.setdefault(f"sampling/model_calls/{level}", []).append((step, count))
+            history.setdefault(f"sampling/malformed_rate/{level}", []).append((step, rates(step)[level]))
+    return history
+
+
+def test_malformed_tool_calls_compares_like_with_like_across_difficulties():
+    # An adaptive sampler moves the mix: at 3 digits the policy writes a broken call one time in two, at 2 digits one
+    # in twenty, and neither rate moves. Over the last 5 steps the sampler draws 3-digit tasks 30% of the time instead
+    # of 5%: the pooled rate rises 0.07 -> 0.19, but at every difficulty the policy writes calls as well as before.
+    steady = {2: 0.05, 3: 0.5}
+    moved = by_level_history(30, lambda step: steady,
+                             lambda step: {2: 0.7, 3: 0.3} if step > 25 else {2: 0.95, 3: 0.05})
+    without_levels = {k: v for k, v in moved.items() if not k.startswith("sampling/")}
+    assert names(without_levels) == ["malformed_tool_calls"]  # pooled: the mix looks like a breakage
+    assert names(moved) == []
+    # The policy breaks at one difficulty (2-digit calls 0.05 -> 0.25 of calls) at an unchanged mix: it fires, and the
+    # evidence compares the rate seen with the one expected from each difficulty's earlier rate.
+    broken = by_level_history(30, lambda step: {2: 0.25 if step > 25 else 0.05, 3: 0.5},
+                              lambda step: {2: 0.9, 3: 0.1})
+    alarms = check_alarms(broken)
+    assert [a.name for a in alarms] == ["malformed_tool_calls"]
+    assert alarms[0].evidence == pytest.approx({"before": 0.9 * 0.05 + 0.1 * 0.5, "after": 0.9 * 0.25 + 0.1 * 0.5})
+    assert "at each difficulty" in alarms[0].message
+    # A breakage at a difficulty that is a small share of the calls fires once it moves the whole rate by `spike`.
+    small = by_level_history(30, lambda step: {2: 0.05, 3: 0.5 if step <= 25 else 1.0},
+                             lambda step: {2: 0.85, 3: 0.15})
+    assert names(small) == []  # +0.075 of all calls
+    assert names(small, AlarmSettings(spike=0.05)) == ["malformed_tool_calls"]
+    # A difficulty first drawn in the last steps has no earlier rate to compare with: its calls are left out.
+    new_level = by_level_history(30, lambda step: {2: 0.05, 3: 0.9},
+                                 lambda step: {2: 0.6, 3: 0.4} if step > 25 else {2: 1.0, 3: 0.0})
+    assert names(new_level) == []
+
+
 def test_entropy_collapse():
     history = healthy_history()
     collapsed = with_series(history, "entropy", lambda step, value: value * 0.05 if step > 60 else value)

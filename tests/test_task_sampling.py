@@ -287,6 +287,16 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
         if outcomes:
             expected[step + 1] = sum(outcomes) / len(outcomes)
         seen.update(tasks)
+    # Model calls and malformed calls per level, what `malformed_tool_calls` compares at the same mix of levels.
+    for entry in logs:
+        batch = [r for r in records if r["step"] + 1 == entry["step"]]
+        for level in (1, 2):
+            turns = [t for r in batch if r["episode"]["messages"][0]["content"].startswith(f"task {level}-")
+                     for t in r["episode"]["turns"]]
+            assert entry.get(f"sampling/model_calls/{level}", 0.0) == len(turns)
+            if turns:
+                assert entry[f"sampling/malformed_rate/{level}"] == sum(t["malformed_tool_call"] for t in turns) / len(
+                    turns)
     logged = {e["step"]: e["sampling/target_success_unseen"] for e in logs if "sampling/target_success_unseen" in e}
     assert logged == pytest.approx(expected)
     assert 1 in logged and len(logged) < len(logs)  # 3 target tasks: every target group of step 1 is new, later few

@@ -232,9 +232,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             scores = list((episode.metadata.get("rewards") or {}).values())
             scored = [w * v for w, v in zip(weights, scores, strict=False) if v is not None]
             keep = {c: example.get(c) for c in (*self.args.agent_columns, column) if c and c in example}
-            local.append((keep, sum(scored) if scored else None))
+            local.append((keep, sum(scored) if scored else None, len(episode.turns), episode.num_malformed_tool_calls))
         gathered = gather_object(local)
-        rows, rewards = [r for r, _ in gathered], [v for _, v in gathered]
+        rows, rewards = [g[0] for g in gathered], [g[1] for g in gathered]
         keys = [json_text(row) for row in rows]
         # Tasks not drawn before in this run: to the policy what held-out tasks are (a revisited task may have been
         # learned by heart; on the demo, late in training, 0.56 success on revisits against 0.43 on first visits).
@@ -255,6 +255,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     outcomes = [float(r >= threshold) for lv, r in zip(levels, rewards, strict=True)
                                 if lv == level and r is not None]
                     metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
+                    # What `malformed_tool_calls` compares at the same mix of difficulties: model calls at this level
+                    # in the step (a count) and the share of them with a malformed tool call.
+                    calls = sum(g[2] for lv, g in zip(levels, gathered, strict=True) if lv == level)
+                    metrics[f"sampling/model_calls/{level:g}"].append(float(calls))
+                    if calls:
+                        malformed = sum(g[3] for lv, g in zip(levels, gathered, strict=True) if lv == level)
+                        metrics[f"sampling/malformed_rate/{level:g}"].append(malformed / calls)
                     if outcomes:
                         metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
                         if level in self._target_levels():  # what the reward_hacking alarm holds to held-out

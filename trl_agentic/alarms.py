@@ -12,7 +12,9 @@ cannot tell learning from gaming, so a run is watched for six patterns, each a p
 - `length_drift`: sampled tokens or turns per episode grew by `length_growth` (relative) while the reward did not
   rise by `reward_rise`.
 - `malformed_tool_calls` / `unscorable_episodes`: the share of model calls with a malformed tool call, or of episodes
-  that could not be scored (or failed), rose by `spike` over its earlier level.
+  that could not be scored (or failed), rose by `spike` over its earlier level. With a difficulty column, malformed
+  calls are compared at the same mix of difficulties (an adaptive sampler moving to tasks where the policy writes
+  broken calls more often is not the policy breaking; [`malformed_spike`]).
 - `entropy_collapse`: mean token entropy fell below `entropy_ratio` x its level at the start of training.
 - `low_split_rate`: the split rate (groups whose rewards differ, `1 - frac_reward_zero_std`) stayed below
   `min_split_rate`: most groups give GRPO nothing to learn from.
@@ -262,6 +264,60 @@ def spike(series: Series, *, name: str, what: str, window: int = 10, spike: floa
         {"before": baseline, "after": recent})
 
 
+_pooled_spike = spike  # `malformed_spike`'s `spike` argument is the threshold, as in every detector
+
+
+def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float]]] | None = None, *,
+                    window: int = 10, spike: float = 0.1, min_calls: int = 20) -> Alarm | None:
+    """`malformed_tool_calls`: malformed tool calls per model call rising by `spike`, compared like with like.
+
+    An adaptive sampler moves the mix of difficulties, and a policy writes broken calls more often on some (on the CPU
+    demo, 3-digit tasks: 25-100% of calls against 2-5% at the target): the pooled rate then rises with no change in
+    the policy. With per-difficulty counts (`by_level`: step -> {level: (model calls, malformed calls)}, from the
+    trainer's `sampling/model_calls/<level>` and `sampling/malformed_rate/<level>`), the last `window // 2` logged
+    steps' rate is held against the rate expected at their own mix from each difficulty's rate before them. A
+    difficulty with fewer than `min_calls` earlier calls has no rate to expect and is left out. Without them (no
+    difficulty column), the pooled `rate` series ([`spike`]).
+
+    Example:
+
+    ```python
+    >>> steady = {s: {2: (90, 4.5), 3: (10, 5.0)} for s in range(1, 21)}  # 5% and 50% of calls
+    >>> moved = {s: {2: (50, 2.5), 3: (50, 25.0)} for s in range(21, 26)}  # more 3-digit tasks, same rates
+    >>> malformed_spike([], {**steady, **moved}) is None
+    True
+    ```
+    """
+    if not by_level:
+        return _pooled_spike(rate, name="malformed_tool_calls", what="malformed tool calls per model call",
+                             window=window, spike=spike)
+    recent_size = max(1, window // 2)
+    steps = sorted(by_level)
+    if len(steps) < 2 * recent_size:
+        return None
+    earlier: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for step in steps[:-recent_size]:
+        for level, (calls, malformed) in by_level[step].items():
+            earlier[level][0] += calls
+            earlier[level][1] += malformed
+    seen = expected = calls_seen = 0.0
+    for step in steps[-recent_size:]:
+        for level, (calls, malformed) in by_level[step].items():
+            past_calls, past_malformed = earlier.get(level, (0.0, 0.0))
+            if past_calls >= min_calls:
+                seen += malformed
+                expected += calls * past_malformed / past_calls
+                calls_seen += calls
+    if not calls_seen or (seen - expected) / calls_seen < spike:
+        return None
+    after, before = seen / calls_seen, expected / calls_seen
+    return Alarm("malformed_tool_calls", steps[-1], (
+        f"malformed tool calls per model call rose to {after:.1%} over the last {recent_size} logged steps, against "
+        f"{before:.1%} expected at their mix of difficulties from the rate at each difficulty before: read the latest "
+        "episodes (`trl-agentic inspect <output_dir>`) for what broke."),
+        {"before": before, "after": after})
+
+
 def entropy_collapse(entropy: Series, *, window: int = 10, entropy_ratio: float = 0.1) -> Alarm | None:
     """Mean token entropy of the last `window` points below `entropy_ratio` x its mean over the first `window`.
 
@@ -323,6 +379,22 @@ def _training_success(series: dict[str, Series]) -> tuple[Series, str]:
     return series["reward"], "training reward"
 
 
+def _malformed_by_level(history: History) -> dict[int, dict[Any, tuple[float, float]]]:
+    """step -> {level: (model calls, malformed calls)} from `sampling/model_calls/<level>` and
+    `sampling/malformed_rate/<level>` (empty without a difficulty column)."""
+    by_level: dict[int, dict[Any, tuple[float, float]]] = defaultdict(dict)
+    prefix = "sampling/model_calls/"
+    for name, points in history.items():
+        if not name.startswith(prefix):
+            continue
+        level = name[len(prefix):]
+        rates = dict(history.get(f"sampling/malformed_rate/{level}", []))
+        for step, calls in points:
+            if step in rates:
+                by_level[step][level] = (calls, calls * rates[step])
+    return dict(by_level)
+
+
 def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     """The series the detectors read, from logged metrics (TRL's and the trainer's `episodes/*`):
 
@@ -330,7 +402,8 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     first time, `sampling/target_success_unseen`), `held_out_success` (`held_out/success`),
     `held_out_episodes` (`held_out/episodes`), `split_rate` (`1 - frac_reward_zero_std`), `sampled_tokens`
     (`episodes/sampled_tokens_mean`, else TRL's `completions/mean_length`), `turns` (`episodes/turns_mean`),
-    `malformed_rate` (malformed tool calls per model call), `unscorable` (`episodes/unscorable` when logged, else the
+    `malformed_rate` (malformed tool calls per model call), `malformed_by_level` (step -> {difficulty: (model calls,
+    malformed calls)}, from `sampling/model_calls/<level>` and `sampling/malformed_rate/<level>`), `unscorable` (`episodes/unscorable` when logged, else the
     share of episodes that did not end `ok`, which are unscorable unless a checker scores failures) and `entropy`.
     """
     get = lambda name: list(history.get(name, []))  # noqa: E731
@@ -346,6 +419,7 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
         "sampled_tokens": get("episodes/sampled_tokens_mean") or get("completions/mean_length"),
         "turns": get("episodes/turns_mean"),
         "malformed_rate": [(s, v / turns[s]) for s, v in get("episodes/malformed_tool_calls_mean") if turns.get(s)],
+        "malformed_by_level": _malformed_by_level(history),
         "unscorable": unscorable,
         "entropy": get("entropy"),
     }
@@ -376,8 +450,7 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
                      reward_rise=settings.reward_rise)
         or length_drift(series["turns"], series["reward"], window=window, length_growth=settings.length_growth,
                         reward_rise=settings.reward_rise, what="turns per episode"),
-        spike(series["malformed_rate"], name="malformed_tool_calls", what="malformed tool calls per model call",
-              window=window, spike=settings.spike),
+        malformed_spike(series["malformed_rate"], series["malformed_by_level"], window=window, spike=settings.spike),
         spike(series["unscorable"], name="unscorable_episodes", what="unscorable or failed episodes",
               window=window, spike=settings.spike),
         entropy_collapse(series["entropy"], window=window, entropy_ratio=settings.entropy_ratio),
