@@ -161,50 +161,63 @@ def test_malformed_tool_call_and_unscorable_spikes():
     assert names(blip) == []
 
 
-def by_level_history(steps: int, rates: dict, shares) -> dict:
+def by_level_history(steps: int, rates, shares) -> dict:
     """Per-level malformed-call metrics as the trainer logs them (`sampling/model_calls/<level>`, model calls at that
-    level in the step, and `sampling/malformed_rate/<level>`) and the overall ones they add up to, 64 episodes of 2
-    calls a step. `rates(step)`/`shares(step)`: {level: malformed calls per call}, {level: share of episodes}."""
+    level in the step, `sampling/malformed_rate/<level>` and `sampling/groups/<level>`) and the overall ones they add
+    up to: 8 groups of 8 episodes of 2 calls a step. `rates(step)`/`shares(step)`: {level: malformed calls per call},
+    {level: share of the groups}."""
     history: dict[str, list] = {"reward": [], "episodes/turns_mean": [], "episodes/malformed_tool_calls_mean": []}
     for step in range(1, steps + 1):
-        calls = {level: 128 * share for level, share in shares(step).items() if share}
-        malformed = sum(calls[level] * rates(step)[level] for level in calls)
+        groups = {level: 8 * share for level, share in shares(step).items() if share}
+        malformed = sum(16 * groups[level] * rates(step)[level] for level in groups)
         history["reward"].append((step, 0.5))
         history["episodes/turns_mean"].append((step, 2.0))
         history["episodes/malformed_tool_calls_mean"].append((step, malformed / 64))
-        for level, count in calls.items():
-            history.setdefault(f"sampling/model_calls/{level}", []).append((step, count))
+        for level, count in groups.items():
+            history.setdefault(f"sampling/model_calls/{level}", []).append((step, 16 * count))
             history.setdefault(f"sampling/malformed_rate/{level}", []).append((step, rates(step)[level]))
+            history.setdefault(f"sampling/groups/{level}", []).append((step, count))
     return history
 
 
 def test_malformed_tool_calls_compares_like_with_like_across_difficulties():
     # An adaptive sampler moves the mix: at 3 digits the policy writes a broken call one time in two, at 2 digits one
-    # in twenty, and neither rate moves. Over the last 5 steps the sampler draws 3-digit tasks 30% of the time instead
-    # of 5%: the pooled rate rises 0.07 -> 0.19, but at every difficulty the policy writes calls as well as before.
+    # in twenty, and neither rate moves. Over the last 5 steps the sampler draws 3-digit tasks 3 groups in 8 instead
+    # of 1 in 8: the pooled rate rises 0.11 -> 0.22, but at every difficulty the policy writes calls as well as before.
     steady = {2: 0.05, 3: 0.5}
     moved = by_level_history(30, lambda step: steady,
-                             lambda step: {2: 0.7, 3: 0.3} if step > 25 else {2: 0.95, 3: 0.05})
+                             lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 7 / 8, 3: 1 / 8})
     without_levels = {k: v for k, v in moved.items() if not k.startswith("sampling/")}
     assert names(without_levels) == ["malformed_tool_calls"]  # pooled: the mix looks like a breakage
     assert names(moved) == []
     # The policy breaks at one difficulty (2-digit calls 0.05 -> 0.25 of calls) at an unchanged mix: it fires, and the
     # evidence compares the rate seen with the one expected from each difficulty's earlier rate.
     broken = by_level_history(30, lambda step: {2: 0.25 if step > 25 else 0.05, 3: 0.5},
-                              lambda step: {2: 0.9, 3: 0.1})
+                              lambda step: {2: 7 / 8, 3: 1 / 8})
     alarms = check_alarms(broken)
     assert [a.name for a in alarms] == ["malformed_tool_calls"]
-    assert alarms[0].evidence == pytest.approx({"before": 0.9 * 0.05 + 0.1 * 0.5, "after": 0.9 * 0.25 + 0.1 * 0.5})
+    after, before = 7 / 8 * 0.25 + 1 / 8 * 0.5, 7 / 8 * 0.05 + 1 / 8 * 0.5
+    assert alarms[0].evidence["after"] == pytest.approx(after)
+    assert alarms[0].evidence["before"] == pytest.approx(before)
     assert "at each difficulty" in alarms[0].message
-    # A breakage at a difficulty that is a small share of the calls fires once it moves the whole rate by `spike`.
-    small = by_level_history(30, lambda step: {2: 0.05, 3: 0.5 if step <= 25 else 1.0},
-                             lambda step: {2: 0.85, 3: 0.15})
-    assert names(small) == []  # +0.075 of all calls
-    assert names(small, AlarmSettings(spike=0.05)) == ["malformed_tool_calls"]
     # A difficulty first drawn in the last steps has no earlier rate to compare with: its calls are left out.
     new_level = by_level_history(30, lambda step: {2: 0.05, 3: 0.9},
-                                 lambda step: {2: 0.6, 3: 0.4} if step > 25 else {2: 1.0, 3: 0.0})
+                                 lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 1.0, 3: 0.0})
     assert names(new_level) == []
+
+
+def test_malformed_tool_calls_needs_more_than_a_few_groups_can_produce_by_chance():
+    # A task's episodes tend to fail alike (the demo, seed 2, step 100: all 8 episodes of "What is 4 * 1?" ended their
+    # call with "4 * 1."), so the alarm counts groups, not calls: one 1-digit group a step, broken five steps running
+    # (the 1-digit rate 0.1 -> 1.0), moves the whole rate by 0.11 but is within 3 standard errors of what five groups
+    # of a 0.1 rate can give.
+    few = by_level_history(30, lambda step: {1: 1.0 if step > 25 else 0.1, 2: 0.05},
+                           lambda step: {1: 1 / 8, 2: 7 / 8})
+    assert names(few) == []
+    assert names(few, AlarmSettings(noise_z=2.0)) == ["malformed_tool_calls"]
+    # Logged without group counts (before they were logged), the calls count as independent.
+    calls_only = {k: v for k, v in few.items() if not k.startswith("sampling/groups/")}
+    assert names(calls_only) == ["malformed_tool_calls"]
 
 
 def test_entropy_collapse():

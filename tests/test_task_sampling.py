@@ -294,6 +294,8 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
             turns = [t for r in batch if r["episode"]["messages"][0]["content"].startswith(f"task {level}-")
                      for t in r["episode"]["turns"]]
             assert entry.get(f"sampling/model_calls/{level}", 0.0) == len(turns)
+            assert entry.get(f"sampling/groups/{level}", 0.0) == sum(
+                r["episode"]["messages"][0]["content"].startswith(f"task {level}-") for r in batch) / 4
             if turns:
                 assert entry[f"sampling/malformed_rate/{level}"] == sum(t["malformed_tool_call"] for t in turns) / len(
                     turns)

@@ -140,7 +140,9 @@ class AgenticGRPOConfig(GRPOConfig):
             Least share of groups whose rewards differ (`1 - frac_reward_zero_std`) over the last `alarm_window` logs.
         alarm_noise_z (`float`, *optional*, defaults to `3.0`):
             `reward_hacking` fires only when held-out success falls short of the training reward's rise by more than
-            this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise).
+            this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise),
+            and, with a difficulty column, `malformed_tool_calls` only on a rise beyond this many standard errors of
+            what the last steps' groups could give by chance.
     """
 
     max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})

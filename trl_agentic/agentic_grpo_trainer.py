@@ -256,9 +256,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
                                 if lv == level and r is not None]
                     metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
                     # What `malformed_tool_calls` compares at the same mix of difficulties: model calls at this level
-                    # in the step (a count) and the share of them with a malformed tool call.
+                    # in the step (a count), its groups, and the share of the calls with a malformed tool call.
                     calls = sum(g[2] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                     metrics[f"sampling/model_calls/{level:g}"].append(float(calls))
+                    metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / self.num_generations)
                     if calls:
                         malformed = sum(g[3] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                         metrics[f"sampling/malformed_rate/{level:g}"].append(malformed / calls)

@@ -93,6 +93,8 @@ class AlarmSettings:
             than this many standard errors of the comparison (both sides' noise; see [`reward_hacking`]). 3: a run
             compares each evaluation with every earlier one, and a policy's state carries from step to step, so
             training windows scatter more than their per-step values say (at 2 a healthy demo run fired).
+            `malformed_tool_calls` (with per-difficulty counts) likewise fires only on a rise beyond this many
+            standard errors of what the last steps' groups could give by chance ([`malformed_spike`]).
     """
 
     window: int = 10
@@ -267,23 +269,29 @@ def spike(series: Series, *, name: str, what: str, window: int = 10, spike: floa
 _pooled_spike = spike  # `malformed_spike`'s `spike` argument is the threshold, as in every detector
 
 
-def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float]]] | None = None, *,
-                    window: int = 10, spike: float = 0.1, min_calls: int = 20) -> Alarm | None:
-    """`malformed_tool_calls`: malformed tool calls per model call rising by `spike`, compared like with like.
+def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None, *,
+                    window: int = 10, spike: float = 0.1, noise_z: float = 3.0, min_calls: int = 20) -> Alarm | None:
+    """`malformed_tool_calls`: malformed tool calls per model call rising by `spike`, compared like with like and
+    beyond chance.
 
     An adaptive sampler moves the mix of difficulties, and a policy writes broken calls more often on some (on the CPU
-    demo, 3-digit tasks: 25-100% of calls against 2-5% at the target): the pooled rate then rises with no change in
-    the policy. With per-difficulty counts (`by_level`: step -> {level: (model calls, malformed calls)}, from the
-    trainer's `sampling/model_calls/<level>` and `sampling/malformed_rate/<level>`), the last `window // 2` logged
-    steps' rate is held against the rate expected at their own mix from each difficulty's rate before them. A
-    difficulty with fewer than `min_calls` earlier calls has no rate to expect and is left out. Without them (no
-    difficulty column), the pooled `rate` series ([`spike`]).
+    demo, 3-digit tasks: 10-100% of calls against 2-10% at the target): the pooled rate then rises with no change in
+    the policy. With per-difficulty counts (`by_level`: step -> {level: (model calls, malformed calls, groups)}, from
+    the trainer's `sampling/model_calls/<level>`, `sampling/malformed_rate/<level>` and `sampling/groups/<level>`),
+    the last `window // 2` logged steps' rate is held against the rate expected at their own mix from each
+    difficulty's rate before them (a difficulty with fewer than `min_calls` earlier calls has no rate to expect and is
+    left out), and the rise must also exceed `noise_z` standard errors of that comparison. The unit of the standard
+    error is the group: a task's episodes tend to fail alike (on the demo, every episode of a 1-digit task ending its
+    call with "4 * 1."), so a level's share is taken to vary from group to group as much as a share with its mean can,
+    `p (1 - p) / groups`, on both sides of the comparison; without group counts, each call is a unit. An alarm checked
+    at every log must not report what a few groups give by chance. Without per-difficulty counts (no difficulty
+    column), the pooled `rate` series ([`spike`]).
 
     Example:
 
     ```python
-    >>> steady = {s: {2: (90, 4.5), 3: (10, 5.0)} for s in range(1, 21)}  # 5% and 50% of calls
-    >>> moved = {s: {2: (50, 2.5), 3: (50, 25.0)} for s in range(21, 26)}  # more 3-digit tasks, same rates
+    >>> steady = {s: {2: (90, 4.5, 7), 3: (10, 5.0, 1)} for s in range(1, 21)}  # 5% and 50% of calls
+    >>> moved = {s: {2: (50, 2.5, 4), 3: (50, 25.0, 4)} for s in range(21, 26)}  # more 3-digit tasks, same rates
     >>> malformed_spike([], {**steady, **moved}) is None
     True
     ```
@@ -295,27 +303,38 @@ def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, flo
     steps = sorted(by_level)
     if len(steps) < 2 * recent_size:
         return None
-    earlier: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for step in steps[:-recent_size]:
-        for level, (calls, malformed) in by_level[step].items():
-            earlier[level][0] += calls
-            earlier[level][1] += malformed
-    seen = expected = calls_seen = 0.0
-    for step in steps[-recent_size:]:
-        for level, (calls, malformed) in by_level[step].items():
-            past_calls, past_malformed = earlier.get(level, (0.0, 0.0))
-            if past_calls >= min_calls:
-                seen += malformed
-                expected += calls * past_malformed / past_calls
-                calls_seen += calls
-    if not calls_seen or (seen - expected) / calls_seen < spike:
+
+    def totals(points: list[int]) -> dict[Any, list[float | None]]:
+        summed: dict[Any, list[float | None]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for step in points:
+            for level, (calls, malformed, groups) in by_level[step].items():
+                entry = summed[level]
+                entry[0] += calls
+                entry[1] += malformed
+                entry[2] = None if groups is None or entry[2] is None else entry[2] + groups
+        return summed
+
+    earlier, recent = totals(steps[:-recent_size]), totals(steps[-recent_size:])
+    compared = {level: (earlier[level], counts) for level, counts in recent.items()
+                if level in earlier and earlier[level][0] >= min_calls and counts[0]}
+    calls = sum(counts[0] for _, counts in compared.values())
+    if not calls:
         return None
-    after, before = seen / calls_seen, expected / calls_seen
+    seen = expected = variance = 0.0
+    for (past_calls, past_malformed, past_groups), (level_calls, level_malformed, groups) in compared.values():
+        share = past_malformed / past_calls
+        seen += level_malformed
+        expected += level_calls * share
+        units = (groups, past_groups) if groups and past_groups else (level_calls, past_calls)
+        variance += (level_calls / calls) ** 2 * share * (1 - share) * (1 / units[0] + 1 / units[1])
+    after, before = seen / calls, expected / calls
+    if after - before < spike or after - before < noise_z * math.sqrt(variance):
+        return None
     return Alarm("malformed_tool_calls", steps[-1], (
         f"malformed tool calls per model call rose to {after:.1%} over the last {recent_size} logged steps, against "
         f"{before:.1%} expected at their mix of difficulties from the rate at each difficulty before: read the latest "
         "episodes (`trl-agentic inspect <output_dir>`) for what broke."),
-        {"before": before, "after": after})
+        {"before": before, "after": after, "z": (after - before) / math.sqrt(variance) if variance else math.inf})
 
 
 def entropy_collapse(entropy: Series, *, window: int = 10, entropy_ratio: float = 0.1) -> Alarm | None:
@@ -379,19 +398,20 @@ def _training_success(series: dict[str, Series]) -> tuple[Series, str]:
     return series["reward"], "training reward"
 
 
-def _malformed_by_level(history: History) -> dict[int, dict[Any, tuple[float, float]]]:
-    """step -> {level: (model calls, malformed calls)} from `sampling/model_calls/<level>` and
-    `sampling/malformed_rate/<level>` (empty without a difficulty column)."""
-    by_level: dict[int, dict[Any, tuple[float, float]]] = defaultdict(dict)
+def _malformed_by_level(history: History) -> dict[int, dict[Any, tuple[float, float, float | None]]]:
+    """step -> {level: (model calls, malformed calls, groups or None)} from `sampling/model_calls/<level>`,
+    `sampling/malformed_rate/<level>` and `sampling/groups/<level>` (empty without a difficulty column)."""
+    by_level: dict[int, dict[Any, tuple[float, float, float | None]]] = defaultdict(dict)
     prefix = "sampling/model_calls/"
     for name, points in history.items():
         if not name.startswith(prefix):
             continue
         level = name[len(prefix):]
         rates = dict(history.get(f"sampling/malformed_rate/{level}", []))
+        groups = dict(history.get(f"sampling/groups/{level}", []))
         for step, calls in points:
             if step in rates:
-                by_level[step][level] = (calls, calls * rates[step])
+                by_level[step][level] = (calls, calls * rates[step], groups.get(step))
     return dict(by_level)
 
 
@@ -403,7 +423,8 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     `held_out_episodes` (`held_out/episodes`), `split_rate` (`1 - frac_reward_zero_std`), `sampled_tokens`
     (`episodes/sampled_tokens_mean`, else TRL's `completions/mean_length`), `turns` (`episodes/turns_mean`),
     `malformed_rate` (malformed tool calls per model call), `malformed_by_level` (step -> {difficulty: (model calls,
-    malformed calls)}, from `sampling/model_calls/<level>` and `sampling/malformed_rate/<level>`), `unscorable` (`episodes/unscorable` when logged, else the
+    malformed calls, groups)}, from `sampling/model_calls/<level>`, `sampling/malformed_rate/<level>` and
+    `sampling/groups/<level>`), `unscorable` (`episodes/unscorable` when logged, else the
     share of episodes that did not end `ok`, which are unscorable unless a checker scores failures) and `entropy`.
     """
     get = lambda name: list(history.get(name, []))  # noqa: E731
@@ -450,7 +471,8 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
                      reward_rise=settings.reward_rise)
         or length_drift(series["turns"], series["reward"], window=window, length_growth=settings.length_growth,
                         reward_rise=settings.reward_rise, what="turns per episode"),
-        malformed_spike(series["malformed_rate"], series["malformed_by_level"], window=window, spike=settings.spike),
+        malformed_spike(series["malformed_rate"], series["malformed_by_level"], window=window, spike=settings.spike,
+                        noise_z=settings.noise_z),
         spike(series["unscorable"], name="unscorable_episodes", what="unscorable or failed episodes",
               window=window, spike=settings.spike),
         entropy_collapse(series["entropy"], window=window, entropy_ratio=settings.entropy_ratio),
