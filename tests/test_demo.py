@@ -271,8 +271,8 @@ def test_grpo_tasks_leave_out_the_warm_starts_demonstrations():
     dataset = grpo_tasks(suite, settings, demonstrations)
     questions = {level: [row["prompt"][-1]["content"] for row in dataset if row["difficulty"] == level]
                  for level in (1, 2, 3)}
-    # the target and the harder level: nothing the warm start saw, and enough distinct tasks for 200 steps' ~800
-    # groups to be mostly first visits
+    # the target and the harder level: nothing the warm start saw, and enough distinct tasks for 300 steps' ~1,200
+    # groups (half of them revisits) to be mostly first visits
     assert not demonstrated & set(questions[2]) and not demonstrated & set(questions[3])
     assert len(set(questions[2])) > 2000 and len(set(questions[3])) > 2000
     # 1-digit products are all demonstrated: that level keeps its tasks rather than vanish
