@@ -111,9 +111,9 @@ class DemoSettings:
     max_completion_length: int = 48  # tokens per model call
     max_turns: int = 4  # model calls per episode
     # GRPO
-    # 200 left seed 2 at +27.5 (39.5% -> 67.0%: it learns slowly); 300 lifted it to +33.0 to +49.0 in three runs. Two
-    # of those 300-step runs raised `malformed_tool_calls` when it pooled the difficulties and counted calls, not
-    # groups: a few 1-digit groups broken for five steps (README).
+    # 200 left seed 2 at +27.5 (39.5% -> 67.0%: it learns slowly); 300 lifted it to +33.0 to +49.0 in four runs. Three
+    # of five earlier 300-step runs raised `malformed_tool_calls` when it pooled the difficulties and counted calls,
+    # not groups: a few 1- or 3-digit groups broken for a few steps (README).
     steps: int = 300
     # The GRPO rollouts' sampling temperature (None: `temperature`, the held-out evaluation's and the warm start's).
     # At 1.0 a seed that learns fast loses its diversity: on seed 1 the sampled tokens' entropy fell 0.10 -> 0.03 and
