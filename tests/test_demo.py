@@ -55,9 +55,17 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     # the training reward: the checker and the cut-off penalty (truncated episodes stay in the loss)
     assert summary["settings"]["cut_off_penalty"] and not summary["settings"]["mask_truncated_completions"]
     assert all("rewards/calculator_correct/mean" in r and "rewards/cut_off_penalty/mean" in r for r in logs)
+    # The alarms hold training success against held-out success sampled as GRPO samples (1.2: at 1.0 a fast seed's
+    # training success at 1.2 caught up with a flat held-out 80% and raised reward_hacking); the table's held-out
+    # success is at `temperature`, evaluated separately on the same tasks. Each figure says what it sampled at, as the
+    # endpoint recorded it.
+    alarm_held_out = summary["alarm_held_out_success_by_step"]
+    assert list(alarm_held_out) == list(summary["held_out_success_by_step"])
+    assert summary["before"]["sampled_temperatures"] == summary["after"]["sampled_temperatures"] == [1.0]
+    assert summary["alarm_held_out_sampled_temperatures"] == [1.2]
     logged_held_out = {r["step"]: r["held_out/success"] for r in logs if "held_out/success" in r}
-    assert logged_held_out[1] == summary["before"]["success"]  # step 0's value arrives with the first log
-    assert logged_held_out[steps[-1]] == summary["after"]["success"]
+    assert logged_held_out[1] == alarm_held_out["0"]  # step 0's value arrives with the first log
+    assert logged_held_out[steps[-1]] == alarm_held_out[str(steps[-1])]
     assert summary["alarms"] == json.loads((output_dir / "grpo" / "alarms.json").read_text())["alarms"]
     # GRPO's episodes are sampled at grpo_temperature (recorded per call by the endpoint); the held-out evaluation and
     # the printed eval/serve commands use `temperature`.

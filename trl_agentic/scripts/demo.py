@@ -486,6 +486,9 @@ class HeldOutEvaluator(Evaluator):
              "expected": task.get("answer"), "reward": reward}
             for task, episode, reward in list(zip(self.tasks, episodes, rewards, strict=True))[:3]
         ]
+        # what the episodes were sampled at, as the endpoint recorded it
+        result["sampled_temperatures"] = sorted({turn.sampling["temperature"] for episode in episodes
+                                                 for turn in episode.turns if "temperature" in turn.sampling})
         result["seconds"] = time.monotonic() - started
         return result
 
@@ -527,28 +530,46 @@ class StagedCheck:
 
 
 class _ReportingEvaluator:
-    """The demo's held-out evaluator as the alarms callback calls it: prints each result as it comes."""
+    """The demo's held-out evaluation as the alarms callback calls it: the reported one (`evaluator`, at
+    `temperature`: the table's figures) and, when GRPO samples at another temperature, the same tasks sampled as GRPO
+    samples (`alarm_evaluator`), which is what the alarms get as `success`: `reward_hacking` holds the training
+    success against it, and training success at 1.2 against held-out success at 1.0 is not like with like (on seed 1,
+    held-out at 1.0 sat at ~80% from step 50 while training success at 1.2 caught up from 0.56 to 0.77, and the
+    alarm fired). The reported result rides along as `reported`. Prints each result as it comes."""
 
-    def __init__(self, evaluator: HeldOutEvaluator, settings: DemoSettings):
+    def __init__(self, evaluator: HeldOutEvaluator, settings: DemoSettings,
+                 alarm_evaluator: HeldOutEvaluator | None = None):
         self.evaluator = evaluator
+        self.alarm_evaluator = alarm_evaluator
         self.settings = settings
 
-    def evaluate(self, model=None, seed: int = 0) -> dict[str, Any]:
-        result = self.evaluator.evaluate(model, seed=seed)
-        print(f"\n  held-out success at step {seed - self.settings.seed}: {result['success']:.1%} "
-              f"({result['episodes']} episodes, {result['seconds']:.0f}s)", flush=True)
-        return result
+    def evaluate(self, model=None, seed: int = 0, reported: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`reported`: the reported evaluation when already run (the one before training)."""
+        if reported is None:
+            reported = self.evaluator.evaluate(model, seed=seed)
+        line = (f"\n  held-out success at step {seed - self.settings.seed}: {reported['success']:.1%} "
+                f"({reported['episodes']} episodes, {reported['seconds']:.0f}s)")
+        if self.alarm_evaluator is None:
+            print(line, flush=True)
+            return {**reported, "reported": reported}
+        result = self.alarm_evaluator.evaluate(model, seed=seed)
+        print(f"{line}; sampled at {self.settings.grpo_temperature} as GRPO samples, for the alarms: "
+              f"{result['success']:.1%} ({result['seconds']:.0f}s)", flush=True)
+        return {**result, "reported": reported}
 
     def close(self) -> None:
-        pass  # the demo closes its evaluator itself
+        pass  # the demo closes its evaluators itself
 
 
 def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float] | None = None,
-                    evaluations: dict[int, dict] | None = None, held_out_evaluation: bool = True):
+                    evaluations: dict[int, dict] | None = None, held_out_evaluation: bool = True,
+                    alarm_evaluator: HeldOutEvaluator | None = None, alarm_held_out: dict[int, dict] | None = None):
     """`(alarms_callback, progress_class)`: the alarms, checked against held-out success measured every `eval_every`
     steps and at the last step (issue #11: reward hacking is training reward rising while held-out success does
-    not), and a concise progress line. `held_out` / `evaluations`, when given, are filled in after training.
-    `held_out_evaluation=False`: the alarms without held-out evaluation (a caller that evaluates by itself)."""
+    not), and a concise progress line. `held_out` / `evaluations` (the reported evaluation, `evaluator`) and
+    `alarm_held_out` (what the alarms got: `alarm_evaluator`'s when given, see `_ReportingEvaluator`), when given,
+    are filled in after training. `held_out_evaluation=False`: the alarms without held-out evaluation (a caller that
+    evaluates by itself)."""
     from transformers.trainer_callback import ProgressCallback
 
     from trl_agentic.alarms import AlarmsCallback
@@ -557,13 +578,17 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
         def on_train_end(self, args, state, control, **kwargs):
             super().on_train_end(args, state, control, **kwargs)
             for step, result in sorted(self.held_out_results.items()):
+                reported = result.get("reported", result)
                 if held_out is not None:
-                    held_out[step] = result["success"]
+                    held_out[step] = reported["success"]
                 if evaluations is not None:
-                    evaluations[step] = result
+                    evaluations[step] = reported
+                if alarm_held_out is not None:
+                    alarm_held_out[step] = {k: v for k, v in result.items() if k not in ("reported", "examples")}
 
     eval_every = settings.eval_every if settings.eval_every > 0 else settings.steps
-    alarms = (DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings), held_out_eval_steps=max(1, eval_every))
+    alarms = (DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings, alarm_evaluator),
+                         held_out_eval_steps=max(1, eval_every))
               if held_out_evaluation else DemoAlarms())
 
     class ConciseProgress(ProgressCallback):
@@ -825,6 +850,10 @@ def main(argv: list[str] | None = None) -> int:
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
     evaluator = HeldOutEvaluator(model, tokenizer, suite, eval_dataset, settings.temperature,
                                  settings.max_completion_length, settings.max_turns)
+    grpo_temperature = settings.grpo_temperature if settings.grpo_temperature is not None else settings.temperature
+    alarm_evaluator = (HeldOutEvaluator(model, tokenizer, suite, eval_dataset, grpo_temperature,
+                                        settings.max_completion_length, settings.max_turns)
+                       if grpo_temperature != settings.temperature else None)
     try:
         _info(f"{len(eval_dataset)} eval-split tasks (no question is in the training split), temperature "
               f"{settings.temperature}")
@@ -838,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(expected {example['expected']})")
         held_out: dict[int, float] = {}
         evaluations: dict[int, dict] = {}
+        alarm_held_out: dict[int, dict] = {}
 
         # 4. GRPO
         _stage(3, total_stages, f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
@@ -848,11 +878,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{settings.task_sampling} task sampling (target: {settings.digits} digits, at least "
               f"{settings.target_min_share:.0%} of the groups)" if settings.task_sampling == "adaptive" else
               f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, uniform sampling")
-        callbacks = _make_callbacks(evaluator, settings, held_out, evaluations)
-        callbacks[0].record_held_out(0, before)  # the alarms compare against it; not evaluated twice
+        callbacks = _make_callbacks(evaluator, settings, held_out, evaluations, alarm_evaluator=alarm_evaluator,
+                                    alarm_held_out=alarm_held_out)
+        # the alarms compare against step 0: the reported evaluation is not run twice
+        callbacks[0].record_held_out(0, callbacks[0].held_out.evaluate(model, seed=settings.seed, reported=before))
         trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks)
         timings["grpo"] = time.monotonic() - t
-        eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0)
+        # the alarms' own evaluations (step 0's too) ran inside the GRPO phase
+        eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0) + sum(
+            e["seconds"] for e in alarm_held_out.values() if alarm_evaluator is not None)
         grpo_only = timings["grpo"] - eval_seconds_in_grpo
         _info(f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
               f"without the held-out evaluations)")
@@ -866,6 +900,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{after['seconds']:.0f}s)")
     finally:
         evaluator.close()
+        if alarm_evaluator is not None:
+            alarm_evaluator.close()
 
     # Report
     _stage(5, total_stages, "Results")
@@ -888,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
         "after": {k: v for k, v in after.items() if k != "examples"},
         "improvement_points": delta * 100,
         "held_out_success_by_step": {str(k): v for k, v in sorted(held_out.items())},
+        # what the alarms held training success against (sampled as GRPO samples; see `_ReportingEvaluator`)
+        "alarm_held_out_success_by_step": {str(k): v["success"] for k, v in sorted(alarm_held_out.items())},
+        "alarm_held_out_sampled_temperatures": sorted({t for v in alarm_held_out.values()
+                                                       for t in v.get("sampled_temperatures", [])}),
         "split_rate": signal,
         "alarms": alarms,
         "examples": {"before": before["examples"], "after": after["examples"]},
