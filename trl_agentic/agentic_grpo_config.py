@@ -92,17 +92,19 @@ class AgenticGRPOConfig(GRPOConfig):
         target_min_share (`float`, *optional*, defaults to `0.25`):
             Least share of groups drawn from the target difficulty.
         target_affinity (`float`, *optional*, defaults to `0.5`):
-            A bucket's draw weight (its split probability) is multiplied by this per bucket between it and the target
-            while the target's groups split; as they stop splitting (solved or out of reach) the factor rises to
-            `1 -` the target's split probability, so neighbours that still split take over.
+            A bucket's draw weight (its split rate: the share of its recent groups that split, shrunk towards the
+            binomial split probability of its success estimate) is multiplied by this per bucket between it and the
+            target while the target's groups split; as they stop splitting (solved or out of reach) the factor rises
+            to `1 -` the target's split rate, so neighbours that still split take over.
         sampling_explore (`float`, *optional*, defaults to `0.1`):
             Share of groups spread evenly over all buckets whatever their estimate (so estimates follow the model).
         sampling_memory (`int`, *optional*, defaults to `16`):
-            Recent groups a bucket's success estimate mostly reflects.
+            Recent groups a bucket's success estimate and split rate mostly reflect.
         sampling_revisit (`float`, *optional*, defaults to `0.5`):
             Share of a bucket's groups that go back to a task whose last group split (a bucket's tasks are seldom
-            alike: its mean success overrates a new task's chance to split). `sampling/revisit_share` logs the share
-            of groups whose task was drawn before.
+            alike: its mean success overrates a new task's chance to split), before any is seen; then tilted by how
+            often the bucket's recent revisits and new tasks split (`r^2` against `f^2`; 0 and 1 stay fixed).
+            `sampling/revisit_share` logs the share of groups whose task was drawn before.
 
         > Parameters that control logging
 

@@ -277,6 +277,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             sampler.observe(rows, rewards)
             for level, value in sampler.estimates().items():
                 metrics[f"sampling/estimate/{level:g}"].append(value)
+            for level, value in sampler.split_rates().items():
+                metrics[f"sampling/split_estimate/{level:g}"].append(value)
 
     def _target_levels(self) -> tuple:
         """The target difficulty: the sampler's, else `target_difficulty`, else none (a mix without a target)."""

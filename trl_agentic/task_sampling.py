@@ -6,19 +6,25 @@ task `num_generations` times, each batch `repeat_count` times) and chooses every
 seen so far:
 
 - it keeps a running success estimate per difficulty bucket (a dataset column, e.g. the calculator's operand
-  `digits`) and per task, updated from every scored group (`observe`);
+  `digits`) and per task, and a running split rate per bucket (the share of its recent groups that split), updated
+  from every scored group (`observe`);
 - a group of G episodes with success probability p splits with probability `1 - p^G - (1 - p)^G`, highest at
-  p = 0.5; buckets are drawn in proportion to it, times an affinity per bucket between it and the target:
+  p = 0.5. That is only a bucket's split rate *before* its groups are seen: a bucket's tasks are not alike (on the
+  demo, late in training, one-digit products are each solved by nearly every episode or by nearly none, so their
+  groups split half the time at a mean success of 0.6, where the formula says 0.98). So a bucket's split rate is
+  the share of its recent groups that split, shrunk towards the formula's value at its success estimate;
+- buckets are drawn in proportion to their split rate, times an affinity per bucket between it and the target:
   `target_affinity` while the target's groups split, rising towards 1 as they stop splitting (`1 -` the target's
-  split probability, when larger). So the sampler stays on the target while its groups split, moves to easier
-  buckets while the target is out of reach (and to harder or easier ones once it is solved, whichever still
-  split), and comes back as the model improves;
+  split rate, when larger). So the sampler stays on the target while its groups split, moves to easier buckets
+  while the target is out of reach (and to harder or easier ones once it is solved, whichever still split), and
+  comes back as the model improves;
 - within a bucket, a few candidate tasks are drawn and one is kept in proportion to its own split probability,
   squared (tasks never seen inherit their bucket's estimate);
-- a bucket's tasks are not alike (on the demo, some two-digit products are solved by every episode, others by
-  none, while the bucket's mean sits near the middle), so a bucket's estimate overrates a new task's chance to
-  split. A `revisit` share of the groups goes back to a task whose last group split (the bucket's recently split
-  tasks, newest `revisit_pool` of them); a task leaves that pool once a group of it does not split;
+- a bucket's estimate overrates a new task's chance to split for the same reason, so some of the groups go back
+  to a task whose last group split (the bucket's recently split tasks, newest `revisit_pool` of them); a task leaves
+  that pool once a group of it does not split. A `revisit` share of the bucket's groups to begin with, then tilted
+  by what split: the revisits' share moves with how often revisits split against how often new tasks split
+  (squared, as for candidates);
 - the target difficulty is never starved (`target_min_share` of the groups at least), and every bucket keeps a small
   exploration share so that its estimate follows the model.
 
@@ -48,6 +54,10 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+
+# How many groups' worth of weight the formula's split probability has in a bucket's split rate (and a bucket's rate
+# in a way of drawing's): a handful of observed groups outweigh it.
+SPLIT_PRIOR_GROUPS = 4.0
 
 def split_probability(success: float, group_size: int) -> float:
     """Probability that a group of `group_size` episodes, each succeeding with probability `success`, has both a
@@ -125,7 +135,9 @@ class AdaptiveTaskSampler(Sampler[int]):
         key_columns: the columns that identify a task (`task_key`), e.g. the agent's columns and the difficulty
             column; default: every column of the dataset.
         revisit: share of a bucket's groups that go back to a task whose last group split (when the bucket has
-            one), the others to new candidates: 0 draws every group from the whole bucket.
+            one), the others to new candidates, before any revisit is seen; then tilted by the split rates seen:
+            `revisit * r^2 / (revisit * r^2 + (1 - revisit) * f^2)`, with `r` and `f` the bucket's recent split
+            rates of revisits and of new tasks. 0 draws every group from the whole bucket, 1 revisits whenever it can.
         revisit_pool: how many of a bucket's recently split tasks are kept for revisits (the newest).
         seed: the sampler's RNG seed (the same on every process).
     """
@@ -209,6 +221,11 @@ class AdaptiveTaskSampler(Sampler[int]):
         ranks = {level: rank for rank, level in enumerate(self.buckets)}
         self._distance = {level: min(abs(ranks[level] - ranks[t]) for t in targets) for level in self.buckets}
         self._bucket_estimates = {level: _Estimate() for level in self.buckets}
+        # Per bucket, the share of its recent groups that split, overall and by how the task was drawn (revisit or
+        # new); and how each task's last group was drawn (its key -> revisited), until that group is observed.
+        self._bucket_splits = {level: _Estimate() for level in self.buckets}
+        self._kind_splits = {level: {True: _Estimate(), False: _Estimate()} for level in self.buckets}
+        self._drawn_as: dict[str, bool] = {}
         self._task_estimates: dict[str, _Estimate] = {}
         self.groups_drawn = {level: 0 for level in self.buckets}
         self.groups_revisited = {level: 0 for level in self.buckets}
@@ -223,11 +240,31 @@ class AdaptiveTaskSampler(Sampler[int]):
         """Each bucket's running success estimate."""
         return {level: est.mean(self.prior_success, 1.0) for level, est in self._bucket_estimates.items()}
 
+    def split_rates(self) -> dict[Any, float]:
+        """Each bucket's running split rate: the share of its recent groups that split, shrunk (by
+        `SPLIT_PRIOR_GROUPS` groups) towards `split_probability` of its success estimate, what a bucket of alike
+        tasks would give."""
+        estimates = self.estimates()
+        return {
+            level: splits.mean(split_probability(estimates[level], self.num_generations), SPLIT_PRIOR_GROUPS)
+            for level, splits in self._bucket_splits.items()
+        }
+
+    def revisit_share(self, level) -> float:
+        """The probability that a group of bucket `level` goes back to a task whose last group split (when the bucket
+        has one): `revisit`, tilted by how often the bucket's recent revisits and new tasks split."""
+        if self.revisit in (0.0, 1.0):
+            return self.revisit
+        bucket = self.split_rates()[level]
+        # Squared, as the candidates' weights: a way of drawing seen to split more is clearly preferred.
+        revisits = self.revisit * self._kind_splits[level][True].mean(bucket, SPLIT_PRIOR_GROUPS) ** 2
+        new = (1.0 - self.revisit) * self._kind_splits[level][False].mean(bucket, SPLIT_PRIOR_GROUPS) ** 2
+        return revisits / (revisits + new) if revisits + new > 0 else self.revisit
+
     def bucket_probabilities(self) -> dict[Any, float]:
         """The probability that the next group is drawn from each bucket."""
         levels = list(self.buckets)
-        estimates = self.estimates()
-        splits = {level: split_probability(estimates[level], self.num_generations) for level in levels}
+        splits = self.split_rates()
         # Away from the target, a bucket's weight is cut by `target_affinity` per bucket between them while the
         # target's groups split, and by less as they stop splitting (solved or out of reach): 1 - its split chance.
         affinity = max(self.target_affinity, 1.0 - max(splits[t] for t in self.targets))
@@ -272,6 +309,12 @@ class AdaptiveTaskSampler(Sampler[int]):
             # Decay per group: a bucket's estimate follows its last `memory` groups.
             self._bucket_estimates[level].update(outcomes, self.decay)
             self._task_estimates.setdefault(key, _Estimate()).update(outcomes, 1.0)
+            revisited = self._drawn_as.pop(key, None)
+            if len(outcomes) > 1:  # a group of one scored episode cannot split: it says nothing of split rates
+                split = [float(len(set(outcomes)) > 1)]
+                self._bucket_splits[level].update(split, self.decay)
+                if revisited is not None:
+                    self._kind_splits[level][revisited].update(split, self.decay)
             index = self._index_of.get(key)
             if index is None:
                 continue  # not drawn by this sampler (e.g. a row of another dataset at the same level)
@@ -295,7 +338,8 @@ class AdaptiveTaskSampler(Sampler[int]):
         level = self._rng.choices(levels, weights=[probs[lv] for lv in levels])[0]
         self.groups_drawn[level] += 1
         split = self._split_tasks[level]
-        if split and self.revisit > 0 and self._rng.random() < self.revisit:
+        revisited = bool(split) and self.revisit > 0 and self._rng.random() < self.revisit_share(level)
+        if revisited:
             self.groups_revisited[level] += 1
             pool = list(split)
         else:
@@ -308,7 +352,9 @@ class AdaptiveTaskSampler(Sampler[int]):
             weights = [split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3
                        for i in candidates]
             index = self._rng.choices(candidates, weights=weights)[0]
-        self._index_of[self._key(self.dataset[index])] = index
+        key = self._key(self.dataset[index])
+        self._index_of[key] = index
+        self._drawn_as[key] = revisited
         return index
 
     def __iter__(self) -> Iterator[int]:
