@@ -76,8 +76,9 @@ class DemoSettings:
     # 1-digit tasks while the target split, and 1-digit success rose while 2-digit success stalled or fell.
     target_affinity: float = 0.1
     # Half of the groups go back to a task whose last group split (`AdaptiveTaskSampler(revisit=)`; 0: every group a
-    # new draw): in a run of seed 3 those split 97% / 84% of the time against 85% / 76% for new two-digit tasks
-    # (steps 0-99 / 100-199); on seed 1 as often as new ones (README).
+    # new draw), then more or fewer as those split more or less often than new tasks: in a run of seed 3 revisits split
+    # 97% / 84% of the time against 85% / 76% for new two-digit tasks (steps 0-99 / 100-199); late in a seed-1 run
+    # 79% against 54% (README).
     sampling_revisit: float = 0.5
     # Model
     hidden_size: int = 128
