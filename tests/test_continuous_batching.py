@@ -91,7 +91,9 @@ async def join_while_running(engine, running, joiners, after_tokens=5):
 
 def test_requests_join_the_running_batch_and_leave_it_when_done(tokenizer, model):
     engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
-    running = (chat_prompt(tokenizer, "Tell a long story."), SamplingParams(max_tokens=64, seed=0))
+    # Long enough that it is still running when the joiners come: the worker decodes while the event loop
+    # waits for the GIL to see the fifth token, and with 64 tokens on a busy 2-core machine it sometimes finished first.
+    running = (chat_prompt(tokenizer, "Tell a long story."), SamplingParams(max_tokens=600, seed=0))
     joiners = [
         # Longer than the running row's cache (it gets left-padded) ...
         (chat_prompt(tokenizer, "Summarize: " + "the cat sat on the mat. " * 12), SamplingParams(max_tokens=3, seed=1)),
