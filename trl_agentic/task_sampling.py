@@ -59,6 +59,7 @@ from torch.utils.data import Sampler
 # in a way of drawing's): a handful of observed groups outweigh it.
 SPLIT_PRIOR_GROUPS = 4.0
 
+
 def split_probability(success: float, group_size: int) -> float:
     """Probability that a group of `group_size` episodes, each succeeding with probability `success`, has both a
     success and a failure (non-zero reward std).
@@ -266,7 +267,7 @@ class AdaptiveTaskSampler(Sampler[int]):
         levels = list(self.buckets)
         splits = self.split_rates()
         # Away from the target, a bucket's weight is cut by `target_affinity` per bucket between them while the
-        # target's groups split, and by less as they stop splitting (solved or out of reach): 1 - its split chance.
+        # target's groups split, and by less as they stop splitting (solved or out of reach): 1 - its split rate.
         affinity = max(self.target_affinity, 1.0 - max(splits[t] for t in self.targets))
         weights = {level: splits[level] * affinity ** self._distance[level] for level in levels}
         total = sum(weights.values())
