@@ -885,9 +885,11 @@ def main(argv: list[str] | None = None) -> int:
         callbacks[0].record_held_out(0, callbacks[0].held_out.evaluate(model, seed=settings.seed, reported=before))
         trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks)
         timings["grpo"] = time.monotonic() - t
-        # the alarms' own evaluations (step 0's too) ran inside the GRPO phase
-        eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0) + sum(
-            e["seconds"] for e in alarm_held_out.values() if alarm_evaluator is not None)
+        # the alarms' own evaluations (step 0's too) ran inside the GRPO phase; without `alarm_evaluator` they are the
+        # reported ones, already counted
+        eval_seconds_in_grpo = sum(e["seconds"] for s, e in evaluations.items() if s > 0)
+        if alarm_evaluator is not None:
+            eval_seconds_in_grpo += sum(e["seconds"] for e in alarm_held_out.values())
         grpo_only = timings["grpo"] - eval_seconds_in_grpo
         _info(f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
               f"without the held-out evaluations)")
