@@ -10,6 +10,7 @@ import pytest
 from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.alarms import history_from_episode_records
 from trl_agentic.task_sampling import AdaptiveTaskSampler, group_split_rate, split_probability
 from trl_agentic.tasks import build_difficulty_dataset
 from trl_agentic.tasks.calculator import make_calculator_suite
@@ -329,6 +330,14 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
             if turns:
                 assert entry[f"sampling/malformed_rate/{level}"] == sum(t["malformed_tool_call"] for t in turns) / len(
                     turns)
+    # The episode log carries each task's difficulty, so the per-level metrics (what the viewer's alarms read) are
+    # recomputed from it exactly as the run logged them.
+    assert {(r["difficulty"], r["target"]) for r in records} <= {(1, False), (2, True)}
+    recomputed = history_from_episode_records(records)
+    per_level = [k for k in recomputed if k.startswith("sampling/")]
+    assert {"sampling/model_calls/2", "sampling/malformed_rate/2", "sampling/target_success"} <= set(per_level)
+    for key in per_level:
+        assert dict(recomputed[key]) == pytest.approx({e["step"]: e[key] for e in logs if key in e}), key
     logged = {e["step"]: e["sampling/target_success_unseen"] for e in logs if "sampling/target_success_unseen" in e}
     assert logged == pytest.approx(expected)
     assert 1 in logged and len(logged) < len(logs)  # 3 target tasks: every target group of step 1 is new, later few

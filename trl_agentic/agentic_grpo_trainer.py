@@ -395,7 +395,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if extra_rows:
             output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
 
-        self._log_episodes(episodes, rows_results, episode_advantages)
+        self._log_episodes(episodes, rows_results, episode_advantages, inputs)
         self._observe_tasks(inputs, episodes)
         return output
 
@@ -566,7 +566,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     # Metrics and episode logs
 
-    def _log_episodes(self, episodes: list[Episode], rows_results, advantages: torch.Tensor) -> None:
+    def _log_episodes(self, episodes: list[Episode], rows_results, advantages: torch.Tensor,
+                      inputs: list[dict]) -> None:
         mode = self._mode()
         device = self.accelerator.device
         per_episode = {
@@ -606,8 +607,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if self._episode_log_dir is not None:
             self._episode_log_dir.mkdir(parents=True, exist_ok=True)
             path = self._episode_log_dir / f"episodes-rank{self.accelerator.process_index}.jsonl"
+            column, targets = self.args.difficulty_column, self._target_levels()
             with path.open("a") as f:
-                for i, (ep, result) in enumerate(zip(episodes, rows_results, strict=True)):
+                for i, (ep, result, example) in enumerate(zip(episodes, rows_results, inputs, strict=True)):
                     record = {
                         "step": self.state.global_step,
                         "mode": mode,
@@ -617,6 +619,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                         "skipped_turns": result.skipped_turns,
                         "capped_turns": result.capped_turns,
                     }
+                    if column and column in example:  # the task's difficulty: the per-level metrics, recomputable
+                        record["difficulty"] = example[column]
+                        record["target"] = example[column] in targets
                     f.write(json_text(record) + "\n")  # whatever the agent returned: valid JSON, never a crash
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

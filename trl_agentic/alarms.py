@@ -495,7 +495,7 @@ def history_from_log_history(log_history: list[dict[str, Any]]) -> History:
     return dict(history)
 
 
-def history_from_episode_records(records: Iterable[dict[str, Any]]) -> History:
+def history_from_episode_records(records: Iterable[dict[str, Any]], success_threshold: float = 1.0) -> History:
     """Per-step metrics recomputed from an episode log (`output_dir/episodes/*.jsonl`, `log_episodes=True`), under the
     names the trainer logs them: `reward` (mean over scorable episodes of the sum of the reward functions' scores:
     unit weights), `frac_reward_zero_std`, `episodes/sampled_tokens_mean`, `episodes/turns_mean`,
@@ -503,6 +503,12 @@ def history_from_episode_records(records: Iterable[dict[str, Any]]) -> History:
     the mean negative logprob of the sampled tokens (an unbiased estimate of the entropy of the distribution they
     were sampled from). A record's `step` is the policy version that sampled it; its metrics are logged at the step
     its update completes (`step + 1`), as the trainer logs them.
+
+    Records of a run with a difficulty column carry each task's `difficulty` (and whether it is the `target`): then
+    also `sampling/difficulty_mean` and, per level, `sampling/share/<level>`, `sampling/model_calls/<level>`,
+    `sampling/groups/<level>`, `sampling/malformed_rate/<level>` and `sampling/success/<level>` (an episode succeeds
+    when its reward is at least `success_threshold`, the sampler's), and `sampling/target_success`: what
+    `malformed_tool_calls` and `reward_hacking` read, so that they compare like with like here as in the run.
 
     Example:
 
@@ -539,10 +545,39 @@ def history_from_episode_records(records: Iterable[dict[str, Any]]) -> History:
             "episodes/unscorable": 1.0 - len(scored) / len(episodes),
             "entropy": _mean(negative_logprobs),
         }
+        values.update(_level_metrics(by_step[step], rewards, num_generations, success_threshold))
         for key, value in values.items():
             if value is not None:
                 history[key].append((step + 1, value))
     return dict(history)
+
+
+def _level_metrics(records: list[dict[str, Any]], rewards: list[float | None], num_generations: int,
+                   success_threshold: float) -> dict[str, float]:
+    """One step's per-difficulty `sampling/*` metrics, from its records' `difficulty` and `target` (see
+    `history_from_episode_records`); empty when the records have no difficulty."""
+    levels = [record.get("difficulty") for record in records]
+    if not levels or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in levels):
+        return {}
+    values = {"sampling/difficulty_mean": sum(levels) / len(levels)}
+    target: list[float] = []
+    for level in sorted(set(levels)):
+        mine = [(record, reward) for record, lv, reward in zip(records, levels, rewards, strict=True) if lv == level]
+        calls = sum(len(record["episode"].get("turns", [])) for record, _ in mine)
+        values[f"sampling/share/{level:g}"] = len(mine) / len(levels)
+        values[f"sampling/model_calls/{level:g}"] = float(calls)
+        values[f"sampling/groups/{level:g}"] = len(mine) / num_generations
+        if calls:
+            values[f"sampling/malformed_rate/{level:g}"] = sum(
+                bool(t.get("malformed_tool_call")) for record, _ in mine for t in record["episode"]["turns"]) / calls
+        outcomes = [float(reward >= success_threshold) for _, reward in mine if reward is not None]
+        if outcomes:
+            values[f"sampling/success/{level:g}"] = sum(outcomes) / len(outcomes)
+        if outcomes and any(record.get("target") for record, _ in mine):
+            target.append(sum(outcomes) / len(outcomes))  # the trainer's mean: over target levels, each its own rate
+    if target:
+        values["sampling/target_success"] = sum(target) / len(target)
+    return values
 
 
 def episode_reward(episode: dict[str, Any]) -> float | None:
