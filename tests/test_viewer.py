@@ -49,7 +49,8 @@ def run_dir(tmp_path_factory):
         max_completion_length=6, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
         log_episodes=True, seed=0, disable_tqdm=True,
     )
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}]} for i in range(4)])
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "difficulty": i % 2 + 1}
+                                 for i in range(4)])  # a difficulty column: each record logs its task's level
     trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=forking_agent, reward_funcs=length_reward,
                                  args=args, train_dataset=dataset, processing_class=tokenizer)
     try:
@@ -68,6 +69,7 @@ def test_viewer_data_keeps_every_token_mask_and_logprob(run_dir):
     for record, entry, detail in zip(records, summary["episodes"], details, strict=True):
         assert entry["id"] == record["episode"]["id"] and entry["advantage"] == pytest.approx(record["advantage"], 1e-3)
         assert entry["group"] == record["episode"]["task_index"] // 2 and entry["forks"] == 1
+        assert entry["difficulty"] == record["difficulty"] in (1, 2) and entry["target"] is False
         assert [r["kind"] for r in detail["rows"]] == [r["kind"] for r in record["rows"]] == ["main", "fork"]
         for row, original in zip(detail["rows"], record["rows"], strict=True):
             assert summary["prompts"][row["prompt"]] == original["prompt_ids"]
@@ -132,6 +134,8 @@ def test_inspect_renders_an_episode_in_a_real_browser(run_dir, tmp_path):
     # The hostile tool result is text in the page, not markup; the step list shows the episode's step and group.
     assert "&lt;/script&gt;&lt;script&gt;document.title='pwned'" in detail and "<title>pwned" not in dom
     assert f'data-step="train:{record["step"]}"' in dom and 'class="ep selected"' in dom
+    selected_group = dom[:dom.index('class="ep selected"')].rsplit('<div class="ghead">', 1)[1]
+    assert f' · difficulty {record["difficulty"]} · ' in selected_group  # the group's level, in its header
 
     shot = tmp_path / "viewer.png"
     chromium(f"--screenshot={shot}", url)

@@ -184,6 +184,8 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             "wall": _round(episode.get("wall_time"), 2), "error": _short(episode.get("error")),
             "result": _short(episode.get("result"), 120), "task": _short(prompt_text, 160),
         })
+        if "difficulty" in record:  # a run with a difficulty column (a curriculum): the task's level
+            episodes[-1].update(difficulty=record["difficulty"], target=bool(record.get("target")))
 
         detail_rows = []
         for row in rows:
