@@ -258,30 +258,40 @@ def test_history_from_episode_records_recomputes_the_trainer_metrics():
     assert history["episodes/malformed_tool_calls_mean"] == [(2, 0.5)] and history["entropy"] == [(2, 1.0)]
 
 
-def test_episode_records_with_difficulties_hold_malformed_calls_to_each_level_like_the_run():
+def test_episode_records_with_difficulties_hold_each_level_to_its_own_rates_like_the_run():
     """The viewer recomputes the alarms from the episode log. A curriculum that moves groups to a level whose calls
-    break more often raises the pooled malformed rate with no change in the policy: with each record's difficulty the
-    recomputed alarm compares like with like, as the run's did; without it, it would report a spike."""
-    def records(step, levels):
+    break, or whose episodes time out, more often raises the pooled rates with no change in the policy: with each
+    record's difficulty the recomputed alarms compare like with like, as the run's do; without it, they would report
+    spikes. A real rise at the target, at an unchanged mix, still fires."""
+    def records(step, levels, target_timeouts=0):
         out = []
         for group, level in enumerate(levels):
             broken = 1 if level == 2 else 6  # 1 of 8 calls at the target, 6 of 8 at the harder level
+            timeouts = target_timeouts if level == 2 else 4  # ... and 4 of 8 harder episodes time out
             for sample in range(8):
                 turn = {"completion_ids": [1, 2], "logprobs": [-0.5, -0.5], "malformed_tool_call": sample < broken}
+                unscorable = sample >= 8 - timeouts
                 out.append({"step": step, "mode": "train", "difficulty": level, "target": level == 2, "episode": {
-                    "task_index": group * 8 + sample, "group_index": sample, "turns": [turn], "status": "ok",
-                    "metadata": {"rewards": {"f": float(sample % 2)}}}})
+                    "task_index": group * 8 + sample, "group_index": sample, "turns": [turn],
+                    "status": "timeout" if unscorable else "ok",
+                    "metadata": {"rewards": {"f": None if unscorable else float(sample % 2)}}}})
         return out
 
+    def alarms(log):
+        return [alarm.name for alarm in check_alarms(history_from_episode_records(log))]
+
     log = [r for step in range(15) for r in records(step, [2, 2, 2, 3])]
-    log += [r for step in range(15, 20) for r in records(step, [2, 3, 3, 3])]  # the mix moves, the rates do not
-    history = history_from_episode_records(log)
+    moved = log + [r for step in range(15, 20) for r in records(step, [2, 3, 3, 3])]  # the mix moves, rates do not
+    history = history_from_episode_records(moved)
     assert history["sampling/malformed_rate/3"][-1] == (20, 0.75) and history["sampling/groups/3"][-1] == (20, 3.0)
+    assert history["sampling/unscorable/3"][-1] == (20, 0.5) and history["sampling/episodes/3"][-1] == (20, 24.0)
     assert history["episodes/malformed_tool_calls_mean"][-1][1] == pytest.approx(19 / 32)  # 9 / 32 before
-    assert "malformed_tool_calls" not in [alarm.name for alarm in check_alarms(history)]
-    pooled = history_from_episode_records([{k: v for k, v in r.items() if k not in ("difficulty", "target")}
-                                           for r in log])
-    assert "malformed_tool_calls" in [alarm.name for alarm in check_alarms(pooled)]
+    assert history["episodes/unscorable"][-1][1] == pytest.approx(12 / 32)  # 4 / 32 before
+    assert not {"malformed_tool_calls", "unscorable_episodes"} & set(alarms(moved))
+    pooled = [{k: v for k, v in r.items() if k not in ("difficulty", "target")} for r in moved]
+    assert {"malformed_tool_calls", "unscorable_episodes"} <= set(alarms(pooled))
+    broken = log + [r for step in range(15, 20) for r in records(step, [2, 2, 2, 3], target_timeouts=4)]
+    assert "unscorable_episodes" in alarms(broken) and "malformed_tool_calls" not in alarms(broken)
 
 
 def test_callback_logs_warns_once_clears_and_writes_the_summary(tmp_path):

@@ -260,6 +260,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     calls = sum(g[2] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                     metrics[f"sampling/model_calls/{level:g}"].append(float(calls))
                     metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / self.num_generations)
+                    # ... and what `unscorable_episodes` compares: the level's episodes and the share left unscored.
+                    metrics[f"sampling/episodes/{level:g}"].append(float(levels.count(level)))
+                    metrics[f"sampling/unscorable/{level:g}"].append(sum(
+                        r is None for lv, r in zip(levels, rewards, strict=True) if lv == level) / levels.count(level))
                     if calls:
                         malformed = sum(g[3] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                         metrics[f"sampling/malformed_rate/{level:g}"].append(malformed / calls)

@@ -12,9 +12,9 @@ cannot tell learning from gaming, so a run is watched for six patterns, each a p
 - `length_drift`: sampled tokens or turns per episode grew by `length_growth` (relative) while the reward did not
   rise by `reward_rise`.
 - `malformed_tool_calls` / `unscorable_episodes`: the share of model calls with a malformed tool call, or of episodes
-  that could not be scored (or failed), rose by `spike` over its earlier level. With a difficulty column, malformed
-  calls are compared at the same mix of difficulties (an adaptive sampler moving to tasks where the policy writes
-  broken calls more often is not the policy breaking; [`malformed_spike`]).
+  that could not be scored (or failed), rose by `spike` over its earlier level. With a difficulty column, both are
+  compared at the same mix of difficulties (an adaptive sampler moving to tasks where the policy writes broken calls,
+  or times out, more often is not the policy breaking; [`malformed_spike`], [`unscorable_spike`]).
 - `entropy_collapse`: mean token entropy fell below `entropy_ratio` x its level at the start of training.
 - `low_split_rate`: the split rate (groups whose rewards differ, `1 - frac_reward_zero_std`) stayed below
   `min_split_rate`: most groups give GRPO nothing to learn from.
@@ -93,8 +93,9 @@ class AlarmSettings:
             than this many standard errors of the comparison (both sides' noise; see [`reward_hacking`]). 3: a run
             compares each evaluation with every earlier one, and a policy's state carries from step to step, so
             training windows scatter more than their per-step values say (at 2 a healthy demo run fired).
-            `malformed_tool_calls` (with per-difficulty counts) likewise fires only on a rise beyond this many
-            standard errors of what the last steps' groups could give by chance ([`malformed_spike`]).
+            `malformed_tool_calls` and `unscorable_episodes` (with per-difficulty counts) likewise fire only on a
+            rise beyond this many standard errors of what the last steps' groups could give by chance
+            ([`malformed_spike`]).
     """
 
     window: int = 10
@@ -299,6 +300,41 @@ def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, flo
     if not by_level:
         return _pooled_spike(rate, name="malformed_tool_calls", what="malformed tool calls per model call",
                              window=window, spike=spike)
+    return _mix_spike(by_level, name="malformed_tool_calls", what="malformed tool calls per model call",
+                      window=window, spike=spike, noise_z=noise_z, min_count=min_calls)
+
+
+def unscorable_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None,
+                     *, window: int = 10, spike: float = 0.1, noise_z: float = 3.0,
+                     min_episodes: int = 20) -> Alarm | None:
+    """`unscorable_episodes`: the share of episodes that could not be scored (or failed) rising by `spike`, compared
+    like with like and beyond chance, as [`malformed_spike`] compares malformed calls: with per-difficulty counts
+    (`by_level`: step -> {level: (episodes, unscorable episodes, groups)}, from the trainer's
+    `sampling/episodes/<level>`, `sampling/unscorable/<level>` and `sampling/groups/<level>`), the last steps' share
+    is held against the one their mix of difficulties would give at each difficulty's earlier share (harder tasks
+    time out or overflow the context more often: a curriculum moving to them has not broken the agent); without them
+    (no difficulty column), the pooled `rate` series ([`spike`]).
+
+    Example:
+
+    ```python
+    >>> steady = {s: {2: (48, 0.0, 4)} for s in range(1, 21)}
+    >>> broken = {s: {2: (48, 24.0, 4)} for s in range(21, 26)}  # half of the target's episodes time out
+    >>> unscorable_spike([], {**steady, **broken}).name
+    'unscorable_episodes'
+    ```
+    """
+    what = "unscorable or failed episodes"
+    if not by_level:
+        return _pooled_spike(rate, name="unscorable_episodes", what=what, window=window, spike=spike)
+    return _mix_spike(by_level, name="unscorable_episodes", what=f"the share of {what}", window=window, spike=spike,
+                      noise_z=noise_z, min_count=min_episodes)
+
+
+def _mix_spike(by_level: dict[int, dict[Any, tuple[float, float, float | None]]], *, name: str, what: str,
+               window: int, spike: float, noise_z: float, min_count: int) -> Alarm | None:
+    """A share rising by `spike` and by `noise_z` standard errors at the same mix of difficulties: `by_level` is
+    step -> {level: (count, hits, groups)}; see [`malformed_spike`]."""
     recent_size = max(1, window // 2)
     steps = sorted(by_level)
     if len(steps) < 2 * recent_size:
@@ -307,33 +343,33 @@ def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, flo
     def totals(points: list[int]) -> dict[Any, list[float | None]]:
         summed: dict[Any, list[float | None]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         for step in points:
-            for level, (calls, malformed, groups) in by_level[step].items():
+            for level, (count, hits, groups) in by_level[step].items():
                 entry = summed[level]
-                entry[0] += calls
-                entry[1] += malformed
+                entry[0] += count
+                entry[1] += hits
                 entry[2] = None if groups is None or entry[2] is None else entry[2] + groups
         return summed
 
     earlier, recent = totals(steps[:-recent_size]), totals(steps[-recent_size:])
     compared = {level: (earlier[level], counts) for level, counts in recent.items()
-                if level in earlier and earlier[level][0] >= min_calls and counts[0]}
-    calls = sum(counts[0] for _, counts in compared.values())
-    if not calls:
+                if level in earlier and earlier[level][0] >= min_count and counts[0]}
+    total = sum(counts[0] for _, counts in compared.values())
+    if not total:
         return None
     seen = expected = variance = 0.0
-    for (past_calls, past_malformed, past_groups), (level_calls, level_malformed, groups) in compared.values():
-        share = past_malformed / past_calls
-        seen += level_malformed
-        expected += level_calls * share
-        units = (groups, past_groups) if groups and past_groups else (level_calls, past_calls)
-        variance += (level_calls / calls) ** 2 * share * (1 - share) * (1 / units[0] + 1 / units[1])
-    after, before = seen / calls, expected / calls
+    for (past_count, past_hits, past_groups), (count, hits, groups) in compared.values():
+        share = past_hits / past_count
+        seen += hits
+        expected += count * share
+        units = (groups, past_groups) if groups and past_groups else (count, past_count)
+        variance += (count / total) ** 2 * share * (1 - share) * (1 / units[0] + 1 / units[1])
+    after, before = seen / total, expected / total
     if after - before < spike or after - before < noise_z * math.sqrt(variance):
         return None
-    return Alarm("malformed_tool_calls", steps[-1], (
-        f"malformed tool calls per model call rose to {after:.1%} over the last {recent_size} logged steps, against "
-        f"{before:.1%} expected at their mix of difficulties from the rate at each difficulty before: read the latest "
-        "episodes (`trl-agentic inspect <output_dir>`) for what broke."),
+    return Alarm(name, steps[-1], (
+        f"{what} rose to {after:.1%} over the last {recent_size} logged steps, against {before:.1%} expected at their "
+        "mix of difficulties from the rate at each difficulty before: read the latest episodes "
+        "(`trl-agentic inspect <output_dir>`) for what broke."),
         {"before": before, "after": after, "z": (after - before) / math.sqrt(variance) if variance else math.inf})
 
 
@@ -398,20 +434,20 @@ def _training_success(series: dict[str, Series]) -> tuple[Series, str]:
     return series["reward"], "training reward"
 
 
-def _malformed_by_level(history: History) -> dict[int, dict[Any, tuple[float, float, float | None]]]:
-    """step -> {level: (model calls, malformed calls, groups or None)} from `sampling/model_calls/<level>`,
-    `sampling/malformed_rate/<level>` and `sampling/groups/<level>` (empty without a difficulty column)."""
+def _by_level(history: History, counts: str, rates: str) -> dict[int, dict[Any, tuple[float, float, float | None]]]:
+    """step -> {level: (count, count x rate, groups or None)} from `sampling/<counts>/<level>`,
+    `sampling/<rates>/<level>` and `sampling/groups/<level>` (empty without a difficulty column)."""
     by_level: dict[int, dict[Any, tuple[float, float, float | None]]] = defaultdict(dict)
-    prefix = "sampling/model_calls/"
+    prefix = f"sampling/{counts}/"
     for name, points in history.items():
         if not name.startswith(prefix):
             continue
         level = name[len(prefix):]
-        rates = dict(history.get(f"sampling/malformed_rate/{level}", []))
+        shares = dict(history.get(f"sampling/{rates}/{level}", []))
         groups = dict(history.get(f"sampling/groups/{level}", []))
-        for step, calls in points:
-            if step in rates:
-                by_level[step][level] = (calls, calls * rates[step], groups.get(step))
+        for step, count in points:
+            if step in shares:
+                by_level[step][level] = (count, count * shares[step], groups.get(step))
     return dict(by_level)
 
 
@@ -425,7 +461,9 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     `malformed_rate` (malformed tool calls per model call), `malformed_by_level` (step -> {difficulty: (model calls,
     malformed calls, groups)}, from `sampling/model_calls/<level>`, `sampling/malformed_rate/<level>` and
     `sampling/groups/<level>`), `unscorable` (`episodes/unscorable` when logged, else the
-    share of episodes that did not end `ok`, which are unscorable unless a checker scores failures) and `entropy`.
+    share of episodes that did not end `ok`, which are unscorable unless a checker scores failures),
+    `unscorable_by_level` (step -> {difficulty: (episodes, unscorable episodes, groups)}, from
+    `sampling/episodes/<level>`, `sampling/unscorable/<level>` and `sampling/groups/<level>`) and `entropy`.
     """
     get = lambda name: list(history.get(name, []))  # noqa: E731
     turns = dict(get("episodes/turns_mean"))
@@ -440,8 +478,9 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
         "sampled_tokens": get("episodes/sampled_tokens_mean") or get("completions/mean_length"),
         "turns": get("episodes/turns_mean"),
         "malformed_rate": [(s, v / turns[s]) for s, v in get("episodes/malformed_tool_calls_mean") if turns.get(s)],
-        "malformed_by_level": _malformed_by_level(history),
+        "malformed_by_level": _by_level(history, "model_calls", "malformed_rate"),
         "unscorable": unscorable,
+        "unscorable_by_level": _by_level(history, "episodes", "unscorable"),
         "entropy": get("entropy"),
     }
 
@@ -473,8 +512,8 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
                         reward_rise=settings.reward_rise, what="turns per episode"),
         malformed_spike(series["malformed_rate"], series["malformed_by_level"], window=window, spike=settings.spike,
                         noise_z=settings.noise_z),
-        spike(series["unscorable"], name="unscorable_episodes", what="unscorable or failed episodes",
-              window=window, spike=settings.spike),
+        unscorable_spike(series["unscorable"], series["unscorable_by_level"], window=window, spike=settings.spike,
+                         noise_z=settings.noise_z),
         entropy_collapse(series["entropy"], window=window, entropy_ratio=settings.entropy_ratio),
         low_split_rate(series["split_rate"], window=window, min_split_rate=settings.min_split_rate),
     ]
@@ -506,9 +545,10 @@ def history_from_episode_records(records: Iterable[dict[str, Any]], success_thre
 
     Records of a run with a difficulty column carry each task's `difficulty` (and whether it is the `target`): then
     also `sampling/difficulty_mean` and, per level, `sampling/share/<level>`, `sampling/model_calls/<level>`,
-    `sampling/groups/<level>`, `sampling/malformed_rate/<level>` and `sampling/success/<level>` (an episode succeeds
-    when its reward is at least `success_threshold`, the sampler's), and `sampling/target_success`: what
-    `malformed_tool_calls` and `reward_hacking` read, so that they compare like with like here as in the run.
+    `sampling/groups/<level>`, `sampling/episodes/<level>`, `sampling/malformed_rate/<level>`,
+    `sampling/unscorable/<level>` and `sampling/success/<level>` (an episode succeeds when its reward is at least
+    `success_threshold`, the sampler's), and `sampling/target_success`: what `malformed_tool_calls`,
+    `unscorable_episodes` and `reward_hacking` read, so that they compare like with like here as in the run.
 
     Example:
 
@@ -567,6 +607,8 @@ def _level_metrics(records: list[dict[str, Any]], rewards: list[float | None], n
         values[f"sampling/share/{level:g}"] = len(mine) / len(levels)
         values[f"sampling/model_calls/{level:g}"] = float(calls)
         values[f"sampling/groups/{level:g}"] = len(mine) / num_generations
+        values[f"sampling/episodes/{level:g}"] = float(len(mine))
+        values[f"sampling/unscorable/{level:g}"] = sum(reward is None for _, reward in mine) / len(mine)
         if calls:
             values[f"sampling/malformed_rate/{level:g}"] = sum(
                 bool(t.get("malformed_tool_call")) for record, _ in mine for t in record["episode"]["turns"]) / calls
@@ -832,6 +874,8 @@ __all__ = [
     "history_from_log_history",
     "length_drift",
     "low_split_rate",
+    "malformed_spike",
     "reward_hacking",
     "spike",
+    "unscorable_spike",
 ]
