@@ -13,7 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from trl_agentic.recipes import get_reward_func
-from trl_agentic.trace import Episode
+from trl_agentic.trace import Episode, Turn
 from trl_agentic.tasks import BUNDLED_TASKS, TaskSuite, get_task
 from trl_agentic.tasks.agent_loop import call_tool
 from trl_agentic.tasks.calculator import (
@@ -300,6 +300,24 @@ def test_calculator_correct_with_episodes():
     ]
     rewards = calculator_correct(prompts=[None] * 4, completions=completions, answer=[42] * 4, episodes=episodes)
     assert rewards == [1.0, 0.0, None, None]
+
+
+def test_calculator_correct_pays_nothing_for_a_broken_tool_call():
+    """A reply that tried to call the calculator and broke is no answer, even when it ends with the right number: seed 1
+    of the demo learned to end broken calls on 1-digit tasks with the product (`"0 * 1 * 1 * 8.` for "What is 8 *
+    1?"), which the last-number reading paid for."""
+    broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "0 * 1 * 1 * 8.'
+
+    def turn(malformed):
+        return Turn(index=0, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], finish_reason="stop",
+                    malformed_tool_call=malformed)
+
+    episodes = [Episode(id="broken", status="ok", result=broken, turns=[turn(False), turn(True)]),
+                Episode(id="answered", status="ok", result="The answer is 8.", turns=[turn(True), turn(False)]),
+                Episode(id="no-calls", status="ok", result="8")]
+    completions = [[{"role": "assistant", "content": episode.result}] for episode in episodes]
+    rewards = calculator_correct(prompts=[None] * 3, completions=completions, answer=[8] * 3, episodes=episodes)
+    assert rewards == [0.0, 1.0, 1.0]  # an earlier broken call the agent recovered from costs nothing
 
 
 def test_last_number():

@@ -317,7 +317,10 @@ def calculator_correct(prompts: list, completions: list, answer: list[str | int]
     """1.0 if the last number of the agent's final answer equals `answer`, else 0.0; `None` for failed episodes.
 
     The final answer is the agent's return value (`Episode.result`) when it is text, else the last assistant message
-    of the completion (so the checker also works with plain TRL, without `episodes`).
+    of the completion (so the checker also works with plain TRL, without `episodes`). An episode whose last model
+    call was a broken tool call (`Turn.malformed_tool_call`) gave no answer and scores 0.0, whatever number its text
+    ends with: the agent returns such a reply as text, and a policy learned to end broken calls with the product
+    (`{"expression": "0 * 1 * 1 * 8.` for "What is 8 * 1?").
 
     Example:
 
@@ -332,6 +335,9 @@ def calculator_correct(prompts: list, completions: list, answer: list[str | int]
         episode = episode_for(kwargs, index)
         if not is_scorable(episode):
             rewards.append(None)
+            continue
+        if episode is not None and episode.turns and episode.turns[-1].malformed_tool_call:
+            rewards.append(0.0)  # a broken tool call is no answer
             continue
         if episode is not None and isinstance(episode.result, str):
             text = episode.result
