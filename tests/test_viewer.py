@@ -49,8 +49,9 @@ def run_dir(tmp_path_factory):
         max_completion_length=6, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
         log_episodes=True, seed=0, disable_tqdm=True,
     )
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "difficulty": i % 2 + 1}
-                                 for i in range(4)])  # a difficulty column: each record logs its task's level
+    # A difficulty column: each record logs its task's level.
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}],
+                                  "difficulty": i % 2 + 1} for i in range(4)])
     trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=forking_agent, reward_funcs=length_reward,
                                  args=args, train_dataset=dataset, processing_class=tokenizer)
     try:

@@ -149,8 +149,8 @@ class DemoSettings:
     # Episodes per task (the group). A group of G at success p splits with probability 1 - p^G - (1 - p)^G: once a
     # seed solves the target (seed 1: 0.8-0.85 training success at 1.2 over its last 60 steps), groups of 8 split
     # ~75% of the time, and its lowest 10-step split rate was 45-62.5% in eight runs; groups of 12 split ~86% there
-    # and the floor rose to 65.0%. 16 episodes x 2 tasks (the same episodes per step) collapsed seed 1 at step ~225:
-    # two tasks per step are too few (README).
+    # and the floor was 55.0-65.0% in five runs. 16 episodes x 2 tasks (the same episodes per step) collapsed seed 1
+    # at step ~225: two tasks per step are too few (docs/demo_history.md).
     num_generations: int = 12
     tasks_per_step: int = 4
     beta: float = 0.0
