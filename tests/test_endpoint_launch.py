@@ -7,6 +7,7 @@ import pytest
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
 from trl_agentic.endpoint import SERVED_MODEL_NAME
+from trl_agentic.endpoint.app import EndpointSettings
 from trl_agentic.endpoint.launch import (
     DEFAULT_BATCH_WAIT_MS,
     DEFAULT_MAX_BATCH_SIZE,
@@ -78,3 +79,15 @@ def test_launched_endpoint_serves_and_records(tokenizer):
     finally:
         server.call(engine.stop(), timeout=10)
         server.stop()
+
+
+@pytest.mark.parametrize("token", ["", "   ", "\t\n"])
+def test_empty_admin_token_is_refused_not_open_to_all(tokenizer, token):
+    # An empty token used to let any request without an Authorization header through the admin routes.
+    engine = build_engine(build_tiny_model(tokenizer), tokenizer)
+    with pytest.raises(ValueError, match="admin_token is empty"):
+        EndpointSettings(admin_token=token)
+    with pytest.raises(ValueError, match="admin_token is empty"):
+        create_endpoint_app(engine, tokenizer, admin_token=token)
+    with pytest.raises(ValueError, match="admin_token is empty"):
+        launch_endpoint(engine, tokenizer, admin_token=token)

@@ -125,7 +125,7 @@ def create_app(
     def check_admin(request: Request) -> None:
         header = request.headers.get("authorization", "")
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), settings.admin_token.encode()):
+        if not token or not secrets.compare_digest(token.encode(), settings.admin_token.encode()):
             raise APIError(401, "Admin routes need the admin token.", "authentication_error", "invalid_admin_token")
 
     # Routes

@@ -107,12 +107,13 @@ def create_endpoint_app(
         max_turns, max_episode_tokens: default per-episode limits (`None`: none).
         chat_template_kwargs: extra chat-template variables, e.g. `{"enable_thinking": False}`.
         served_model_name: the `model` agents send; others are answered 404.
-        admin_token: bearer token of the `/admin` routes (default: a random one).
+        admin_token: bearer token of the `/admin` routes (default: a random one; an empty one is a `ValueError`).
         max_open_episodes: most episodes open at once, more are answered 429 (`None`: no cap).
         episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
             (`None`: never).
     """
     settings = EndpointSettings(
+        **({} if admin_token is None else {"admin_token": admin_token}),
         served_model_names=[served_model_name],
         default_max_tokens=default_max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
         overrides=SamplingOverrides(temperature=temperature, top_p=top_p, top_k=top_k or None, max_tokens=max_tokens),
@@ -120,8 +121,6 @@ def create_endpoint_app(
         max_open_episodes=max_open_episodes,
         episode_idle_timeout=episode_idle_timeout,
     )
-    if admin_token is not None:
-        settings.admin_token = admin_token
     return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings)
 
 

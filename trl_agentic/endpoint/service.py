@@ -66,7 +66,7 @@ class EndpointSettings:
 
     Args:
         served_model_names: values of `model` the endpoint answers to (others get 404 `model_not_found`).
-        admin_token: bearer token of the `/admin` routes (episodes are opened and closed with it).
+        admin_token: bearer token of the `/admin` routes (episodes are opened and closed with it); never empty.
         default_max_tokens: `max_tokens` of a request that sets none.
         max_body_bytes: larger request bodies are answered 413.
         overrides: sampling the trainer imposes, whatever the request asks for.
@@ -84,6 +84,13 @@ class EndpointSettings:
     default_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     max_open_episodes: int | None = None
     episode_idle_timeout: float | None = None
+
+    def __post_init__(self):
+        # An empty token matched a request that sends none: the admin routes were open to anyone (issue 29, N6).
+        if not isinstance(self.admin_token, str) or not self.admin_token.strip():
+            raise ValueError(f"admin_token is empty ({self.admin_token!r}): the admin routes would be open to any "
+                             "request. Pass a secret token (e.g. 'sk-admin-' + secrets.token_urlsafe(32)), or leave "
+                             "admin_token unset for a random one.")
 
 
 class APIError(Exception):
