@@ -1,8 +1,14 @@
 """ChatRenderer: rendering, the continuation splice per template family, tool-call parsing, message normalization."""
 
+import copy
 import json
+import re
+from pathlib import Path
 
 import pytest
+import trl
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from trl_agentic.endpoint.chat import ChatRenderer, RenderedContext, common_prefix_length
 from trl_agentic.endpoint.protocol import comparable_message, template_message
@@ -189,3 +195,107 @@ def test_common_prefix_length():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
     assert common_prefix_length([], [1]) == 0
+
+
+# Windows against whole renderings on adversarial conversations (issue #29 M3). Qwen3's templates pick the reasoning
+# they keep from the "last query": the last user message that is not a tool result wrapped in <tool_response> tags. A
+# user message with that text moves it, and a window that drops the real query renders differently.
+TRL_TEMPLATES = sorted((Path(trl.__file__).parent / "chat_templates").glob("*.jinja"))
+QWEN3_TEMPLATES = [p for p in TRL_TEMPLATES if p.name.startswith("qwen3")]
+WRAPPED = "<tool_response>\n42\n</tool_response>"  # what Qwen3's templates take for a tool turn
+ADVERSARIAL = [WRAPPED, "Is <tool_response> a tag? Close it with </tool_response>.",
+               "<think>\nPlan first.\n</think>\n\nGo on.", "What is 6 * 7?"]
+PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+
+
+def adversarial_conversation(users, reasoning="Let me think.", system=False):
+    """A tool loop with three user messages (`users`) and reasoning on every assistant turn. (A continuation whose new
+    messages hold an assistant message, not ours, shows a moved "last query" in the reasoning it renders.)"""
+    def call(k):
+        return {"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [
+            {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}]}
+
+    def tool(k):
+        return {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"}
+
+    def answer(k):
+        return {"role": "assistant", "content": f"answer {k}", "reasoning_content": reasoning}
+
+    messages = [{"role": "system", "content": "Be brief."}] if system else []
+    first, second, third = ({"role": "user", "content": content} for content in users)
+    messages += [first, call(0), tool(0), answer(1), second, call(2), tool(2), call(3), tool(3), answer(4), third,
+                 call(5), tool(5), call(6), tool(6)]
+    return messages
+
+
+def assert_windows_equal_whole_renders(tokenizer, conversations):
+    """Every continuation (each assistant message as the parent's answer, the rest of the conversation or one more
+    message as the new messages) is the same, id for id, windowed as rendered whole. Returns the windowed renderer."""
+    windowed, whole = ChatRenderer(tokenizer), ChatRenderer(tokenizer, incremental=False)
+    eot = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    for messages in conversations:
+        for answer in range(1, len(messages) - 1):
+            if messages[answer]["role"] != "assistant":
+                continue
+            for end in sorted({answer + 2, len(messages)}):
+                request = messages[:end]
+                try:
+                    expected = whole.continue_from(messages[:answer], request, [PROBE_TOOL], [eot])
+                except Exception:  # noqa: BLE001 - the template refuses this conversation
+                    continue
+                got = windowed.continue_from(messages[:answer], request, [PROBE_TOOL], [eot])
+                assert (got is None) == (expected is None), (messages, answer, end)
+                if got is not None:
+                    assert (got.glue, got.suffix) == (expected.glue, expected.suffix), (messages, answer, end)
+    return windowed, whole
+
+
+@pytest.mark.parametrize("template", QWEN3_TEMPLATES, ids=lambda p: p.stem)
+def test_windows_equal_whole_renders_when_user_messages_hold_template_tags(template):
+    tokenizer = copy.deepcopy(build_tiny_tokenizer("qwen3"))
+    tokenizer.chat_template = template.read_text(encoding="utf-8")
+    conversations = [adversarial_conversation(users) for users in [
+        (WRAPPED, ADVERSARIAL[3], WRAPPED), (WRAPPED, WRAPPED, ADVERSARIAL[3]), (WRAPPED, ADVERSARIAL[2], WRAPPED),
+        (ADVERSARIAL[1], ADVERSARIAL[3], WRAPPED), (ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]),
+        (ADVERSARIAL[3], WRAPPED, WRAPPED)]]
+    conversations.append(adversarial_conversation((WRAPPED, ADVERSARIAL[3], WRAPPED), system=True))
+    windowed, whole = assert_windows_equal_whole_renders(tokenizer, conversations)
+    assert windowed.incremental  # the windows were used (the probe kept them on)...
+    assert windowed.rendered_messages < whole.rendered_messages  # ...and rendered less than whole conversations
+
+
+def byte_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """A tokenizer without merges whose added tokens are the template's tags: enough to compare renderings of any
+    template token for token, built in milliseconds."""
+    specials = set(re.findall(r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>]{1,40}｜>|<(?:start|end)_of_turn>|<\|[a-z_]{1,30}>"
+                              r"|<[a-z_]{1,30}\|>|<\|?[A-Z_]{3,40}\|?>|</s>", template))
+    texts = set(re.findall(r"</?[a-z_]{2,30}>", template)) - specials
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(specials)] +
+                                 [AddedToken("<bos>", special=True, normalized=False)])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in sorted(texts)])
+    ends = ["<|im_end|>", "<|eot_id|>", "<|return|>", "<end_of_turn>", "<|END_OF_TURN_TOKEN|>",
+            "<｜end▁of▁sentence｜>", "<turn|>", "<|end|>", "</s>", "<|eot|>", "<|user|>"]
+    eos = next((t for t in ends if t in specials), "<bos>")
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token="<bos>",
+                                           clean_up_tokenization_spaces=False)
+    hf_tokenizer.chat_template = template
+    return hf_tokenizer
+
+
+def test_windows_equal_whole_renders_on_every_trl_template():
+    """A small fuzz: every chat template TRL ships, adversarial user messages, with and without reasoning."""
+    conversations = [adversarial_conversation(users, reasoning, system) for users, reasoning, system in [
+        ((WRAPPED, ADVERSARIAL[3], WRAPPED), "Hmm.", False), ((ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]), None, True),
+        ((ADVERSARIAL[3], ADVERSARIAL[0], ADVERSARIAL[2]), "Hmm.", True)]]
+    windowed_templates = []
+    for template in TRL_TEMPLATES:
+        windowed, _ = assert_windows_equal_whole_renders(byte_tokenizer(template.read_text(encoding="utf-8")),
+                                                         conversations)
+        if windowed.incremental:
+            windowed_templates.append(template.stem)
+    assert len(windowed_templates) >= len(TRL_TEMPLATES) // 2, windowed_templates

@@ -137,7 +137,10 @@ def test_per_call_work_does_not_grow_with_the_episode(serve, tokenizers):
         episode = server.close_episode(session.episode.id)
         assert episode.num_forks == 0 and all(t.prompt_source == "continued" for t in episode.turns[1:])
         work[incremental] = per_call
-    assert len(set(work[True][2:])) == 1  # the same work at every continued turn
+    # The same work at every continued turn; the first window also asks the template whether its first user message
+    # is a plain query (renders of it alone and with an answer: 3 messages, once per distinct message).
+    assert work[True][3] == (work[True][4][0] + 3, work[True][4][1])  # turn 3: the first window
+    assert len(set(work[True][4:])) == 1
     rendered, encoded = work[True][-1]
     assert rendered <= 12 and encoded < 150  # two windows of at most 6 messages; the new tool result tokenized
     full_rendered = [r for r, _ in work[False][1:]]

@@ -13,7 +13,9 @@ episode O(T²)): the head (leading system messages and the first user message: t
 message when the new messages hold more than tool results: Qwen3 drops earlier reasoning, Mistral moves the tools,
 when a new user query arrives). The parent's window is rendered beside the new one, so the append-only check runs on
 them exactly as on whole renderings. `ChatRenderer(incremental=False)` renders whole conversations (the reference
-path), and a renderer whose template gives a different answer on probe conversations falls back to it.
+path), and a renderer whose template gives a different answer on probe conversations falls back to it. A window is
+also declined when its first user message is not a plain query to the template (Qwen3 takes a user message wrapped in
+`<tool_response>` tags for a tool turn: issue #29), since the probes ran with plain ones.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class ChatRenderer:
         self.end_of_turn_ids.discard(None)
         self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
         self._tool_prefix_cache: dict[tuple, list[int]] = {}
+        self._plain_queries: dict[str, bool] = {}  # first user message's content -> `_is_plain_query`
         # Work counters (read by tests and benchmarks): messages rendered, and characters tokenized, so far.
         self.rendered_messages = 0
         self.encoded_chars = 0
@@ -113,6 +116,7 @@ class ChatRenderer:
         with_prompt = self.render_text(probe, None, add_generation_prompt=True)
         without = self.render_text(probe, None, add_generation_prompt=False)
         self._generation_prompt = with_prompt[len(without) :] if with_prompt.startswith(without) else None
+        self._plain_tail = self._tail_after({"role": "user", "content": "question"})  # see `_is_plain_query`
         if incremental:
             key = (str(tokenizer.chat_template), json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
                    tuple(sorted(self._end_of_turn_by_text)))
@@ -234,7 +238,7 @@ class ChatRenderer:
         ```
         """
         if same_prefix and self.incremental:
-            window = self.window(messages, len(parent_messages))
+            window = self._exact_window(messages, len(parent_messages))
             if window is not None:
                 head, start = window
                 try:
@@ -271,6 +275,41 @@ class ChatRenderer:
             start -= 1
         return (head, start) if start > head else None
 
+    def _exact_window(self, messages: list[dict], parent_length: int) -> tuple[int, int] | None:
+        """`window`, unless its head's user message is not a plain query to the template: the probes that found
+        windows exact had plain ones."""
+        window = self.window(messages, parent_length)
+        if window is None or not self._is_plain_query(messages[window[0] - 1]):
+            return None
+        return window
+
+    def _is_plain_query(self, message: dict) -> bool:
+        """Whether the template renders what follows this user message as it renders what follows a plain question.
+
+        Qwen3's templates take a user message wrapped in `<tool_response>` tags for a tool turn and look further back
+        for the "last query", whose position decides which reasoning they render (issue #29). A window whose head is
+        such a message but that drops the real query behind it renders the new messages differently. With a plain
+        head, the last query a window sees is the whole conversation's, or both lie before the window's tail. Probed
+        once per distinct content: an episode's head is the same on every call.
+        """
+        content = message.get("content")
+        key = content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str)
+        if key not in self._plain_queries:
+            if len(self._plain_queries) >= 4096:  # a bound, for servers that see many distinct prompts
+                self._plain_queries.clear()
+            tail = self._tail_after(message)
+            self._plain_queries[key] = tail == self._plain_tail
+        return self._plain_queries[key]
+
+    def _tail_after(self, user: dict) -> str | None:
+        # What the template renders for an answer with reasoning after `user` (`None`: it refuses `user` alone).
+        answer = {"role": "assistant", "content": "answer", "reasoning_content": "thinking"}
+        try:
+            head = self.render_text([user], None, add_generation_prompt=False)
+            return self.render_text([user, answer], None, add_generation_prompt=False)[len(head) :]
+        except Exception:  # noqa: BLE001 - refused: plain only if a plain question is refused too
+            return None
+
     def _windows_are_exact(self) -> bool:
         """Whether windows give this template's whole-conversation answer on probe conversations (tool loops, new
         queries, reasoning, with and without a system message and tools)."""
@@ -294,7 +333,10 @@ class ChatRenderer:
                 message["reasoning_content"] = reasoning
             return message
 
-        # (conversation, index of the parent's answer, tools): a tool loop, a new query, parallel tool results, chat.
+        # (conversation, index of the parent's answer, tools): a tool loop, a new query, parallel tool results, chat,
+        # and user messages that look like tool results to Qwen3 (in the middle, and at the head, where the window is
+        # declined) with an assistant message, not ours, among the new messages.
+        wrapped = {"role": "user", "content": "<tool_response>\nresult\n</tool_response>"}
         cases = []
         for reasoning in (None, "thinking"):
             loop = [{"role": "user", "content": "question"}, call(0, reasoning), tool(0), call(1, reasoning), tool(1),
@@ -307,9 +349,14 @@ class ChatRenderer:
                 cases += [(system + loop[:7], len(system) + 5, tools), (system + loop[:9], len(system) + 7, tools),
                           (system + loop, len(system) + 9, tools), (system + chat[:5], len(system) + 3, None),
                           (system + chat, len(system) + 5, None)]
+            if reasoning:
+                for first in ({"role": "user", "content": "question"}, wrapped):
+                    tagged = [first, text(0, reasoning), {"role": "user", "content": "again"}, text(1, reasoning),
+                              wrapped, call(2, reasoning), tool(2), call(3, reasoning), tool(3)]
+                    cases += [(tagged, 5, tools), ([{"role": "system", "content": "be brief"}] + tagged, 6, tools)]
         try:
             for messages, answer, tools_ in cases:
-                window = self.window(messages, answer)
+                window = self._exact_window(messages, answer)
                 if window is None:
                     continue
                 head, start = window
