@@ -1,6 +1,8 @@
 """TransformersEngine: batched sampling with a KV cache, logprobs, seeds, stop tokens, dynamic batching."""
 
 import asyncio
+import copy
+import threading
 
 import pytest
 import torch
@@ -111,3 +113,135 @@ def test_concurrent_requests_are_batched(engine):
     results = asyncio.run(run())
     assert len(results) == 8 and all(len(r.token_ids) == 4 for r in results)
     assert max(engine.batch_sizes) > 1 and sum(k * v for k, v in engine.batch_sizes.items()) == 8
+
+
+# The engine and the trainer's module (issue 29: M1, L3, L4)
+
+
+def chat_prompt(tokenizer, text="What is 12 * (3 + 4)? Use the calculator, then answer."):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def fresh_scores(model, prompt, completion):
+    """`score` with the model as it is now, in eval mode, without touching the model itself."""
+    return score(copy.deepcopy(model).eval(), prompt, completion, 1.0)
+
+
+def optimizer_step(model, prompt):
+    """One training step of the trainer's module: a forward and backward in train mode, then AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ids = torch.tensor([prompt])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_an_abandoned_call_never_flips_the_mode_a_training_forward_sees():
+    """M1: a call whose agent was abandoned keeps decoding while training resumes. Every training forward must see
+    the module in train mode (the engine used to put the shared module in eval mode around each of its steps: 31% of
+    training forwards read the wrong flag), and no engine forward may run through the trainer's module."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).train()  # the trainer's module, training
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=True)
+    prompt = chat_prompt(tokenizer)
+    forwards = []  # (thread, module is the trainer's, module.training) of every forward that reached the hook
+
+    def record(module, args):
+        forwards.append((threading.current_thread().name, module is model, module.training))
+
+    handle = model.register_forward_pre_hook(record)
+    decoding = threading.Event()
+
+    async def abandoned():
+        try:
+            await engine.generate(prompt, SamplingParams(max_tokens=600, seed=0, stop_token_ids=[]),
+                                  on_token=lambda ids, lps: decoding.set())
+        finally:
+            await engine.stop()
+
+    caller = threading.Thread(target=asyncio.run, args=(abandoned(),))
+    caller.start()
+    try:
+        assert decoding.wait(30)
+        steps = 0
+        while caller.is_alive():
+            optimizer_step(model, prompt)
+            steps += 1
+    finally:
+        caller.join()
+        handle.remove()
+    training = [seen for thread, is_trainer, seen in forwards if thread == threading.current_thread().name]
+    engine_forwards = [(is_trainer, seen) for thread, is_trainer, seen in forwards if thread == "trl-agentic-engine"]
+    assert steps >= 3 and len(training) == steps  # the training forwards overlapped the abandoned call's decoding
+    assert all(training), f"{training.count(False)} of {len(training)} training forwards saw eval mode"
+    assert engine_forwards and not any(is_trainer for is_trainer, _ in engine_forwards)
+    assert model.training
+
+
+@pytest.mark.parametrize("inference_copy", [True, False])
+def test_after_an_optimizer_step_the_engine_samples_from_the_new_weights(inference_copy):
+    """The inference copy is synced after optimizer steps (the trainer calls `sync_weights`; alone, the engine sees
+    the step before its next admission); a fresh forward of the updated model gives the same logprobs."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).train()
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=inference_copy)
+    prompt = chat_prompt(tokenizer)
+    sampling = SamplingParams(max_tokens=8, seed=5)
+    before = engine.generate_batch([prompt], [sampling])[0]
+    assert before.logprobs == pytest.approx(fresh_scores(model, prompt, before.token_ids), abs=1e-5)
+    optimizer_step(model, prompt)
+    after = engine.generate_batch([prompt], [sampling])[0]
+    assert after.logprobs == pytest.approx(fresh_scores(model, prompt, after.token_ids), abs=1e-5)
+    assert after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+    assert engine.stats.prefix_hits == 0 and model.training
+
+
+@pytest.mark.parametrize("inference_copy", [True, False])
+@pytest.mark.parametrize("edit", ["ema", "one_weight", "sync_weights"])
+def test_weights_edited_through_data_are_used_by_the_next_request(inference_copy, edit):
+    """L3: an edit through `.data` bumps no version counter and steps no optimizer (an EMA callback, an evaluator
+    loading weights). The second of two identical requests samples from the new weights: not from the first one's
+    cached prefix, nor from a stale inference copy."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).eval()
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=inference_copy)
+    prompt = chat_prompt(tokenizer)
+    sampling = SamplingParams(max_tokens=8, seed=5)
+    first = engine.generate_batch([prompt], [sampling])[0]
+    average = build_tiny_model(tokenizer, seed=1)
+    if edit == "one_weight":
+        model.model.layers[0].self_attn.k_proj.weight.data[3, 5] += 0.5  # one weight the cached keys depend on
+    else:
+        for p, q in zip(model.parameters(), average.parameters()):
+            p.data.mul_(0.5).add_(q.data, alpha=0.5)
+    if edit == "sync_weights":
+        engine.sync_weights()  # the public way to say so, whatever the edit
+    second = engine.generate_batch([prompt], [sampling])[0]
+    cold = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, prefix_cache_bytes=0)
+    expected = cold.generate_batch([prompt], [sampling])[0]
+    assert (second.token_ids, second.logprobs) == (expected.token_ids, expected.logprobs)
+    assert second.logprobs != first.logprobs and engine.stats.prefix_hits == 0
+
+
+def test_a_peft_model_is_served_with_its_adapters_and_its_frozen_base_is_not_copied():
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)  # adapters that matter
+    model = get_peft_model(build_tiny_model(tokenizer), config).train()
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=True)
+    prompt = chat_prompt(tokenizer)
+    sampling = SamplingParams(max_tokens=8, seed=5)
+    out = engine.generate_batch([prompt], [sampling])[0]
+    assert out.logprobs == pytest.approx(fresh_scores(model, prompt, out.token_ids), abs=1e-5)
+    with model.disable_adapter():
+        assert out.logprobs != pytest.approx(fresh_scores(model, prompt, out.token_ids), abs=1e-3)
+    optimizer_step(model, prompt)  # trains the adapters only
+    engine.sync_weights()  # as the trainer does before a rollout
+    out = engine.generate_batch([prompt], [sampling])[0]
+    assert out.logprobs == pytest.approx(fresh_scores(model, prompt, out.token_ids), abs=1e-5)
+    # The copy holds the adapters (what trains) and shares the base weights.
+    own = [p for p in engine._module.parameters() if all(p is not q for q in model.parameters())]
+    assert sum(p.numel() for p in own) == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+    assert model.training and all(m.training for m in model.modules())

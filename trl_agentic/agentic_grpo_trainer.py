@@ -181,6 +181,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             max_batch_size=args.max_generation_batch_size,
             batch_wait_ms=args.generation_batch_wait_ms,
             max_context_length=context,
+            inference_copy=True,  # the module trains while abandoned calls may still decode (issue 29, M1)
         )
 
     # Task sampling
@@ -309,9 +310,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         ) as unwrapped_model:
             # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
             # nothing collective may happen per call.
+            self.engine.policy_version = self.state.global_step
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = unwrapped_model
-            self.engine.policy_version = self.state.global_step
+                self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
             stats = getattr(self.engine, "stats", None)
             if stats is not None:
                 stats.reset()

@@ -425,12 +425,14 @@ class Evaluator:
         """Run every task's episodes against `model` (default: the model served last) and return them, task-major.
 
         With a `seed`, sampling draws from torch's RNG seeded with it, without moving the caller's RNG (episodes run
-        concurrently, so batches, hence draws, may still differ between runs).
+        concurrently, so batches, hence draws, may still differ between runs). The model's weights are taken afresh,
+        even if they were edited in place since the last run.
         """
         import torch
 
         if model is not None:
             self.engine.model = model
+        self.engine.sync_weights()  # an EMA callback or a loader writing through `.data` bumps nothing the engine sees
         with torch.random.fork_rng():
             if seed is not None:
                 torch.manual_seed(seed)

@@ -50,6 +50,7 @@ def build_engine(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS,
     max_context_length: int | None = None,
+    inference_copy: bool = False,
 ) -> TransformersEngine:
     """The embedded engine over a transformers causal LM (its current weights; assign `engine.model` to swap it).
 
@@ -60,6 +61,8 @@ def build_engine(
         max_batch_size: most requests sampled together.
         batch_wait_ms: how long the first request of a batch waits for others to join.
         max_context_length: prompt + completion tokens accepted (default: the model's `max_position_embeddings`).
+        inference_copy: generate with a copy of the weights taken at each sync (a model that trains meanwhile: the
+            trainer's engine) rather than a view of the model's own (see [`TransformersEngine`]).
 
     Example:
 
@@ -74,6 +77,7 @@ def build_engine(
         max_batch_size=max_batch_size,
         batch_wait_s=batch_wait_ms / 1000,
         max_context_length=max_context_length,
+        inference_copy=inference_copy,
     )
 
 

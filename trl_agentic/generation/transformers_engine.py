@@ -11,8 +11,17 @@ Concurrent `generate` calls are queued for one worker thread that runs the model
   token under (top-p/top-k only restrict which tokens can be drawn);
 - the key/value states of finished requests (prompt + sampled ids) are kept in a [`PrefixCache`]: an agent's next
   call, which extends its previous call token for token, prefills only its new tokens. The cache belongs to one
-  policy: it is dropped when `policy_version`, the model object or its weights change (parameter version counters,
-  and any optimizer step in the process: fused optimizers update weights without bumping version counters).
+  set of weights: it is dropped whenever the engine takes new weights (see below).
+
+The engine never runs the module it is given, nor changes its state (issue 29, M1: it used to put the trainer's
+module in eval mode around each step, and a training forward running beside an abandoned call's decoding read the
+wrong `training` flag). It generates with a module of its own, in eval mode: with `inference_copy=True` (the
+trainer's engine) a copy of the weights, refreshed only by a sync, so what trains is never read mid-update; otherwise
+a view sharing the model's parameters (no extra memory: an evaluator or a server, where nothing trains while it
+generates). The engine takes the model's weights (syncs) before it admits requests, when it sees they changed:
+`policy_version`, the model object, the parameters' version counters or storage, any optimizer step in the process
+(fused optimizers bump no version counter), and, when a request reaches an idle engine, a checksum of the weights
+(edits through `.data`, which bump nothing: an EMA callback). `sync_weights()` does it at once, whatever changed.
 
 Every row is laid out `[padding | tokens]` in the batch's cache, right-aligned: a row is described by its length,
 the attention mask and position ids follow from it, and leading columns no row uses are trimmed.
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import threading
 import time
 from collections import Counter, deque
@@ -29,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
@@ -185,8 +196,9 @@ class TransformersEngine:
     """Serve a transformers causal LM to many concurrent requests, batching them continuously.
 
     Args:
-        model: the policy (the trainer's live model: its weights are current by construction). Assign `engine.model`
-            to swap it; the prefix cache is dropped.
+        model: the policy. The engine generates with a module of its own built from it (it never runs this one or
+            changes its state) and takes its weights again when they change (see `sync_weights`). Assign
+            `engine.model` to swap it; a module wrapped for distributed training (DDP, DeepSpeed) is unwrapped.
         pad_token_id: id used to left-pad prompts in a batch.
         max_batch_size: most requests sampled together; more wait in the queue and join as rows finish.
         batch_wait_s: how long the first request to reach an idle engine waits for others before the batch starts
@@ -197,9 +209,17 @@ class TransformersEngine:
             be changed between steps.
         prefix_cache_bytes: memory the key/value states of finished requests may take, for reuse by the requests that
             extend them (0 disables the reuse).
+        inference_copy: generate with a copy of the weights, taken by each sync, instead of a view sharing the
+            model's parameters. For a model that trains while the engine serves it (the trainer's engine): a call
+            still decoding while the optimizer steps samples from consistent weights. Memory: one more copy of the
+            trainable parameters and of the buffers (frozen parameters, a LoRA model's base weights, are shared);
+            a sync copies them in place (no allocation). Under DeepSpeed ZeRO-3 the copy holds the full weights,
+            gathered parameter by parameter by `sync_weights()` (a collective: call it on every rank).
 
     `stats` ([`EngineStats`]) counts prefix hits, reused and prefilled tokens and the decode batch occupancy;
     `batch_sizes` counts the requests admitted together, per admission.
+
+    A PEFT model is served with its adapters applied (its copy or view is a `PeftModel` too).
 
     Example:
 
@@ -218,7 +238,9 @@ class TransformersEngine:
         max_context_length: int | None = None,
         model_lock: threading.Lock | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        inference_copy: bool = False,
     ):
+        model = extract_model_from_parallel(model)
         layer_types = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
         if layer_types - {DynamicLayer.__name__}:
             raise ValueError(
@@ -226,7 +248,13 @@ class TransformersEngine:
                 f"{type(model).__name__} uses {sorted(layer_types)} cache layers (sliding-window or linear attention). "
                 f"Generate with vLLM instead (`use_vllm=True`)."
             )
-        self.model = model
+        self._source = model  # `self.model`: the module whose weights are served
+        self.inference_copy = inference_copy
+        self._module: torch.nn.Module | None = None  # what generates: a copy or a view of `self.model`, in eval mode
+        self._module_of: torch.nn.Module | None = None  # the model `_module` was built from
+        self._syncs = 0  # weights taken so far; with `_module`, identifies the weights the prefix cache holds
+        self._synced_state: tuple | None = None  # `_source_state()` at the last sync
+        self._synced_checksum: list[int] | None = None  # `_weights_checksum()` at the last sync
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
@@ -242,6 +270,83 @@ class TransformersEngine:
         self._wakeup = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
         self._stop_worker = threading.Event()
+
+    # Weights
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model whose weights the engine serves (it generates with its own copy or view of it)."""
+        return self._source
+
+    @model.setter
+    def model(self, model: torch.nn.Module) -> None:
+        self._source = extract_model_from_parallel(model)  # taken before the next admission
+
+    def sync_weights(self) -> None:
+        """Take the model's current weights now: the inference copy is refreshed (or the view checked) and the prefix
+        cache dropped. Waits for the decode step in progress, if any; rows still decoding go on with the new weights.
+
+        The engine does it by itself before admitting requests when it sees the weights changed; call this where it
+        cannot see it (an edit through `.data` while the engine is busy, one that keeps every tensor's checksum), or
+        where the sync must happen at a known point: the trainer calls it before each rollout, where no optimizer
+        step runs (and on every rank: under ZeRO-3 the sync gathers the parameters).
+
+        Example:
+
+        ```python
+        >>> for p, q in zip(model.parameters(), ema_model.parameters()):
+        ...     p.data.copy_(q.data)
+        >>> engine.sync_weights()
+        ```
+        """
+        with self.model_lock, torch.no_grad():
+            self._sync(self._source_state(), gather=True)
+
+    def _source_state(self) -> tuple:
+        """What tells cheaply that the model's weights changed: the model object, the trainer's `policy_version`, the
+        process's optimizer steps (a fused optimizer step bumps no version counter), the parameters' in-place version
+        counters (`load_state_dict`, an unfused optimizer step) and their storage (`p.data = ...`)."""
+        versions = pointers = 0
+        for p in self._source.parameters():
+            versions += p._version
+            pointers += p.data_ptr()
+        return id(self._source), self.policy_version, _OptimizerSteps.count, versions, pointers
+
+    def _refresh(self, idle: bool) -> None:
+        """Before an admission, with the model lock held: take the weights if they changed. A request reaching an idle
+        engine also compares the weights' checksum (edits through `.data` change nothing else), once per busy
+        period: a read of the weights, as one decode step costs."""
+        state = self._source_state()
+        checksum = None
+        if self._module is not None and state == self._synced_state:
+            if not idle:
+                return
+            checksum = _weights_checksum(self._source)
+            if checksum == self._synced_checksum:
+                return
+        self._sync(state, checksum, gather=False)
+
+    def _sync(self, state: tuple, checksum: list[int] | None = None, gather: bool = False) -> None:
+        """Point `_module` at the model's current weights (rebuilding it if the model or its layout changed), and
+        drop the prefix cache. `gather`: ZeRO-3 parameters may be gathered (a collective: every rank syncs)."""
+        source = self._source
+        if self._module_of is not source or not _same_layout(self._module, source, self.inference_copy):
+            partitioned = [name for name, p in source.named_parameters() if _partitioned(p)]
+            if partitioned and not gather:
+                raise RuntimeError(
+                    f"The model's parameters are partitioned (DeepSpeed ZeRO-3: {partitioned[0]!r} and "
+                    f"{len(partitioned) - 1} more), and the engine cannot gather them from its own thread. Call "
+                    f"`engine.sync_weights()` on every rank before generating (the trainer does it before each "
+                    f"rollout)."
+                )
+            self._module, self._module_of = None, None  # free the old copy before allocating the new one
+            self._module, self._module_of = _inference_module(source, self.inference_copy), source
+        if self.inference_copy:
+            _copy_weights(source, self._module, gather)
+        self._syncs += 1
+        self._synced_state = state
+        self._synced_checksum = checksum if checksum is not None else _weights_checksum(source)
+        self.prefix_cache.clear(self._policy())
 
     # Serving
 
@@ -294,7 +399,7 @@ class TransformersEngine:
                     with self._using_model():
                         if rows:
                             self.batch_sizes[len(rows)] += 1
-                            batch.merge(self._admit(rows))
+                            batch.merge(self._admit(rows, idle=not batch.rows))
                         self._retire(batch)  # cancelled rows leave before the step
                         if batch.rows:
                             self._decode(batch, waiting=len(batch.rows) + len(self._pending))
@@ -372,19 +477,12 @@ class TransformersEngine:
 
     @property
     def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return next(self._source.parameters()).device  # the copy or view lives where the model does
 
     @contextlib.contextmanager
     def _using_model(self):
         with self.model_lock, torch.no_grad():
-            was_training = self.model.training
-            if was_training:
-                self.model.eval()
-            try:
-                yield
-            finally:
-                if was_training:
-                    self.model.train()
+            yield
 
     # One batch, synchronously
 
@@ -405,7 +503,7 @@ class TransformersEngine:
             if row is not None:
                 rows.append(row)
         with self._using_model():
-            batch = self._admit(rows) if rows else _Batch()
+            batch = self._admit(rows, idle=True) if rows else _Batch()
             while batch.rows:
                 self._decode(batch, waiting=len(batch.rows))
                 self._retire(batch)
@@ -417,14 +515,13 @@ class TransformersEngine:
     # Steps
 
     def _policy(self) -> tuple:
-        """Identifies the weights: the model object, the trainer's `policy_version`, the parameters' in-place
-        version counters (`load_state_dict` or an unfused optimizer step bumps them even if `policy_version` is not)
-        and the process's optimizer steps (a fused optimizer step bumps no version counter)."""
-        return (id(self.model), self.policy_version, sum(p._version for p in self.model.parameters()),
-                _OptimizerSteps.count)
+        """Identifies the weights the engine generates with: its module and the syncs it took."""
+        return id(self._module), self._syncs
 
-    def _admit(self, rows: list[_Row]) -> _Batch:
-        """Prefill the joiners (reusing cached prefixes), sample their first token; the rows still running."""
+    def _admit(self, rows: list[_Row], idle: bool) -> _Batch:
+        """Prefill the joiners (reusing cached prefixes), sample their first token; the rows still running. `idle`:
+        no row is running (see `_refresh`)."""
+        self._refresh(idle)
         policy = self._policy()
         if policy != self.prefix_cache.policy:
             self.prefix_cache.clear(policy)  # never sample from states of other weights
@@ -468,7 +565,7 @@ class TransformersEngine:
         if reused:
             cache = DynamicCache(ddp_cache_data=[_stack_prefixes([(entry, reused)], layer, reused)
                                                  for layer in range(len(entry.keys))])
-        outputs = self.model(
+        outputs = self._module(
             input_ids=torch.tensor([tokens[reused:]], device=device),
             attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=device),
             position_ids=torch.arange(reused, len(tokens), device=device).unsqueeze(0),
@@ -513,7 +610,7 @@ class TransformersEngine:
             entries = [(row.entry, start) for row, start in zip(rows, reused)]
             cache = DynamicCache(ddp_cache_data=[_stack_prefixes(entries, layer, past) for layer in
                                                  range(len(next(e for e, s in entries if s).keys))])
-        outputs = self.model(
+        outputs = self._module(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device),
@@ -539,7 +636,7 @@ class TransformersEngine:
         lengths = torch.tensor([row.length for row in batch.rows])
         input_ids = torch.tensor([[row.tokens[-1]] for row in batch.rows])
         attention_mask = (torch.arange(columns + 1) >= (columns - lengths).unsqueeze(1)).long()  # (B, columns + 1)
-        outputs = self.model(
+        outputs = self._module(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             position_ids=lengths.unsqueeze(1).to(device),
@@ -708,3 +805,93 @@ def _restrict(probs: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         sorted_probs[remove] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return probs
+
+
+# The module the engine generates with
+
+
+def _inference_module(model: torch.nn.Module, inference_copy: bool) -> torch.nn.Module:
+    """A module of its own to generate with, in eval mode: its own submodules, so its own `training` flags (the model's
+    are never touched). With `inference_copy`, new (uninitialised) tensors for the parameters that train or are
+    partitioned and for the buffers, filled by `_copy_weights`; otherwise the model's own tensors (a view, no memory).
+    Frozen parameters are shared either way: nothing updates them (a LoRA model's base weights cost nothing twice)."""
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if inference_copy and _copied(p):
+            memo[id(p)] = torch.nn.Parameter(torch.empty(_full_shape(p), dtype=p.dtype, device=p.device),
+                                             requires_grad=False)
+        else:
+            memo[id(p)] = p
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b) if inference_copy else b
+    return copy.deepcopy(model, memo).eval()
+
+
+def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inference_copy: bool) -> bool:
+    """Whether `module`, built by `_inference_module` from `model`, still mirrors it: the same names, the model's own
+    tensors where they are shared, tensors of the same shape, dtype and device where they are copied (parameters
+    replaced by `load_state_dict(assign=True)` or unfrozen need a new module)."""
+    if module is None:
+        return False
+    for mine, theirs, copied in ((dict(module.named_parameters()), model.named_parameters(), _copied),
+                                 (dict(module.named_buffers()), model.named_buffers(), lambda b: True)):
+        count = 0
+        for name, tensor in theirs:
+            count += 1
+            own = mine.get(name)
+            if not (inference_copy and copied(tensor)):
+                if own is not tensor:
+                    return False
+            elif (own is None or own is tensor or own.shape != _full_shape(tensor) or own.dtype != tensor.dtype
+                  or own.device != tensor.device):
+                return False
+        if count != len(mine):
+            return False
+    return True
+
+
+def _copy_weights(model: torch.nn.Module, module: torch.nn.Module, gather: bool) -> None:
+    """Copy the model's copied parameters and its buffers into `module`'s, in place, by name. Partitioned (ZeRO-3)
+    parameters are gathered one at a time when `gather` (a collective, as TRL's vLLM weight sync does), else left as
+    they were."""
+    mine = dict(module.named_parameters())
+    for name, p in model.named_parameters():
+        own = mine[name]
+        if own is p:
+            continue
+        if _partitioned(p):
+            if gather:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([p]):
+                    own.copy_(p.data)
+        else:
+            own.copy_(p.data)
+    mine = dict(module.named_buffers())
+    for name, b in model.named_buffers():
+        mine[name].copy_(b)
+
+
+def _copied(p: torch.Tensor) -> bool:
+    """Whether an inference copy holds a parameter of its own: it trains, or ZeRO-3 partitions it."""
+    return p.requires_grad or hasattr(p, "ds_shape")
+
+
+def _partitioned(p: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose full tensor is not gathered here."""
+    return hasattr(p, "ds_shape") and tuple(p.shape) != tuple(p.ds_shape)
+
+
+def _full_shape(p: torch.Tensor) -> torch.Size:
+    return torch.Size(p.ds_shape) if hasattr(p, "ds_shape") else p.shape
+
+
+_INTEGERS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _weights_checksum(model: torch.nn.Module) -> list[int]:
+    """Per parameter, the sum of its elements' bit patterns read as integers: exact, so an edit of any one element
+    changes it (a float sum can round it away); one read of the weights."""
+    sums = [p.detach().view(_INTEGERS_OF_SIZE[p.element_size()]).sum(dtype=torch.int64)
+            for p in model.parameters() if p.numel()]
+    return torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []
