@@ -219,3 +219,82 @@ def test_empty_stop_string_stops_nothing_in_either_spelling(start_server, tokeni
     assert [(a.message.content, a.finish_reason) for a in answers] == [("Fine. Thanks.", "stop")] * 2
     first, second = server.close_episode(session.episode.id).turns
     assert first.completion_ids == second.completion_ids
+
+
+# One short call in each wire format: (path, body, headers for an episode key).
+def format_call(wire_format: str, key: str, stream: bool, max_tokens: int = 5) -> tuple[str, dict, dict]:
+    user = [{"role": "user", "content": "hi"}]
+    if wire_format == "chat_completions":
+        body = {"model": "policy", "messages": user, "max_tokens": max_tokens, "stream": stream}
+        return "/v1/chat/completions", body, {"Authorization": f"Bearer {key}"}
+    if wire_format == "responses":
+        body = {"model": "policy", "input": "hi", "max_output_tokens": max_tokens, "stream": stream}
+        return "/v1/responses", body, {"Authorization": f"Bearer {key}"}
+    body = {"model": "policy", "max_tokens": max_tokens, "messages": user, "stream": stream}
+    return "/v1/messages", body, {"x-api-key": key}
+
+
+FORMATS = ["chat_completions", "responses", "anthropic_messages"]
+
+
+def answered(response: httpx.Response) -> bool:
+    """A 200 whose stream (if it streamed) carries no error event."""
+    if response.status_code != 200:
+        return False
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        return True
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    return not any(event.get("type") == "error" or isinstance(event.get("error"), dict) for event in events)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_concurrent_calls_keep_the_episode_caps_in_every_format(start_server, tokenizer, wire_format, stream):
+    # Six concurrent calls against max_turns=2 and 10 sampled tokens (5 per call): streamed calls took their
+    # reservation only once the stream started, after every call had passed the check (6 answered, 48 tokens).
+    server = start_server(SlowEngine(tokenizer, lambda prompt: "word " * 30, delay=0.3), tokenizer)
+    for limits in (EpisodeLimits(max_turns=2), EpisodeLimits(max_episode_tokens=10)):
+        session = server.open_episode(limits=limits)
+        path, body, headers = format_call(wire_format, session.key, stream)
+
+        async def six_calls():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                return await asyncio.gather(*[client.post(path, json=body, headers=headers) for _ in range(6)])
+
+        responses = asyncio.run(six_calls())
+        assert sum(answered(r) for r in responses) == 2, [(r.status_code, r.text[:200]) for r in responses]
+        refused = [r for r in responses if r.status_code == 400]
+        assert len(refused) == 4 and all("Episode limit reached" in r.text for r in refused)
+        episode = server.close_episode(session.episode.id)
+        assert len(episode.turns) == 2 and episode.num_sampled_tokens == 10, limits
+        assert episode.status == "limit_exceeded"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_cancelled_call_costs_no_turn_and_no_tokens(start_server, tokenizer, stream):
+    """A call whose client went away is recorded as cancelled (never trained, never a parent): it counts toward
+    neither `max_turns` nor `max_episode_tokens`, so the agent's retry is served as the call would have been."""
+    engine = SlowEngine(tokenizer, lambda prompt: "Fine.", delay=0.0)
+    server = start_server(engine, tokenizer)
+    answer = len(tokenizer.encode("Fine.", add_special_tokens=False)) + 1  # + end-of-turn
+    session = server.open_episode(limits=EpisodeLimits(max_turns=2, max_episode_tokens=2 * answer))
+    path, body, headers = format_call("chat_completions", session.key, stream, max_tokens=answer)
+    first = post(server, path, session.key, json.dumps(body).encode())
+    assert answered(first), first.text
+
+    engine.delay = 3.0  # the next call takes longer than the client is willing to wait
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", f"{server.url}{path}", json=body, headers=headers, timeout=0.5) as response:
+            response.read()
+    engine.delay = 0.0
+    deadline = time.monotonic() + 10
+    while (len(session.episode.turns) < 2 or session.in_flight) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert session.episode.turns[1].finish_reason == "cancelled"
+
+    assert answered(post(server, path, session.key, json.dumps(body).encode()))  # the retry: served whole
+    refused = post(server, path, session.key, json.dumps(body).encode())
+    assert refused.status_code == 400 and "at most 2 model calls" in refused.text
+    episode = server.close_episode(session.episode.id)
+    assert [t.finish_reason for t in episode.turns] == ["stop", "cancelled", "stop"]
+    assert episode.num_sampled_tokens == 2 * answer and episode.status == "limit_exceeded"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -108,8 +109,8 @@ async def serve_messages(service: CompletionService, session: EpisodeSession, ra
         completion = await service.complete(session, conversation, request)
         (choice,) = completion.choices
         return message_body(req.model, message_id, choice, completion)
-    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
-    events = _stream_events(service, call, request, req.model, message_id)
+    call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
+    events = _stream_events(service, call, service.stream(call, request), req.model, message_id)
     return StreamingResponse(_sse(events), media_type="text/event-stream")
 
 
@@ -286,7 +287,7 @@ def message_body(model: str, message_id: str, choice: Choice, completion: Comple
     }
 
 
-async def _stream_events(service: CompletionService, call, request: Request, model: str, message_id: str):
+async def _stream_events(service: CompletionService, call, answer: AsyncIterator, model: str, message_id: str):
     """Anthropic's event sequence, as the answer is sampled: `message_start`, a thinking and a text block opened as
     their text starts (one at a time, in the order the text comes), tool_use blocks once parsed, `message_delta` with
     the stop reason and usage, `message_stop`."""
@@ -304,7 +305,7 @@ async def _stream_events(service: CompletionService, call, request: Request, mod
         yield {"type": "content_block_stop", "index": len(streamed) - 1}
 
     try:
-        async for item in service.stream(call, request):
+        async for item in answer:
             if not isinstance(item, Delta):
                 completion = item
                 continue

@@ -52,9 +52,10 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
         usage, choices = _usage(completion), _choices(service.tokenizer, completion, req.logprobs)
         return {"id": response_id, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": choices, "usage": usage, "system_fingerprint": f"policy-v{completion.policy_version}"}
-    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
+    call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = _stream_chunks(service, call, request, response_id, created, req.model, req.logprobs, include_usage)
+    chunks = _stream_chunks(service, call, service.stream(call, request), response_id, created, req.model,
+                            req.logprobs, include_usage)
     return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
 
@@ -84,7 +85,7 @@ def _logprobs_body(tokenizer, out: GenerationOutput) -> dict:
     return {"content": content}
 
 
-async def _stream_chunks(service, call, request, response_id, created, model, logprobs, include_usage):
+async def _stream_chunks(service, call, answer, response_id, created, model, logprobs, include_usage):
     def chunk(choice_index, delta, finish=None, logprobs=None):
         return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": choice_index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
@@ -92,7 +93,7 @@ async def _stream_chunks(service, call, request, response_id, created, model, lo
     for index in range(call.conversation.n):
         yield chunk(index, {"role": "assistant", "content": ""})
     try:
-        async for item in service.stream(call, request):
+        async for item in answer:
             if isinstance(item, Delta):
                 yield chunk(item.index, {"content" if item.kind == "content" else "reasoning_content": item.text})
                 continue

@@ -30,6 +30,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Request
@@ -107,8 +108,8 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
         (choice,) = completion.choices
         _store(session, req, response_id, added, choice)
         return response_body(req, response_id, created, output_items(choice), completion, choice)
-    call = service.prepare(session, conversation)  # errors before the stream starts are answered as such
-    events = _stream_events(service, call, request, session, req, response_id, created, added)
+    call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
+    events = _stream_events(service, call, service.stream(call, request), session, req, response_id, created, added)
     return StreamingResponse(_sse(events), media_type="text/event-stream")
 
 
@@ -296,7 +297,7 @@ def response_body(req: ResponsesRequest, response_id: str, created: int, output:
     }
 
 
-async def _stream_events(service: CompletionService, call, request: Request, session: EpisodeSession,
+async def _stream_events(service: CompletionService, call, answer: AsyncIterator, session: EpisodeSession,
                          req: ResponsesRequest, response_id: str, created: int, added: list[dict]):
     """The Responses event sequence, as the answer is sampled: `response.created`, then a reasoning item and a
     message item opened as their text starts (one at a time, in the order the text comes), function calls once
@@ -340,7 +341,7 @@ async def _stream_events(service: CompletionService, call, request: Request, ses
                         content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
     try:
-        async for item in service.stream(call, request):
+        async for item in answer:
             if not isinstance(item, Delta):
                 completion = item
                 continue

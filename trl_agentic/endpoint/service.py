@@ -39,7 +39,7 @@ from ..trace import Turn
 from . import SERVED_MODEL_NAME
 from .chat import ChatRenderer
 from .protocol import parse_json_body, template_message
-from .sessions import EpisodeClosedError, EpisodeLimits, EpisodeSession, PromptPlan
+from .sessions import EpisodeClosedError, EpisodeLimitError, EpisodeLimits, EpisodeSession, PromptPlan
 from .streaming import AnswerStream, Delta
 
 
@@ -169,7 +169,16 @@ class PreparedCall:
     forced: list[int]  # the tool-call opening `tool_choice` forces (prompt tokens)
     prompt_ids: list[int]  # plan.prompt_ids + forced
     sampling: SamplingParams
-    reserved: int  # tokens held against the episode's budget while sampling
+    reserved: int  # tokens held against the episode's budget until the call finishes (`run`)
+    finished: bool = False
+
+    def finish(self, turns: list = ()) -> bool:
+        """Release the call's admission and record `turns` (`EpisodeSession.finish_call`), once: a second finish does
+        nothing. Returns False when the episode closed meanwhile (the turns are dropped)."""
+        if self.finished:
+            return False
+        self.finished = True
+        return self.session.finish_call(self.conversation.n, self.reserved, list(turns))
 
 
 @dataclass
@@ -259,51 +268,51 @@ class CompletionService:
         Raises `APIError` for what the request did (limits, context overflow, a template that rejects it, a client
         that went away: 499) and when the episode closed meanwhile (409, the answer is not recorded).
         """
-        return await self.run(self.prepare(session, conversation), request)
+        return await self.run(await self.prepare(session, conversation), request)
 
-    async def stream(self, call: PreparedCall, request: Request) -> AsyncIterator[Delta | Completion]:
+    def stream(self, call: PreparedCall, request: Request) -> AsyncIterator[Delta | Completion]:
         """`run` a prepared call, yielding each choice's text as it is sampled (`Delta`s), then the `Completion`.
 
-        The text adds up to the answers of the `Completion` (`streaming.AnswerStream`), and what is recorded is what a
-        non-streamed call records. Raises, after the deltas, what `run` raises. A consumer that stops early (its
-        client went away) cancels the sampling: the call is recorded as cancelled.
+        The sampling starts now, not when the iterator is first read: the call is admitted already (`prepare`), and
+        its reservation is released by `run` however the response ends, even one never read. The text adds up to the
+        answers of the `Completion` (`streaming.AnswerStream`), and what is recorded is what a non-streamed call
+        records. Raises, after the deltas, what `run` raises. A consumer that stops early (its client went away)
+        cancels the sampling: the call is recorded as cancelled.
         """
         queue: asyncio.Queue[Delta | None] = asyncio.Queue()
         gone = asyncio.Event()
         task = asyncio.ensure_future(self.run(call, request, on_delta=queue.put_nowait, client_gone=gone))
         task.add_done_callback(lambda _: queue.put_nowait(None))
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a consumer gone: nobody to tell
-        try:
-            while (delta := await queue.get()) is not None:
-                yield delta
-            yield task.result()
-        finally:
-            if not task.done():
-                gone.set()
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)
+        return _relay(task, queue, gone)
 
-    def prepare(self, session: EpisodeSession, conversation: Conversation) -> PreparedCall:
-        """Everything decided before sampling: limits, the prompt (continued or rendered), `tool_choice` forcing, the
-        sampling parameters. Raises `APIError` for what the request did (limits, context overflow, a template that
-        rejects it): a streamed call raises it before its response starts."""
+    async def prepare(self, session: EpisodeSession, conversation: Conversation) -> PreparedCall:
+        """Admit the call (`EpisodeSession.admit`: the episode's limits, counting calls in flight), then decide
+        everything before sampling: the prompt (continued or rendered), `tool_choice` forcing, the sampling
+        parameters. Raises `APIError` for what the request did (limits, context overflow, a template that rejects
+        it): a streamed call raises it before its response starts.
+
+        The returned call holds its admission until `run` (or `stream`) finishes it: hand it to one of them at once.
+        """
+        n = conversation.n
+        try:
+            budget = session.admit(n)
+        except EpisodeClosedError:
+            raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key") from None
+        except EpisodeLimitError as error:
+            raise APIError(400, str(error), code="episode_limit_exceeded") from None
+        held = budget * n if budget is not None else 0
+        try:
+            call = self._plan(session, conversation, budget)
+        except BaseException:
+            session.finish_call(n, held, [])
+            raise
+        session.shrink(held - call.reserved)
+        return call
+
+    def _plan(self, session: EpisodeSession, conversation: Conversation, budget: int | None) -> PreparedCall:
         engine, renderer, settings = self.engine, self.renderer, self.settings
         n = conversation.n
-        limits = session.limits
-        if limits.max_turns is not None and len(session.episode.turns) + session.in_flight + n > limits.max_turns:
-            session.flags.add("limit_exceeded")
-            raise APIError(400, f"Episode limit reached: at most {limits.max_turns} model calls.",
-                           code="episode_limit_exceeded")
-        budget = None
-        if limits.max_episode_tokens is not None:
-            # Each of the n choices may use an equal share of what is left, counting what calls in flight may sample.
-            left = limits.max_episode_tokens - session.episode.num_sampled_tokens - session.reserved_tokens
-            budget = left // n
-            if budget <= 0:
-                session.flags.add("limit_exceeded")
-                raise APIError(400, f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens.",
-                               code="episode_limit_exceeded")
-
         messages = [template_message(m) for m in conversation.messages]
         tools = conversation.tools
         try:
@@ -347,17 +356,20 @@ class CompletionService:
         """Sample a prepared call and record its turns; `on_delta` receives each choice's text as it is sampled (when
         the engine streams, else at the end), `client_gone` set means the client went away (as a disconnect does).
 
-        Raises `APIError` for a closed episode (401 before, 409 after sampling) and a client that went away (499).
+        Finishes the call `prepare` admitted, however it ends. Raises `APIError` for a closed episode (409, the answer
+        is not recorded) and a client that went away (499).
         """
-        engine, renderer = self.engine, self.renderer
-        session, conversation, plan, forced = call.session, call.conversation, call.plan, call.forced
-        messages, tools, prompt_ids, sampling, reserved = (call.messages, conversation.tools, call.prompt_ids,
-                                                           call.sampling, call.reserved)
-        n = conversation.n
         try:
-            session.start_call(n, reserved)
-        except EpisodeClosedError:
-            raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key") from None
+            return await self._run(call, request, on_delta, client_gone)
+        finally:
+            call.finish()  # whatever ended the call early (an engine error, a bug): its admission is released
+
+    async def _run(self, call: PreparedCall, request: Request, on_delta: Callable[[Delta], None] | None,
+                   client_gone: asyncio.Event | None) -> Completion:
+        engine, renderer = self.engine, self.renderer
+        conversation, plan, forced = call.conversation, call.plan, call.forced
+        messages, tools, prompt_ids, sampling = call.messages, conversation.tools, call.prompt_ids, call.sampling
+        n = conversation.n
         started = time.monotonic()
 
         def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
@@ -386,7 +398,6 @@ class CompletionService:
             await asyncio.wait({generation, *watchers}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             generation.cancel()
-            session.finish_call(n, reserved, [])
             raise
         finally:
             for watcher in watchers:
@@ -396,15 +407,10 @@ class CompletionService:
             # so that a retry of the same request continues from the last answer the agent actually received.
             generation.cancel()
             cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.keys) for _ in range(n)]
-            session.finish_call(n, reserved, cancelled)
+            call.finish(cancelled)
             raise APIError(499, "The client closed the connection before the answer was ready.",
                            code="client_closed_request")
-        try:
-            outputs = generation.result()
-        except BaseException:
-            session.finish_call(n, reserved, [])
-            raise
-
+        outputs = generation.result()
         choices, turns = [], []
         for out in outputs:
             out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
@@ -415,7 +421,7 @@ class CompletionService:
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
             turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.keys))
             choices.append(Choice(message, finish, out, stop))
-        if not session.finish_call(n, reserved, turns):
+        if not call.finish(turns):
             raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",
                            code="episode_closed")
         if streams:
@@ -441,6 +447,20 @@ class CompletionService:
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)
+
+
+async def _relay(task: asyncio.Future, queue: asyncio.Queue, gone: asyncio.Event
+                 ) -> AsyncIterator[Delta | Completion]:
+    # The deltas of a started call, then its Completion; a consumer that leaves early tells the call its client went.
+    try:
+        while (delta := await queue.get()) is not None:
+            yield delta
+        yield task.result()
+    finally:
+        if not task.done():
+            gone.set()
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

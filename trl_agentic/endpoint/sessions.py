@@ -52,6 +52,12 @@ class EpisodeLimits:
     Args:
         max_turns: most model calls (each choice of `n > 1` counts as one).
         max_episode_tokens: most sampled tokens over the whole episode (a call's `max_tokens` is cut to what is left).
+
+    Calls in flight count as if they sampled their whole `max_tokens`, from the moment they are admitted, streamed or
+    not, in every wire format (`EpisodeSession.admit`). A call cancelled because its client went away counts toward
+    neither cap: nothing of it is recorded or trained, and the agent's retry (what SDKs do after a timeout) is served
+    as the call would have been. Its sampling is stopped when the disconnect is seen; an agent that keeps hanging up
+    is bounded by the episode's timeout, not by these caps.
     """
 
     max_turns: int | None = None
@@ -113,6 +119,10 @@ class EpisodeClosedError(Exception):
     """A call started or finished on an episode that was closed meanwhile."""
 
 
+class EpisodeLimitError(Exception):
+    """A call over one of the episode's `EpisodeLimits`; the message says which."""
+
+
 class TooManyOpenEpisodesError(Exception):
     """The registry holds `max_open` episodes already."""
 
@@ -124,8 +134,10 @@ class EpisodeSession:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     opened_at: float = field(default_factory=time.monotonic)
     closed: bool = False
-    in_flight: int = 0  # choices being sampled
-    reserved_tokens: int = 0  # `max_tokens` of the choices being sampled, held against `max_episode_tokens`
+    in_flight: int = 0  # choices admitted and not finished yet
+    reserved_tokens: int = 0  # `max_tokens` of the choices in flight, held against `max_episode_tokens`
+    counted_turns: int = 0  # recorded turns that count toward `max_turns` (all but cancelled ones)
+    counted_tokens: int = 0  # their sampled tokens, counted toward `max_episode_tokens`
     last_active: float = field(default_factory=time.monotonic)
     flags: set[str] = field(default_factory=set)  # "context_overflow", "limit_exceeded"
     late_turns: int = 0  # choices still being sampled when the episode closed (dropped, counted in the trace)
@@ -140,22 +152,44 @@ class EpisodeSession:
     _by_prefix: dict[bytes, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start_call(self, choices: int, reserved_tokens: int) -> None:
-        """Count `choices` in flight and hold `reserved_tokens` of the token budget until `finish_call`.
+    def admit(self, choices: int) -> int | None:
+        """Check the episode's limits for a call of `choices` choices and, in the same step, count it in flight: the
+        one admission of every call, streamed or not, before anything else is decided (issue 29: streamed calls were
+        counted only once their stream started, and six concurrent ones all passed a cap of two).
 
-        Concurrent calls of one episode each see what the others may still sample (issue #9: `max_episode_tokens=10`
-        with 8 calls in flight sampled 80 tokens).
+        Returns the tokens each choice may sample (`None`: no token budget), held against the budget until
+        `finish_call` (`shrink` gives back what the call will not use). Raises `EpisodeClosedError`, or
+        `EpisodeLimitError` (the episode is flagged `limit_exceeded`).
         """
+        limits = self.limits
         with self._lock:
             if self.closed:
                 raise EpisodeClosedError(self.episode.id)
+            if limits.max_turns is not None and self.counted_turns + self.in_flight + choices > limits.max_turns:
+                self.flags.add("limit_exceeded")
+                raise EpisodeLimitError(f"Episode limit reached: at most {limits.max_turns} model calls.")
+            budget = None
+            if limits.max_episode_tokens is not None:
+                # Each choice may use an equal share of what is left, counting what calls in flight may sample.
+                left = limits.max_episode_tokens - self.counted_tokens - self.reserved_tokens
+                budget = left // choices
+                if budget <= 0:
+                    self.flags.add("limit_exceeded")
+                    raise EpisodeLimitError(f"Episode limit reached: at most {limits.max_episode_tokens} sampled "
+                                            "tokens.")
+                self.reserved_tokens += budget * choices
             self.in_flight += choices
-            self.reserved_tokens += reserved_tokens
             self.last_active = time.monotonic()
+            return budget
+
+    def shrink(self, tokens: int) -> None:
+        """Give back `tokens` of an admitted call's reservation (its `max_tokens` came out lower than its share)."""
+        with self._lock:
+            self.reserved_tokens -= tokens
 
     def finish_call(self, choices: int, reserved_tokens: int,
                     turns: list[tuple[Turn, list[dict], list[dict] | None, list[bytes] | None]]) -> bool:
-        """Release what `start_call` held and record the call's turns `(turn, messages, tools, keys)`: `messages` as
+        """Release what `admit` held and record the call's turns `(turn, messages, tools, keys)`: `messages` as
         the template read them (normalized), `keys` their `prefix_keys` (computed when `None`).
 
         Returns False when the episode closed meanwhile: the turns are dropped (the close counted them as late).
@@ -179,6 +213,9 @@ class EpisodeSession:
                 turn.index = len(self.episode.turns)
                 self.episode.turns.append(turn)
                 self._histories.append(history)
+                if turn.finish_reason != "cancelled":
+                    self.counted_turns += 1
+                    self.counted_tokens += len(turn.completion_ids)
                 if history.delivered:
                     self.episode.messages = turn.request_messages + [turn.response_message]
                     self._by_answer.setdefault(message_key(history.answer), []).append(turn.index)
