@@ -224,6 +224,21 @@ def test_weights_edited_through_data_are_used_by_the_next_request(inference_copy
     assert second.logprobs != first.logprobs and engine.stats.prefix_hits == 0
 
 
+def test_unseeded_requests_leave_the_global_rng_alone(engine):
+    """L4: an unseeded request draws its seed from the engine's own generator, never from torch's global RNG."""
+    prompt = prompts([8])[0]
+    state = torch.get_rng_state()
+    outputs = engine.generate_batch([prompt] * 3, [SamplingParams(max_tokens=6)] * 3)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert len({tuple(out.token_ids) for out in outputs}) > 1  # each request its own draws
+    # An engine seeded alike draws alike, whatever the global RNG does in between.
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    a, b = (TransformersEngine(engine.model, pad_token_id=tokenizer.pad_token_id, seed=7) for _ in range(2))
+    first = a.generate_batch([prompt], [SamplingParams(max_tokens=6)])[0]
+    torch.manual_seed(123)
+    assert b.generate_batch([prompt], [SamplingParams(max_tokens=6)])[0].token_ids == first.token_ids
+
+
 def test_a_peft_model_is_served_with_its_adapters_and_its_frozen_base_is_not_copied():
     from peft import LoraConfig, get_peft_model
 

@@ -182,6 +182,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             batch_wait_ms=args.generation_batch_wait_ms,
             max_context_length=context,
             inference_copy=True,  # the module trains while abandoned calls may still decode (issue 29, M1)
+            seed=args.seed,
         )
 
     # Task sampling

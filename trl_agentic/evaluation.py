@@ -424,19 +424,16 @@ class Evaluator:
     def run(self, model=None, seed: int | None = None) -> list[Episode]:
         """Run every task's episodes against `model` (default: the model served last) and return them, task-major.
 
-        With a `seed`, sampling draws from torch's RNG seeded with it, without moving the caller's RNG (episodes run
-        concurrently, so batches, hence draws, may still differ between runs). The model's weights are taken afresh,
-        even if they were edited in place since the last run.
+        With a `seed`, the engine draws the seeds of its requests from a generator seeded with it (it never draws
+        from, or moves, torch's global RNG; episodes run concurrently, so batches, hence draws, may still differ
+        between runs). The model's weights are taken afresh, even if they were edited in place since the last run.
         """
-        import torch
-
         if model is not None:
             self.engine.model = model
         self.engine.sync_weights()  # an EMA callback or a loader writing through `.data` bumps nothing the engine sees
-        with torch.random.fork_rng():
-            if seed is not None:
-                torch.manual_seed(seed)
-            return run_rollout(self._run_episodes())  # a hung agent cannot hold the evaluation (issue 9)
+        if seed is not None:
+            self.engine.manual_seed(seed)
+        return run_rollout(self._run_episodes())  # a hung agent cannot hold the evaluation (issue 9)
 
     async def _run_episodes(self) -> list[Episode]:
         from tqdm.auto import tqdm

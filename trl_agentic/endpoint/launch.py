@@ -51,6 +51,7 @@ def build_engine(
     batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS,
     max_context_length: int | None = None,
     inference_copy: bool = False,
+    seed: int | None = None,
 ) -> TransformersEngine:
     """The embedded engine over a transformers causal LM (its current weights; assign `engine.model` to swap it).
 
@@ -63,6 +64,7 @@ def build_engine(
         max_context_length: prompt + completion tokens accepted (default: the model's `max_position_embeddings`).
         inference_copy: generate with a copy of the weights taken at each sync (a model that trains meanwhile: the
             trainer's engine) rather than a view of the model's own (see [`TransformersEngine`]).
+        seed: seed of the seeds drawn for requests that bring none (default: the system's entropy).
 
     Example:
 
@@ -78,6 +80,7 @@ def build_engine(
         batch_wait_s=batch_wait_ms / 1000,
         max_context_length=max_context_length,
         inference_copy=inference_copy,
+        seed=seed,
     )
 
 

@@ -215,6 +215,8 @@ class TransformersEngine:
             trainable parameters and of the buffers (frozen parameters, a LoRA model's base weights, are shared);
             a sync copies them in place (no allocation). Under DeepSpeed ZeRO-3 the copy holds the full weights,
             gathered parameter by parameter by `sync_weights()` (a collective: call it on every rank).
+        seed: seed of the generator that draws a seed for each request that brings none (default: from the
+            system's entropy). Requests never draw from torch's global RNG.
 
     `stats` ([`EngineStats`]) counts prefix hits, reused and prefilled tokens and the decode batch occupancy;
     `batch_sizes` counts the requests admitted together, per admission.
@@ -239,6 +241,7 @@ class TransformersEngine:
         model_lock: threading.Lock | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         inference_copy: bool = False,
+        seed: int | None = None,
     ):
         model = extract_model_from_parallel(model)
         layer_types = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
@@ -255,6 +258,11 @@ class TransformersEngine:
         self._syncs = 0  # weights taken so far; with `_module`, identifies the weights the prefix cache holds
         self._synced_state: tuple | None = None  # `_source_state()` at the last sync
         self._synced_checksum: list[int] | None = None  # `_weights_checksum()` at the last sync
+        self._seeds = torch.Generator()  # draws the seeds of requests that bring none
+        if seed is None:
+            self._seeds.seed()
+        else:
+            self._seeds.manual_seed(seed)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
@@ -301,6 +309,10 @@ class TransformersEngine:
         """
         with self.model_lock, torch.no_grad():
             self._sync(self._source_state(), gather=True)
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generator that draws the seeds of the requests that bring none (the evaluator's `seed`)."""
+        self._seeds.manual_seed(seed)
 
     def _source_state(self) -> tuple:
         """What tells cheaply that the model's weights changed: the model object, the trainer's `policy_version`, the
@@ -471,7 +483,10 @@ class TransformersEngine:
             done(GenerationOutput([], [], "length", [] if sampling.top_logprobs else None))
             return None
         generator = torch.Generator(device=self._device)
-        generator.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        # Its own generator (issue 29, L4): a request's draws never depend on or move torch's global RNG, nor another
+        # request's draws.
+        generator.manual_seed(sampling.seed if sampling.seed is not None
+                              else int(torch.randint(0, 2**62, (1,), generator=self._seeds)))
         return _Row(prompt, sampling, max_new, generator, done, cancelled, emit,
                     tops=[] if sampling.top_logprobs else None)
 
