@@ -20,7 +20,7 @@ from trl_agentic.endpoint.app import SamplingOverrides
 from trl_agentic.endpoint.streaming import AnswerStream
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
-from conftest import CALCULATOR_TOOL, TOOL_SYSTEM_PROMPT
+from conftest import CALCULATOR_TOOL, TOOL_SYSTEM_PROMPT, ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -106,6 +106,8 @@ def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, s
                     arguments[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
         return text, [(name, json.loads(args)) for name, args in arguments.values()]
     if wire_format == "responses":
+        if "max_tokens" in kwargs:
+            kwargs["max_output_tokens"] = kwargs.pop("max_tokens")
         body = {"model": "policy", "input": question, "extra_body": {"seed": seed}, **kwargs}
         if system:
             body["instructions"] = system
@@ -123,7 +125,7 @@ def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, s
                         response = event.response
         calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
         return (text if stream else response.output_text), calls
-    body = {"model": "policy", "max_tokens": 64, "messages": [{"role": "user", "content": question}],
+    body = {"model": "policy", "max_tokens": kwargs.pop("max_tokens", 64), "messages": [{"role": "user", "content": question}],
             "extra_body": {"seed": seed, **kwargs}}  # this anthropic release takes no `temperature` argument
     if system:
         body["system"] = system
@@ -236,3 +238,43 @@ def test_answer_stream_holds_partial_characters_markup_and_stop_strings(random_p
     assert "STOP" not in "".join(d.text for d in deltas)
     stream.finish({"role": "assistant", "content": "one two "})
     assert "".join(d.text for d in deltas) == "one two "
+
+
+class FeedingEngine(ScriptedEngine):
+    """A scripted engine of the streaming contract that hands each token to `on_token` itself, before it returns (as
+    the vLLM server engine does): an exception in the stream's feed escapes its `generate`."""
+
+    async def generate(self, prompt_ids, sampling, on_token=None):
+        out = await super().generate(prompt_ids, sampling)
+        for token, logprob in zip(out.token_ids, out.logprobs):
+            if on_token is not None:
+                on_token([token], [logprob])
+        return out
+
+
+# Tool calls the model closes with arguments that are no JSON, or JSON with an integer past Python's 4300-digit limit.
+BROKEN_CALLS = {
+    "broken_json": 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>',
+    "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "7" * 4301 + "}}\n</tool_call>",
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_CALLS)
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(start_server, random_policy, wire_format,
+                                                                          case):
+    # The streaming parser's error escaped the stream's feed: an internal error, and no turn recorded.
+    _, tokenizer, _ = random_policy
+    engine = FeedingEngine(tokenizer, lambda prompt: BROKEN_CALLS[case], max_context_length=16384)
+    server = start_server(engine, tokenizer)
+    session = server.open_episode()
+    client = client_for(server, session, wire_format)
+    kwargs = {"tools": [CALCULATOR_TOOL], "system": TOOL_SYSTEM_PROMPT, "max_tokens": 8192}
+    plain = ask(client, wire_format, stream=False, **kwargs)
+    streamed = ask(client, wire_format, stream=True, **kwargs)
+    assert streamed == plain == (BROKEN_CALLS[case], [])  # the raw text, as the model wrote it
+    first, second = server.close_episode(session.episode.id).turns
+    assert first.malformed_tool_call and second.malformed_tool_call
+    assert (second.completion_ids, second.finish_reason) == (first.completion_ids, first.finish_reason) == (
+        tokenizer.encode(BROKEN_CALLS[case], add_special_tokens=False) + [tokenizer.eos_token_id], "stop")
+    assert second.response_message == first.response_message

@@ -91,6 +91,7 @@ class AnswerStream:
         self._plain = ""  # everything decoded, special tokens skipped (what stop strings are searched in)
         self._plain_ids: list[int] = []
         self._stopped = False
+        self._failed = False  # the parser could not read the answer: nothing more streams before `finish`
         self._regions = {CONTENT: _Region(), REASONING: _Region()}
         self._parser = None
         self._reasoned = False
@@ -101,8 +102,19 @@ class AnswerStream:
         self._hold = max([len(s) - 1 for s in self.stops] + [0])
 
     def feed(self, token_ids: list[int], logprobs: list[float] | None = None) -> None:
-        """Take newly sampled ids (the engine's `on_token`)."""
+        """Take newly sampled ids (the engine's `on_token`). Never raises: an answer the streaming parser cannot read
+        (a tool call closed on broken JSON, an integer past Python's 4300-digit limit) stops the live text, and
+        `finish` sends the rest of the parsed message, as a non-streamed call returns it (the call is recorded as
+        malformed, issue 29: the parser's error escaped to the engine, and the turn was lost)."""
         self._ids.extend(token_ids)
+        if self._failed:
+            return
+        try:
+            self._feed(token_ids)
+        except Exception:  # noqa: BLE001 - whatever the model wrote, the answer is the parsed message at `finish`
+            self._failed = True
+
+    def _feed(self, token_ids: list[int]) -> None:
         text = self._decode_new()
         if not text:
             return
