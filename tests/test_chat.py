@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import trl
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+from trl.chat_template_utils import add_response_schema
 
 from trl_agentic.endpoint.chat import ChatRenderer, RenderedContext, common_prefix_length
 from trl_agentic.endpoint.protocol import comparable_message, template_message
@@ -240,6 +241,8 @@ def assert_windows_equal_whole_renders(tokenizer, conversations):
                 continue
             for end in sorted({answer + 2, len(messages)}):
                 request = messages[:end]
+                if ChatRenderer.window(request, answer) is None:  # nothing to window: both render whole
+                    continue
                 try:
                     expected = whole.continue_from(messages[:answer], request, [PROBE_TOOL], [eot])
                 except Exception:  # noqa: BLE001 - the template refuses this conversation
@@ -299,3 +302,75 @@ def test_windows_equal_whole_renders_on_every_trl_template():
         if windowed.incremental:
             windowed_templates.append(template.stem)
     assert len(windowed_templates) >= len(TRL_TEMPLATES) // 2, windowed_templates
+
+
+def harmony_tokenizer() -> PreTrainedTokenizerFast:
+    """gpt-oss's template (harmony format) on a byte tokenizer, with TRL's response schema for it."""
+    tokenizer = byte_tokenizer((Path(trl.__file__).parent / "chat_templates" / "gptoss.jinja").read_text("utf-8"))
+    return add_response_schema(tokenizer)
+
+
+@pytest.mark.parametrize("family,stops", [("qwen2_5", {"<|im_end|>"}), ("qwen3", {"<|im_end|>"}),
+                                          ("llama3_2", {"<|eot_id|>", "<|eom_id|>"})])
+def test_stop_tokens_of_the_tiny_families(renderers, family, stops):
+    tokenizer = renderers[family].tokenizer
+    assert renderers[family].end_of_turn_ids == {tokenizer.convert_tokens_to_ids(t) for t in stops}
+
+
+@pytest.mark.parametrize("template,stops", [
+    ("gptoss", {"<|return|>", "<|call|>"}),  # harmony: <|end|> closes a message inside the turn (the analysis)
+    ("phi3", {"<|end|>"}),  # ...and Phi-3's turn
+    ("gemma4", {"<turn|>", "<|tool_response>"}),  # a Gemma 4 tool call stops where the response would begin
+    ("deepseekv3", {"<｜end▁of▁sentence｜>"}),
+])
+def test_stop_tokens_come_from_the_template(template, stops):
+    tokenizer = byte_tokenizer((Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text("utf-8"))
+    renderer = ChatRenderer(tokenizer)
+    assert {tokenizer.convert_ids_to_tokens(i) for i in renderer.end_of_turn_ids} == stops
+
+
+def test_harmony_continuation_splices_at_the_end_of_the_sampled_message():
+    """gpt-oss samples an analysis message (closed by <|end|>) before its tool call (closed by <|call|>) or its final
+    answer (closed by <|return|>, which a history renders as <|end|>): the splice lands after what was sampled."""
+    tokenizer = harmony_tokenizer()
+    renderer = ChatRenderer(tokenizer)
+    tools = [PROBE_TOOL]
+    history = [{"role": "user", "content": "Probe 1."}]
+    prompt = renderer.render(history, tools)
+    assert tokenizer.decode(prompt).endswith("<|start|>assistant")
+    sampled = ('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe<|channel|>'
+               'commentary json<|message|>{"x": 1}<|call|>')
+    ids = tokenizer.encode(sampled, add_special_tokens=False)
+    message, malformed = renderer.parse(ids, prompt, tools)
+    assert not malformed and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
+    tool = {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "2"}
+    history += [template_message(message), tool]
+    continuation = continue_with(renderer, history[:1], ids, history[1], [tool], tools)
+    full = renderer.render(history, tools)
+    assert continuation.glue == []
+    assert full[len(full) - len(continuation.suffix) :] == continuation.suffix
+    assert tokenizer.decode(continuation.suffix) == (
+        '<|start|>functions.probe to=assistant<|channel|>commentary<|message|>"2"<|end|><|start|>assistant')
+    # The final answer ends with <|return|>; the next request renders it closed by <|end|>.
+    prompt = prompt + ids + continuation.suffix
+    sampled = ("<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>It is 2."
+               "<|return|>")
+    ids = tokenizer.encode(sampled, add_special_tokens=False)
+    message, malformed = renderer.parse(ids, prompt, tools)
+    assert not malformed and message["content"] == "It is 2."
+    new = [{"role": "user", "content": "Again."}]
+    continuation = continue_with(renderer, history, ids, template_message(message), new, tools)
+    full = renderer.render(history + [template_message(message)] + new, tools)
+    assert continuation.glue == [] and full[len(full) - len(continuation.suffix) :] == continuation.suffix
+    assert tokenizer.decode(continuation.suffix) == "<|start|>user<|message|>Again.<|end|><|start|>assistant"
+    assert renderer.prompt_tail(prompt + ids + continuation.suffix) == tokenizer.encode("<|start|>assistant")
+
+
+def test_stop_tokens_include_the_generation_config_eos_ids(renderers, tmp_path):
+    """A tokenizer loaded from a model directory brings the model's `generation_config.json` eos ids along."""
+    tokenizer = renderers["qwen2_5"].tokenizer
+    tokenizer.save_pretrained(tmp_path)
+    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, endoftext]).save_pretrained(tmp_path)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tmp_path))
+    assert renderer.end_of_turn_ids == {tokenizer.eos_token_id, endoftext}

@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 
 logger = logging.getLogger(__name__)
@@ -96,20 +97,21 @@ class ChatRenderer:
             getattr(tokenizer, "response_template", None) is not None
             or getattr(tokenizer, "response_schema", None) is not None
         )
-        # Tokens that end an assistant turn: generation stops on them and the continuation splice aligns on them.
-        self.end_of_turn_ids = {tokenizer.eos_token_id}
-        for token in ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>"):
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token in tokenizer.get_vocab():
-                self.end_of_turn_ids.add(token_id)
-        self.end_of_turn_ids.discard(None)
-        self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
         self._tool_prefix_cache: dict[tuple, list[int]] = {}
         self._plain_queries: dict[str, bool] = {}  # first user message's content -> `_is_plain_query`
         # Work counters (read by tests and benchmarks): messages rendered, and characters tokenized, so far.
         self.rendered_messages = 0
         self.encoded_chars = 0
-        self._end_of_turn_pattern = re.compile("|".join(re.escape(t) for t in sorted(self._end_of_turn_by_text)))
+        # Tokens that end an assistant turn when sampled: generation stops on them. The continuation splice aligns on
+        # the token that closes the same message in a history: the same one, or (gpt-oss) the one the template writes
+        # in its place (`_history_end`); all of them close a turn in a prompt (`prompt_tail`).
+        self.end_of_turn_ids, self._history_end = self._turn_ends()
+        self._end_of_turn_by_text = {tokenizer.convert_ids_to_tokens(i): i for i in self.end_of_turn_ids}
+        for text in self._history_end.values():
+            self._end_of_turn_by_text[text] = tokenizer.convert_tokens_to_ids(text)
+        self._closing_ids = set(self._end_of_turn_by_text.values())
+        self._end_of_turn_pattern = _alternatives(self._end_of_turn_by_text)
+        self._history_end_pattern = {i: _alternatives([text]) for i, text in self._history_end.items()}
         # The text `add_generation_prompt=True` appends (e.g. "<|im_start|>assistant\n"), to get the rendering of a
         # request without it for free; `None` when it depends on the conversation (then it is rendered).
         probe = [{"role": "user", "content": "x"}]
@@ -124,6 +126,71 @@ class ChatRenderer:
                 _WINDOWS_ARE_EXACT[key] = self._windows_are_exact()
             incremental = _WINDOWS_ARE_EXACT[key]
         self.incremental = incremental
+
+    # Tokens that commonly end a turn, kept where the template never writes them inside an assistant turn (gpt-oss
+    # closes its analysis message with <|end|> and goes on; Phi-3 ends its turns with it).
+    _COMMON_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+    def _turn_ends(self) -> tuple[set[int], dict[int, str]]:
+        """`(stop ids, {stop id: the token closing that message in a history})`, from the tokenizer and the template.
+
+        The stop ids: the eos token, the model's `generation_config.json` eos ids when it lies beside the tokenizer,
+        the special token the template ends an answer and a tool call with when they are the last message (what a
+        model is trained to emit last: gpt-oss `<|return|>` and `<|call|>`, Gemma 4 `<turn|>` and `<|tool_response>`),
+        and the common end-of-turn tokens the template does not write inside an assistant turn.
+        """
+        tokenizer = self.tokenizer
+        stops = {tokenizer.eos_token_id, *_generation_config_eos_ids(tokenizer)}
+        history_end: dict[int, str] = {}
+        specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        special = _alternatives(specials) if specials else None
+        inside: set[str] = set()
+        if special is not None:
+            user = {"role": "user", "content": "zzquestionzz"}
+            call = {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": "zzvaluezz"}}}]}
+            tool = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
+                "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+            probes = [({"role": "assistant", "content": "zzanswerzz"}, {"role": "user", "content": "again"}),
+                      (call, {"role": "tool", "tool_call_id": "call_0", "content": "result"})]
+            for (message, after), marker in zip(probes, ("zzanswerzz", "zzvaluezz"), strict=True):
+                try:
+                    last = self.render_text([user, message], [tool], add_generation_prompt=False)
+                    history = self.render_text([user, message, after], [tool], add_generation_prompt=False)
+                except Exception:  # noqa: BLE001 - a template without tool calls (or that refuses this probe)
+                    continue
+                if marker not in last or marker not in history:
+                    continue
+                end = last.index(marker) + len(marker)
+                closers = list(special.finditer(last, end))
+                if not closers:  # the template leaves a last message open (GLM: the next header closes it)
+                    continue
+                closer = closers[-1]
+                stop = tokenizer.convert_tokens_to_ids(closer.group())
+                stops.add(stop)
+                # In a history the same message is closed at the same place: by the same token, or by another that
+                # stands in for it there (gpt-oss writes <|end|> for <|return|>, which a history never holds).
+                between, at = last[end : closer.start()], history.index(marker) + len(marker)
+                if not history.startswith(between, at):
+                    continue
+                at += len(between)
+                if history.startswith(closer.group(), at):
+                    history_end[stop] = closer.group()
+                elif closer.group() not in history and (rendered := special.match(history, at)) is not None:
+                    history_end[stop] = rendered.group()
+            try:  # the special tokens of an answer with reasoning, before its text: inside the turn
+                thought = {"role": "assistant", "content": "zzanswerzz", "reasoning_content": "zzthoughtzz",
+                           "thinking": "zzthoughtzz"}
+                before = self.render_text([user], None, add_generation_prompt=False)
+                turn = self.render_text([user, thought], None, add_generation_prompt=False)
+                start = len(os.path.commonprefix([before, turn]))
+                inside = set(special.findall(turn, start, max(turn.rfind("zzanswerzz"), start)))
+            except Exception:  # noqa: BLE001 - no such answer: nothing known to be inside
+                pass
+        vocab = tokenizer.get_vocab()
+        stops.update(vocab[t] for t in self._COMMON_END_OF_TURN if t in vocab and t not in inside)
+        stops.discard(None)
+        return stops, history_end
 
     def render_text(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> str:
         self.rendered_messages += len(messages)
@@ -196,7 +263,8 @@ class ChatRenderer:
         `parent` fingerprints the parent's request rendered without the generation prompt; `text` is this request
         (parent request + the assistant message we returned + new messages) rendered with it. What the template
         renders for our assistant message is replaced by the ids the model saw and sampled; the cut is the first
-        end-of-turn token after the parent's context, the one that closes that message.
+        end-of-turn token after the parent's context, the one that closes that message (for a completion that ended
+        on a stop token, the token the template closes it with in a history: gpt-oss's <|return|> becomes <|end|>).
 
         Returns `None` when the template renders the parent's messages differently once more messages follow (it is
         not append-only here, e.g. Qwen3 dropping the reasoning of earlier turns after a new user message): the caller
@@ -204,10 +272,11 @@ class ChatRenderer:
         """
         if not parent.is_prefix_of(text):
             return None
-        match = self._end_of_turn_pattern.search(text, parent.length)
+        ended = bool(completion_ids) and completion_ids[-1] in self.end_of_turn_ids
+        pattern = self._history_end_pattern.get(completion_ids[-1]) if ended else None
+        match = (pattern or self._end_of_turn_pattern).search(text, parent.length)
         if match is None:
             return None
-        ended = bool(completion_ids) and completion_ids[-1] in self.end_of_turn_ids
         glue = [] if ended else [self._end_of_turn_by_text[match.group()]]
         return Continuation(glue=glue, suffix=self.encode(text[match.end() :]))
 
@@ -432,7 +501,7 @@ class ChatRenderer:
         """The prompt after its last end-of-turn token: the generation prompt, all the parser reads of a prompt (it
         starts at the template's last assistant header), without decoding the whole history."""
         for i in range(len(prompt_ids) - 1, -1, -1):
-            if prompt_ids[i] in self.end_of_turn_ids:
+            if prompt_ids[i] in self._closing_ids:
                 return prompt_ids[i + 1 :]
         return prompt_ids
 
@@ -450,6 +519,24 @@ class ChatRenderer:
         if not isinstance(content, str) or not isinstance(parsed["reasoning_content"], str):
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": content, "reasoning_content": parsed["reasoning_content"]}
+
+
+def _alternatives(tokens) -> re.Pattern:
+    # Longest first: a token that is a prefix of another must not shadow it.
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=lambda t: (-len(t), t))))
+
+
+def _generation_config_eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The eos ids of the `generation_config.json` beside a tokenizer loaded from a directory or the local Hub cache
+    (never downloaded); none when there is none. gpt-oss lists <|call|> there, Llama 3.1 <|eom_id|>."""
+    if not tokenizer.name_or_path:
+        return []
+    try:
+        config = GenerationConfig.from_pretrained(tokenizer.name_or_path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no generation config: the tokenizer and the template say it all
+        return []
+    eos = config.eos_token_id
+    return [eos] if isinstance(eos, int) else [i for i in eos or () if isinstance(i, int)]
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
