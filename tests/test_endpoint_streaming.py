@@ -125,7 +125,8 @@ def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, s
                         response = event.response
         calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
         return (text if stream else response.output_text), calls
-    body = {"model": "policy", "max_tokens": kwargs.pop("max_tokens", 64), "messages": [{"role": "user", "content": question}],
+    body = {"model": "policy", "max_tokens": kwargs.pop("max_tokens", 64),
+            "messages": [{"role": "user", "content": question}],
             "extra_body": {"seed": seed, **kwargs}}  # this anthropic release takes no `temperature` argument
     if system:
         body["system"] = system
@@ -254,8 +255,9 @@ class FeedingEngine(ScriptedEngine):
 
 # Tool calls the model closes with arguments that are no JSON, or JSON with an integer past Python's 4300-digit limit.
 BROKEN_CALLS = {
-    "broken_json": 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>',
-    "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "7" * 4301 + "}}\n</tool_call>",
+    "broken_json": 'Let me. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>',
+    "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "7" * 4301
+                    + "}}\n</tool_call>",
 }
 
 
@@ -278,3 +280,33 @@ def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(start_s
     assert (second.completion_ids, second.finish_reason) == (first.completion_ids, first.finish_reason) == (
         tokenizer.encode(BROKEN_CALLS[case], add_special_tokens=False) + [tokenizer.eos_token_id], "stop")
     assert second.response_message == first.response_message
+
+
+# A special token sampled mid-answer (a plain decode drops its text; the template's parser keeps it), with and without
+# reasoning, tools offered or not.
+SPECIAL_TOKEN_ANSWERS = {
+    "text": "Hello<|im_start|> world",
+    "text_then_call": 'Hi<|im_start|> there <tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n'
+                      "</tool_call>",
+    "broken_call": 'Hi<|im_start|> there <tool_call>\n{"name": "calculator"\n</tool_call>',
+}
+
+
+@pytest.mark.parametrize("tools", [None, [CALCULATOR_TOOL]], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("case", SPECIAL_TOKEN_ANSWERS)
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_special_token_in_the_answer_streams_what_is_recorded(start_server, random_policy, wire_format, case, tools):
+    # Streamed Responses / Messages text was "Hello<|im_start|> world", the recorded answer "Hello world": the agent's
+    # next call did not match the history and forked.
+    _, tokenizer, _ = random_policy
+    assert tokenizer.decode(tokenizer.encode("<|im_start|>", add_special_tokens=False), skip_special_tokens=True) == ""
+    server = start_server(FeedingEngine(tokenizer, lambda prompt: SPECIAL_TOKEN_ANSWERS[case]), tokenizer)
+    session = server.open_episode()
+    client = client_for(server, session, wire_format)
+    plain = ask(client, wire_format, stream=False, tools=tools, max_tokens=200)
+    streamed = ask(client, wire_format, stream=True, tools=tools, max_tokens=200)
+    assert streamed == plain
+    first, second = server.close_episode(session.episode.id).turns
+    assert first.response_message == {**second.response_message, "tool_calls": first.response_message.get(
+        "tool_calls")} if tools and case == "text_then_call" else second.response_message
+    assert streamed[0] == (second.response_message["content"] or "")

@@ -208,6 +208,7 @@ class CompletionService:
         self.tokenizer = renderer.tokenizer
         # Engines of the streaming contract take `on_token`; with others, a streamed answer leaves when it is sampled.
         self.engine_streams = "on_token" in inspect.signature(engine.generate).parameters
+        self.hold_ids = _dropped_special_ids(self.tokenizer) - renderer.end_of_turn_ids  # `AnswerStream.hold_ids`
 
     # Request bodies
 
@@ -439,11 +440,18 @@ class CompletionService:
             response_template=self.tokenizer.response_template if parsed else None,
             prefix_ids=renderer.prompt_tail(call.plan.prompt_ids), tools=tools if parse_tools else None,
             stops=conversation.stop, pieces=lambda ids, text: content_pieces(self.tokenizer, ids, text),
-            strip_content=bool(parse_tools and tools),
+            strip_content=bool(parse_tools and tools), hold_ids=self.hold_ids,
         )
         if call.forced and self.engine_streams:
             stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first
         return stream
+
+
+def _dropped_special_ids(tokenizer) -> frozenset[int]:
+    """Ids whose text `decode(..., skip_special_tokens=True)` drops (special added tokens)."""
+    candidates = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return frozenset(i for i in candidates
+                     if tokenizer.decode([i]) and not tokenizer.decode([i], skip_special_tokens=True))
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)

@@ -11,7 +11,9 @@ answer's content and reasoning, as the wire formats stream them, under three rul
   reasoning regions stream, tool calls are sent once parsed, at the end. Leading and trailing whitespace of a region
   waits (the parsed value is stripped), and so does text that may begin a stop string or the end-of-sequence text.
 - The stream ends on the parsed message, the same one a non-streamed call returns (`finish`): what the parser had not
-  let through yet is sent then, so the deltas add up to the non-streamed answer.
+  let through yet is sent then, so the deltas add up to the non-streamed answer. Text that may come out otherwise in
+  the parsed message waits for it: all of an answer the parser cannot read (a broken tool call), and what follows a
+  special token the parser keeps and a plain decode drops.
 
 One case cannot add up: text the model writes after a tool call replaces, in the parsed message, the text it wrote
 before it (transformers' parser keeps the last content region), and a stream cannot take back what it sent. Such an
@@ -62,6 +64,10 @@ class AnswerStream:
         strip_content: whether the parsed content is stripped (tools parsed); without tools a reasoning split keeps
             the text as it is unless the model reasoned.
         pieces: `(token_ids, content) -> list[str]`, how to split text that leaves only at the end (per token).
+        hold_ids: special tokens a plain decode drops (`ChatRenderer.end_of_turn_ids` aside). The parser keeps their
+            text, an answer it cannot read comes back as the plain decode: once one is sampled, the text waits for
+            `finish`, which sends what the parsed message holds (issue 29: `Hello<|im_start|> world` streamed,
+            `Hello world` recorded, and the agent's next call forked).
 
     Example:
 
@@ -83,6 +89,7 @@ class AnswerStream:
     stops: list[str] = field(default_factory=list)
     pieces: Callable[[list[int], str], list[str]] | None = None
     strip_content: bool = True
+    hold_ids: frozenset[int] = frozenset()
     diverged: bool = False
 
     def __post_init__(self):
@@ -91,7 +98,7 @@ class AnswerStream:
         self._plain = ""  # everything decoded, special tokens skipped (what stop strings are searched in)
         self._plain_ids: list[int] = []
         self._stopped = False
-        self._failed = False  # the parser could not read the answer: nothing more streams before `finish`
+        self._held = False  # nothing more streams before `finish` (an unreadable answer, a special token)
         self._regions = {CONTENT: _Region(), REASONING: _Region()}
         self._parser = None
         self._reasoned = False
@@ -107,12 +114,14 @@ class AnswerStream:
         `finish` sends the rest of the parsed message, as a non-streamed call returns it (the call is recorded as
         malformed, issue 29: the parser's error escaped to the engine, and the turn was lost)."""
         self._ids.extend(token_ids)
-        if self._failed:
+        if self._parser is not None and not self._held and not self.hold_ids.isdisjoint(token_ids):
+            self._held = True
+        if self._held:
             return
         try:
             self._feed(token_ids)
         except Exception:  # noqa: BLE001 - whatever the model wrote, the answer is the parsed message at `finish`
-            self._failed = True
+            self._held = True
 
     def _feed(self, token_ids: list[int]) -> None:
         text = self._decode_new()
