@@ -355,37 +355,28 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     assert sum(sampler.groups_drawn.values()) >= 4 * 2  # 2 tasks per step (plus what the dataloader prefetched)
 
 
-def test_metrics_mode_waits_for_the_engine_to_hand_the_model_back(tmp_path):
-    """The embedded engine puts the shared model in eval mode around each forward; a rollout's last decode step can
-    still hold it when every episode has been answered. The trainer's post-rollout metrics must still be filed under
-    "train" (a CI run logged a training step without its `engine/*` metrics)."""
-    import threading
-    import time
-
+def test_eval_split_rate_counts_groups_of_the_evals_samples_per_task(tmp_path):
+    """Evaluation groups hold `num_generations_eval` episodes, not `num_generations` (issue 29, L4)."""
     tokenizer = build_tiny_tokenizer("qwen2_5")
-    args = AgenticGRPOConfig(output_dir=str(tmp_path), max_steps=1, num_generations=2, per_device_train_batch_size=2,
-                             use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
+
+    def reward(prompts, completions, episodes, difficulty, **kwargs):
+        # Level 1: every episode 1.0 (its group does not split); level 2: 1.0 for the first of the group only.
+        return [1.0 if level == 1 else float(ep.group_index == 0) for ep, level in zip(episodes, difficulty)]
+
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), max_steps=1, num_generations=4, per_device_train_batch_size=4,
+        num_generations_eval=2, per_device_eval_batch_size=4,  # one eval batch: 2 tasks x 2 episodes
+        max_completion_length=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+    )
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
-        args=args, train_dataset=leveled({1: 2, 2: 2}), processing_class=tokenizer,
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=reward,
+        args=args, train_dataset=leveled({1: 1, 2: 1}), eval_dataset=leveled({1: 1, 2: 1}), processing_class=tokenizer,
     )
     try:
-        trainer.model.train()
-        entered, release = threading.Event(), threading.Event()
-
-        def decode_step():  # what the engine's worker does around one forward
-            with trainer.engine._using_model():
-                entered.set()
-                release.wait(5)
-
-        worker = threading.Thread(target=decode_step)
-        worker.start()
-        entered.wait(5)
-        assert not trainer.model.training  # mid-step: an unlocked read would say "eval"
-        threading.Timer(0.2, release.set).start()
-        started = time.monotonic()
-        assert trainer._mode() == "train"
-        assert time.monotonic() - started >= 0.1  # it waited for the step to end
-        worker.join()
+        metrics = trainer.evaluate()
     finally:
         trainer.close()
+    # Two groups of 2: level 2's splits, level 1's does not (as one group of 4, the batch would read 1.0).
+    assert metrics["eval_sampling/split_rate"] == 0.5
+    assert metrics["eval_sampling/split_rate"] == pytest.approx(1 - metrics["eval_frac_reward_zero_std"])
+    assert metrics["eval_sampling/groups/1"] == metrics["eval_sampling/groups/2"] == 1.0

@@ -13,7 +13,6 @@ TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (com
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections import Counter
@@ -215,13 +214,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return self.task_sampler
 
     def _mode(self) -> str:
-        """`"train"` or `"eval"`, read under the embedded engine's model lock: the engine puts the shared model in eval
-        mode around each forward, and its last decode step may still be running when a rollout's episodes have all
-        been answered, so an unlocked read could file a training step's metrics under "eval" (seen in CI: a log
-        without its `engine/*` metrics)."""
-        lock = getattr(self.engine, "model_lock", None)
-        with lock if lock is not None else contextlib.nullcontext():
-            return "train" if self.model.training else "eval"
+        """`"train"` or `"eval"`: the trainer module's own flag, which the engine never touches (it generates with a
+        module of its own, issue 29 M1)."""
+        return "train" if self.model.training else "eval"
 
     def _observe_tasks(self, inputs: list[dict], episodes: list[Episode]) -> None:
         """Log the `sampling/*` metrics of this batch and feed the adaptive sampler (every rank sees every result, so
@@ -243,9 +238,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         seen = self._seen_tasks if mode == "train" else set()
         unseen = [key not in seen for key in keys]
         metrics = self._metrics[mode]
-        metrics["sampling/split_rate"].append(group_split_rate(rewards, self.num_generations))
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval  # (issue 29, L4)
+        metrics["sampling/split_rate"].append(group_split_rate(rewards, group_size))
         if mode == "train" and unseen:  # share of groups whose task this run had drawn before
-            firsts = unseen[:: self.num_generations]
+            firsts = unseen[::group_size]
             metrics["sampling/revisit_share"].append(1.0 - sum(firsts) / len(firsts))
         sampler = getattr(self, "task_sampler", None)
         if column and rows and column in rows[0]:
@@ -261,7 +257,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     # in the step (a count), its groups, and the share of the calls with a malformed tool call.
                     calls = sum(g[2] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                     metrics[f"sampling/model_calls/{level:g}"].append(float(calls))
-                    metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / self.num_generations)
+                    metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / group_size)
                     # ... and what `unscorable_episodes` compares: the level's episodes and the share left unscored.
                     metrics[f"sampling/episodes/{level:g}"].append(float(levels.count(level)))
                     metrics[f"sampling/unscorable/{level:g}"].append(sum(
