@@ -253,8 +253,13 @@ class FeedingEngine(ScriptedEngine):
         return out
 
 
-# Tool calls the model closes with arguments that are no JSON, or JSON with an integer past Python's 4300-digit limit.
+# Tool calls the model closes with arguments that are no JSON: broken, with an integer past Python's 4300-digit limit,
+# or with what Python's parser takes but JSON has not (NaN, a number past float range, a lone UTF-16 surrogate: the
+# Messages answer could not be written, a 500 after the turn was recorded).
 BROKEN_CALLS = {
+    "nan": '<tool_call>\n{"name": "calculator", "arguments": {"expression": NaN}}\n</tool_call>',
+    "infinity": '<tool_call>\n{"name": "calculator", "arguments": {"expression": 1e999}}\n</tool_call>',
+    "lone_surrogate": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "\\ud800"}}\n</tool_call>',
     "broken_json": 'Let me. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>',
     "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "7" * 4301
                     + "}}\n</tool_call>",

@@ -417,6 +417,11 @@ class CompletionService:
             out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
             message, malformed = renderer.parse(forced + out.token_ids, plan.prompt_ids, tools,
                                                 parse_tools=parse_tools, split_reasoning=conversation.split_reasoning)
+            if message.get("tool_calls") and not _strict_json_arguments(message["tool_calls"]):
+                # Python's parser takes NaN, 1e999 and lone surrogates; JSON has none of them, and the Messages
+                # answer could not be written (a 500 after the turn was recorded). A broken tool call, as any other.
+                message, malformed = {"role": "assistant", "content": self.tokenizer.decode(
+                    forced + out.token_ids, skip_special_tokens=True)}, True
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
@@ -445,6 +450,16 @@ class CompletionService:
         if call.forced and self.engine_streams:
             stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first
         return stream
+
+
+def _strict_json_arguments(tool_calls: list[dict]) -> bool:
+    """Whether every call's arguments are strict JSON (`protocol.parse_json_body`: what any client can parse)."""
+    try:
+        for call in tool_calls:
+            parse_json_body(call["function"]["arguments"])
+    except ValueError:
+        return False
+    return True
 
 
 def _dropped_special_ids(tokenizer) -> frozenset[int]:
