@@ -436,3 +436,40 @@ def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, 
         assert trainer._append_rows(output, rows, torch.ones(2))["completion_mask"][-2:, :4].tolist() == [[1] * 4] * 2
     finally:
         trainer.close()
+
+
+def test_a_reward_function_that_raises_stops_training_after_its_episodes_are_logged(tmp_path, tokenizer):
+    """A crash in the checker surfaces as in TRL (the run stops with its error), but the step's episodes, what one
+    reads to fix it, are in the episode log first (issue 29, N4); they used to be lost."""
+    def broken_checker(prompts, completions, **kwargs):
+        raise RuntimeError("checker down")
+
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=broken_checker,
+                                 args=config(tmp_path), train_dataset=dataset(), processing_class=tokenizer)
+    with pytest.raises(RuntimeError, match="checker down"):
+        train_and_read_log(trainer, tmp_path)
+    records = read_episode_log(tmp_path)
+    assert len(records) == 2 and {r["step"] for r in records} == {0}  # the first step's group of 2
+    for record in records:
+        assert record["reward_error"] == "RuntimeError: checker down" and record["advantage"] is None
+        assert record["episode"]["status"] == "ok" and len(record["episode"]["turns"]) == 3
+        assert record["rows"][0]["completion_ids"]
+
+
+def test_reward_values_trl_cannot_hold_stop_training_naming_the_function(tmp_path, tokenizer):
+    """1e39 is inf in TRL's float32 rewards, and made the group's advantages silently zero (issue 29, N5); a wrong
+    count failed in a bare zip() (N4)."""
+    def overflowing(prompts, completions, **kwargs):
+        return [1e39] + [0.0] * (len(prompts) - 1)
+
+    def short(prompts, completions, **kwargs):
+        return [0.0]
+
+    for func, message in ((overflowing, r"'overflowing' returned 1e\+39 for episode 0"),
+                          (short, r"'short' returned 1 rewards for 2 episodes")):
+        trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=func,
+                                     args=config(tmp_path / func.__name__), train_dataset=dataset(),
+                                     processing_class=tokenizer)
+        with pytest.raises(ValueError, match=message):
+            train_and_read_log(trainer, tmp_path / func.__name__)
+        assert len(read_episode_log(tmp_path / func.__name__)) == 2

@@ -57,3 +57,40 @@ def test_cut_off_penalty_needs_episodes_and_leaves_failed_episodes_unscored():
     assert unscorable_unless_ok(cut_off_penalty)([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, None]
     with pytest.raises(ValueError, match="episodes"):
         cut_off_penalty([None], [[{"role": "assistant", "content": "4"}]])
+
+
+def test_reward_functions_returning_the_wrong_count_or_non_float32_values_are_named():
+    """A wrong count used to fail in a bare `zip()`; 1e39 or inf became inf in TRL's float32 rewards and silently
+    zeroed the group's advantage (issue 29, N4/N5). NaN stays TRL's "unscorable", as `None`."""
+    import math
+    import re
+
+    import pytest
+
+    episodes = [Episode(id="a", status="ok"), Episode(id="b", status="timeout")]
+
+    def short(prompts, completions, **kwargs):
+        return [1.0]
+
+    def scores_failures(prompts, completions, **kwargs):
+        return [1.0, 0.0, 1.0]
+
+    scores_failures.scores_failed_episodes = True
+    for func in (short, scores_failures):
+        with pytest.raises(ValueError, match=rf"{func.__name__!r} returned {len(func(None, None))} rewards for 2 "):
+            unscorable_unless_ok(func)([None] * 2, [[]] * 2, episodes=episodes)
+
+    for bad in (1e39, -1e39, math.inf, -math.inf, "1.0"):
+        def huge(prompts, completions, bad=bad, **kwargs):
+            return [0.5, bad]
+
+        huge.scores_failed_episodes = True
+        with pytest.raises(ValueError, match=rf"'huge' returned {re.escape(repr(bad))} for episode 1.*float32"):
+            unscorable_unless_ok(huge)([None] * 2, [[]] * 2, episodes=episodes)
+
+    def unscorable(prompts, completions, **kwargs):
+        return [math.nan, None]
+
+    values = unscorable_unless_ok(unscorable)([None] * 2, [[]] * 2, episodes=episodes)
+    assert math.isnan(values[0]) and values[1] is None
+    assert unscorable_unless_ok(lambda prompts, completions, **kw: [3e38, -3e38])([None] * 2, [[]] * 2) == [3e38, -3e38]

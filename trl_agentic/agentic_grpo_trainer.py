@@ -24,6 +24,7 @@ import torch
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
+from transformers.utils import logging
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .agentic_grpo_config import AgenticGRPOConfig
@@ -41,6 +42,9 @@ from .rollout.runner import run_episodes, run_rollout
 from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
 from .task_sampling import AdaptiveTaskSampler, group_split_rate
 from .trace import EPISODE_STATUSES, Episode, json_text
+
+
+logger = logging.get_logger(__name__)
 
 
 def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -72,7 +76,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         reward_funcs: TRL reward functions. They receive `completions` (each episode's messages after the prompt),
             `episodes` (the `Episode` objects; `episode.result` is the agent's return value) and the dataset
             columns. Return `None` for an episode that cannot be scored. Episodes that crashed, timed out, overflowed
-            the context or hit a limit are unscorable unless the function sets `scores_failed_episodes = True`.
+            the context or hit a limit are unscorable unless the function sets `scores_failed_episodes = True`. A
+            function that raises stops training, as in TRL, once the step's episodes are in the episode log; one that
+            returns another count than episodes, or a reward beyond float32 (inf, 1e39), raises a `ValueError`.
         args: an `AgenticGRPOConfig`.
         engine: a `GenerationEngine`; defaults to the embedded `TransformersEngine` over the live policy.
 
@@ -607,28 +613,51 @@ class AgenticGRPOTrainer(GRPOTrainer):
         )
         self._metrics[mode]["episodes/unscorable"].append(self.accelerator.gather(unscorable).mean().item())
 
-        if self._episode_log_dir is not None:
-            self._episode_log_dir.mkdir(parents=True, exist_ok=True)
-            path = self._episode_log_dir / f"episodes-rank{self.accelerator.process_index}.jsonl"
-            column, targets = self.args.difficulty_column, self._target_levels()
-            with path.open("a") as f:
-                for i, (ep, result, example) in enumerate(zip(episodes, rows_results, inputs, strict=True)):
-                    record = {
-                        "step": self.state.global_step,
-                        "mode": mode,
-                        "advantage": advantages[i].item(),
-                        "episode": ep.to_dict(),
-                        "rows": [row.to_dict() for row in result.rows],
-                        "skipped_turns": result.skipped_turns,
-                        "capped_turns": result.capped_turns,
-                    }
-                    if column and column in example:  # the task's difficulty: the per-level metrics, recomputable
-                        record["difficulty"] = example[column]
-                        record["target"] = example[column] in targets
-                    f.write(json_text(record) + "\n")  # whatever the agent returned: valid JSON, never a crash
+        self._write_episode_records(episodes, rows_results, advantages.tolist(), inputs)
+
+    def _write_episode_records(self, episodes: list[Episode], rows_results, advantages: list[float | None],
+                               inputs: list[dict], error: str | None = None) -> None:
+        """Append one record per episode to this rank's episode log (`log_episodes=True`); `error`: why the episodes
+        have no rewards (a reward function raised)."""
+        if self._episode_log_dir is None:
+            return
+        self._episode_log_dir.mkdir(parents=True, exist_ok=True)
+        mode = self._mode()
+        column, targets = self.args.difficulty_column, self._target_levels()
+        with self._episode_log_path().open("a") as f:
+            for i, (ep, result, example) in enumerate(zip(episodes, rows_results, inputs, strict=True)):
+                record = {
+                    "step": self.state.global_step,
+                    "mode": mode,
+                    "advantage": advantages[i],
+                    "episode": ep.to_dict(),
+                    "rows": [row.to_dict() for row in result.rows],
+                    "skipped_turns": result.skipped_turns,
+                    "capped_turns": result.capped_turns,
+                }
+                if error is not None:
+                    record["reward_error"] = error
+                if column and column in example:  # the task's difficulty: the per-level metrics, recomputable
+                    record["difficulty"] = example[column]
+                    record["target"] = example[column] in targets
+                f.write(json_text(record) + "\n")  # whatever the agent returned: valid JSON, never a crash
+
+    def _episode_log_path(self) -> Path:
+        return self._episode_log_dir / f"episodes-rank{self.accelerator.process_index}.jsonl"
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        except Exception as error:
+            # A reward function that raises stops the run, as in TRL: an error in the checker must not pass as a
+            # score. The step's episodes are logged first (issue 29, N4): they are what to read to fix it.
+            episodes = [example["episodes"] for example in inputs]
+            self._write_episode_records(episodes, self._pending_rows, [None] * len(episodes), inputs,
+                                        error=f"{type(error).__name__}: {error}")
+            if self._episode_log_dir is not None:
+                logger.error(f"A reward function raised at step {self.state.global_step}; the step's "
+                             f"{len(episodes)} episodes are in {self._episode_log_path()} (`reward_error`).")
+            raise
         # Keep the local slice per episode for the episode log (TRL gathers across processes).
         start = self.accelerator.process_index * len(prompts)
         local = rewards_per_func[start : start + len(prompts)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,14 +90,47 @@ def final_assistant_text(completion: Sequence[dict[str, Any]] | str) -> str:
     return ""
 
 
+# The largest reward TRL can hold: it scores in float32, where 1e39 is inf and an inf in a group makes its advantages
+# NaN, which TRL then zeroes without a word (issue 29, N5).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_rewards(name: str, rewards, num_expected: int | None) -> None:
+    """Raise a `ValueError` naming the function when it returned the wrong number of rewards or a value TRL cannot
+    hold (not a number, infinite, beyond float32). `None` and NaN are TRL's "unscorable" and pass."""
+    if num_expected is not None and len(rewards) != num_expected:
+        raise ValueError(
+            f"The reward function {name!r} returned {len(rewards)} rewards for {num_expected} episodes; it must return "
+            "exactly one per completion (None for one it cannot score)."
+        )
+    for index, reward in enumerate(rewards):
+        if reward is None:
+            continue
+        try:
+            value = float(reward)
+        except (TypeError, ValueError):
+            value = None
+        if isinstance(reward, str) or value is None or math.isinf(value) or abs(value) > FLOAT32_MAX:
+            raise ValueError(
+                f"The reward function {name!r} returned {reward!r} for episode {index}: a reward must be a number "
+                f"within float32's range (|r| <= {FLOAT32_MAX:.4g}, which TRL's rewards are held in), or None for an "
+                "episode it cannot score. Clip or rescale it in the function."
+            )
+
+
 def unscorable_unless_ok(reward_func: Callable) -> Callable:
-    """Wrap a reward function so that episodes whose status is not `"ok"` get `None` (unscorable).
+    """Wrap a reward function so that episodes whose status is not `"ok"` get `None` (unscorable), and so that what it
+    returns is checked.
 
     A crashed, timed-out or cut-off episode says nothing about the policy's skill at the task: with `None` it is left
     out of the group baseline (advantage 0) instead of being trained on as a silent 0. A function that scores failed
-    episodes itself (e.g. a penalty for timeouts) declares `scores_failed_episodes = True` and is returned unwrapped.
-    A reward model (a model id or an `nn.Module`, as TRL accepts them) becomes a [`RewardModelFunc`] first, so the
-    rule holds for it too (TRL would otherwise score failed episodes with it, issue #9).
+    episodes itself (e.g. a penalty for timeouts) declares `scores_failed_episodes = True` and is not masked. A reward
+    model (a model id or an `nn.Module`, as TRL accepts them) becomes a [`RewardModelFunc`] first, so the rule holds
+    for it too (TRL would otherwise score failed episodes with it, issue #9).
+
+    Either way, a function returning another number of rewards than episodes, or a reward TRL's float32 cannot hold
+    (inf, 1e39, a string), raises a `ValueError` naming the function and the value (issue 29, N4/N5). `None` and NaN
+    mean "unscorable", as in TRL.
 
     Example:
 
@@ -113,25 +147,27 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         reward_func = RewardModelFunc(reward_func)
     if not callable(reward_func):
         return reward_func
-    if getattr(reward_func, "scores_failed_episodes", False):
-        return reward_func
+    name = getattr(reward_func, "__name__", type(reward_func).__name__)
+    masks = not getattr(reward_func, "scores_failed_episodes", False)
 
-    def mask(rewards, episodes):
-        return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
+    def finish(rewards, episodes):
+        rewards = list(rewards)  # TRL takes any iterable
+        _check_rewards(name, rewards, len(episodes) if episodes is not None else None)
+        if masks and episodes is not None:
+            return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
+        return rewards
 
     if inspect.iscoroutinefunction(reward_func):
 
         @functools.wraps(reward_func)
         async def wrapped(*args, episodes=None, **kwargs):
-            rewards = await reward_func(*args, episodes=episodes, **kwargs)
-            return mask(rewards, episodes) if episodes is not None else rewards
+            return finish(await reward_func(*args, episodes=episodes, **kwargs), episodes)
 
     else:
 
         @functools.wraps(reward_func)
         def wrapped(*args, episodes=None, **kwargs):
-            rewards = reward_func(*args, episodes=episodes, **kwargs)
-            return mask(rewards, episodes) if episodes is not None else rewards
+            return finish(reward_func(*args, episodes=episodes, **kwargs), episodes)
 
     return wrapped
 
