@@ -217,6 +217,23 @@ def test_unscorable_episodes_are_left_out_of_the_estimates():
     assert sampler.estimates()[1] > before[1] and sampler.estimates()[2] == before[2]
 
 
+def test_a_task_drawn_twice_in_a_batch_is_two_groups():
+    """Two groups of one task in a batch are observed as two groups, not as one of 2G episodes (issue 29, L1): here
+    neither splits (all solved, all failed); merged, they read as one group that split."""
+    data = leveled({1: 4})
+    together = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=2, revisit=1.0, seed=0)
+    apart = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=2, revisit=1.0, seed=0)
+    for sampler in (together, apart):
+        while 0 not in sampler._index_of.values():
+            sampler.draw_task()
+    together.observe([data[0]] * 4, [1.0, 1.0, 0.0, 0.0])
+    apart.observe([data[0]] * 2, [1.0, 1.0])
+    apart.observe([data[0]] * 2, [0.0, 0.0])
+    assert together.split_rates() == apart.split_rates() and together.estimates() == apart.estimates()
+    assert together.split_rates()[1] < split_probability(0.5, 2)  # two groups seen not to split
+    assert together.revisit_pools() == {1: 0}  # the task did not split: nothing to revisit
+
+
 def test_config_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="must hold numbers"):
         AdaptiveTaskSampler(Dataset.from_list([{"prompt": "a", "difficulty": "easy"}] * 4), 2, 1)

@@ -223,10 +223,10 @@ class AdaptiveTaskSampler(Sampler[int]):
         self._distance = {level: min(abs(ranks[level] - ranks[t]) for t in targets) for level in self.buckets}
         self._bucket_estimates = {level: _Estimate() for level in self.buckets}
         # Per bucket, the share of its recent groups that split, overall and by how the task was drawn (revisit or
-        # new); and how each task's last group was drawn (its key -> revisited), until that group is observed.
+        # new); and how each task's groups not yet observed were drawn (its key -> [revisited, ...], oldest first).
         self._bucket_splits = {level: _Estimate() for level in self.buckets}
         self._kind_splits = {level: {True: _Estimate(), False: _Estimate()} for level in self.buckets}
-        self._drawn_as: dict[str, bool] = {}
+        self._drawn_as: dict[str, list[bool]] = {}
         self._task_estimates: dict[str, _Estimate] = {}
         self.groups_drawn = {level: 0 for level in self.buckets}
         self.groups_revisited = {level: 0 for level in self.buckets}
@@ -295,10 +295,17 @@ class AdaptiveTaskSampler(Sampler[int]):
 
     def observe(self, rows: Sequence[dict[str, Any]], rewards: Sequence[float | None]) -> None:
         """Update the estimates with scored episodes: `rows[i]` is the dataset row of episode `i` (at least its key
-        and difficulty columns), `rewards[i]` its total reward (`None` or NaN: unscorable, left out)."""
+        and difficulty columns), `rewards[i]` its total reward (`None` or NaN: unscorable, left out). Groups are
+        consecutive runs of `num_generations` episodes, as the sampler lays them out and the trainer gathers them: a
+        task drawn twice in a batch is two groups, each split or not (issue 29, L1)."""
         if len(rows) != len(rewards):
             raise ValueError(f"observe got {len(rows)} rows and {len(rewards)} rewards.")
-        by_task: dict[str, tuple[Any, list[float]]] = {}
+        for start in range(0, len(rows), self.num_generations):
+            end = start + self.num_generations
+            self._observe_group(rows[start:end], rewards[start:end])
+
+    def _observe_group(self, rows: Sequence[dict[str, Any]], rewards: Sequence[float | None]) -> None:
+        by_task: dict[str, tuple[Any, list[float]]] = {}  # one task, unless the caller's layout mixes them
         for row, reward in zip(rows, rewards, strict=True):
             if reward is None or (isinstance(reward, float) and math.isnan(reward)):
                 continue
@@ -310,7 +317,10 @@ class AdaptiveTaskSampler(Sampler[int]):
             # Decay per group: a bucket's estimate follows its last `memory` groups.
             self._bucket_estimates[level].update(outcomes, self.decay)
             self._task_estimates.setdefault(key, _Estimate()).update(outcomes, 1.0)
-            revisited = self._drawn_as.pop(key, None)
+            pending = self._drawn_as.get(key)
+            revisited = pending.pop(0) if pending else None
+            if pending is not None and not pending:
+                del self._drawn_as[key]
             if len(outcomes) > 1:  # a group of one scored episode cannot split: it says nothing of split rates
                 split = [float(len(set(outcomes)) > 1)]
                 self._bucket_splits[level].update(split, self.decay)
@@ -355,7 +365,7 @@ class AdaptiveTaskSampler(Sampler[int]):
             index = self._rng.choices(candidates, weights=weights)[0]
         key = self._key(self.dataset[index])
         self._index_of[key] = index
-        self._drawn_as[key] = revisited
+        self._drawn_as.setdefault(key, []).append(revisited)
         return index
 
     def __iter__(self) -> Iterator[int]:
