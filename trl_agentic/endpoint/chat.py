@@ -31,6 +31,8 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from .encoding import TextEncoder
+
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class ChatRenderer:
         if tokenizer.chat_template is None:
             raise ValueError("The tokenizer has no chat template; set `tokenizer.chat_template` before serving it.")
         self.tokenizer = tokenizer
+        self._encode = TextEncoder(tokenizer)  # the backend directly, pieces of text seen before from a cache
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.can_parse_tools = (
             getattr(tokenizer, "response_template", None) is not None
@@ -205,7 +208,7 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text (what `apply_chat_template(tokenize=True)` returns for it)."""
         self.encoded_chars += len(text)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._encode(text)
 
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_text(messages, tools, add_generation_prompt))
