@@ -234,6 +234,20 @@ def test_a_task_drawn_twice_in_a_batch_is_two_groups():
     assert together.revisit_pools() == {1: 0}  # the task did not split: nothing to revisit
 
 
+def test_a_sampler_restored_from_its_state_draws_what_the_original_draws():
+    data = leveled({1: 20, 2: 20})
+    sampler = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=2, target_difficulty=2, seed=3)
+    simulate(sampler, lambda level, n: 0.5 if level == 2 else 0.9, groups=30)
+    sampler.draw_task()  # a group drawn, not yet observed
+    state = json.loads(json.dumps(sampler.state_dict()))  # what a checkpoint holds
+    restored = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=2, target_difficulty=2, seed=99)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == sampler.state_dict()
+    assert simulate(restored, lambda level, n: 0.5, groups=20) == simulate(sampler, lambda level, n: 0.5, groups=20)
+    with pytest.raises(ValueError, match="difficulty levels"):
+        AdaptiveTaskSampler(leveled({1: 2, 3: 2}), 2, 1).load_state_dict(state)
+
+
 def test_config_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="must hold numbers"):
         AdaptiveTaskSampler(Dataset.from_list([{"prompt": "a", "difficulty": "easy"}] * 4), 2, 1)
@@ -369,7 +383,43 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     rates = sampler.split_rates()
     assert rates[1] < 0.5 and logs[-1]["sampling/split_estimate/1"] == pytest.approx(rates[1])
     assert sampler.bucket_probabilities()[2] > 0.6
-    assert sum(sampler.groups_drawn.values()) >= 4 * 2  # 2 tasks per step (plus what the dataloader prefetched)
+    assert sum(sampler.groups_drawn.values()) == 4 * 2  # 2 tasks per step, none drawn ahead by a prefetch
+
+
+def test_each_batch_is_drawn_after_every_earlier_batch_was_observed(tmp_path):
+    """The draw for step N uses the results of steps 0..N-1: accelerate's dataloader and the Trainer fetch a batch
+    ahead, so drawn as the dataloader iterated, step N's tasks were chosen before step N-1's results came back (issue
+    29, L2). Here with gradient accumulation too (the Trainer fetches every micro-batch of an update at once)."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), max_steps=3, num_generations=2, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,  # steps_per_generation = 2: 2 tasks per generation batch
+        max_completion_length=2, task_sampling="adaptive", use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", disable_tqdm=True,
+    )
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
+        args=args, train_dataset=leveled({1: 4, 2: 4}), processing_class=tokenizer,
+    )
+    trainer._get_train_sampler()  # builds trainer.task_sampler, which train() keeps
+    sampler = trainer.task_sampler
+    batches_observed, seen_at_draw = [0], []
+    observe, draw_task = sampler.observe, sampler.draw_task
+
+    def counting_observe(rows, rewards):
+        batches_observed[0] += 1
+        observe(rows, rewards)
+
+    def recording_draw_task():
+        seen_at_draw.append(batches_observed[0])
+        return draw_task()
+
+    sampler.observe, sampler.draw_task = counting_observe, recording_draw_task
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert seen_at_draw == [0, 0, 1, 1, 2, 2]  # 3 generation batches of 2 tasks, each after the batches before it
 
 
 def test_eval_split_rate_counts_groups_of_the_evals_samples_per_task(tmp_path):

@@ -83,7 +83,8 @@ class AgenticGRPOConfig(GRPOConfig):
             `"uniform"`: TRL's sampler (the dataset shuffled, each task once per epoch). `"adaptive"`: each group's task
             is chosen where its episodes are likely to disagree (running success near the middle), per difficulty
             bucket and per task ([`AdaptiveTaskSampler`]): easier or harder buckets as the model improves, the target
-            never starved.
+            never starved. A generation batch's tasks are drawn when it is consumed, from the results of every batch
+            before it.
         difficulty_column (`str` or `None`, *optional*, defaults to `"difficulty"`):
             Dataset column with each task's difficulty (numbers, larger = harder). When the dataset has it, the
             `sampling/*` metrics are logged per bucket whatever `task_sampling` is.

@@ -40,7 +40,7 @@ from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, 
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
 from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
-from .task_sampling import AdaptiveTaskSampler, group_split_rate
+from .task_sampling import AdaptiveTaskSampler, TaskSlots, group_split_rate
 from .trace import EPISODE_STATUSES, Episode, json_text
 
 
@@ -193,8 +193,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
     # Task sampling
 
     def _get_train_sampler(self, dataset=None):
-        """TRL's `RepeatSampler`, or with `task_sampling="adaptive"` an [`AdaptiveTaskSampler`] with the same index
-        layout, kept across calls so its estimates survive a new dataloader."""
+        """TRL's `RepeatSampler`, or with `task_sampling="adaptive"` the slots of an [`AdaptiveTaskSampler`]'s batches
+        ([`TaskSlots`]: the same layout, no task drawn), whose tasks `_prepare_inputs` draws as it consumes each
+        generation batch. The sampler (`self.task_sampler`) is kept across calls so its estimates survive a new
+        dataloader."""
         if self.args.task_sampling != "adaptive":
             return super()._get_train_sampler(dataset)
         if getattr(self, "task_sampler", None) is None:
@@ -217,7 +219,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 key_columns=columns,
                 seed=self.args.seed,
             )
-        return self.task_sampler
+        return TaskSlots(self.task_sampler)
+
+    def _draw_generation_batch(self, num_slots: int) -> list[dict]:
+        """This process's rows of a generation batch drawn now by the adaptive sampler (every process draws the same
+        batch, and takes its slice as accelerate's batch sampler would have: process i the i-th of the batch's
+        `num_processes` consecutive slices)."""
+        indices = self.task_sampler.draw_batch()
+        start = self.accelerator.process_index * num_slots
+        return [self.train_dataset[i] for i in indices[start : start + num_slots]]
 
     def _mode(self) -> str:
         """`"train"` or `"eval"`: the trainer module's own flag, which the engine never touches (it generates with a
@@ -560,6 +570,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             return batch
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
+            if self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
+                generation_batch = self._draw_generation_batch(len(generation_batch))
             num_episodes = len(generation_batch)
             generation_batch = self._generate_and_score_completions(generation_batch)
             generation_batch = shuffle_sequence_dict(generation_batch)

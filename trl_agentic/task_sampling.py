@@ -31,6 +31,12 @@ seen so far:
 Every process of a multi-process run holds the same sampler (same seed) and observes the same gathered results,
 so all ranks draw the same indices, as TRL's sampler does.
 
+In the trainer, the dataloader yields only the layout of the batches ([`TaskSlots`]); a generation batch's tasks are
+drawn (`draw_batch`) when the trainer consumes it, after every earlier batch's results were observed. Drawn while
+iterating, as the dataloader fetches, the draws lagged a step: accelerate's dataloader and the Trainer fetch the next
+batch before the current one is trained on (issue 29, L2). A checkpoint holds the sampler's whole state
+(`state_dict`), so a resumed run draws what the uninterrupted run would have.
+
 Example:
 
 ```python
@@ -45,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -368,14 +375,72 @@ class AdaptiveTaskSampler(Sampler[int]):
         self._drawn_as.setdefault(key, []).append(revisited)
         return index
 
+    def draw_batch(self) -> list[int]:
+        """The dataset indices of one generation batch: `tasks_per_batch` tasks drawn now, each `num_generations`
+        times in a row."""
+        return [index for index in (self.draw_task() for _ in range(self.tasks_per_batch))
+                for _ in range(self.num_generations)]
+
     def __iter__(self) -> Iterator[int]:
         for _ in range(len(self.dataset) // self.tasks_per_batch or 1):
-            chunk = [self.draw_task() for _ in range(self.tasks_per_batch)]
+            batch = self.draw_batch()
             for _ in range(self.repeat_count):
-                for index in chunk:
-                    for _ in range(self.num_generations):
-                        yield index
+                yield from batch
 
     def __len__(self) -> int:
         return (len(self.dataset) // self.tasks_per_batch or 1) * self.tasks_per_batch * self.num_generations * (
             self.repeat_count)
+
+    # Checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the sampler learned and its RNG, as JSON-serialisable values (levels become list entries: JSON
+        object keys are strings)."""
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss],
+            "bucket_estimates": [[lv, [e.successes, e.episodes]] for lv, e in self._bucket_estimates.items()],
+            "bucket_splits": [[lv, [e.successes, e.episodes]] for lv, e in self._bucket_splits.items()],
+            "kind_splits": [[lv, [[k[True].successes, k[True].episodes], [k[False].successes, k[False].episodes]]]
+                            for lv, k in self._kind_splits.items()],
+            "drawn_as": self._drawn_as,
+            "task_estimates": {key: [e.successes, e.episodes] for key, e in self._task_estimates.items()},
+            "groups_drawn": list(self.groups_drawn.items()),
+            "groups_revisited": list(self.groups_revisited.items()),
+            "split_tasks": [[lv, list(pool)] for lv, pool in self._split_tasks.items()],
+            "index_of": self._index_of,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (the same dataset and difficulty levels)."""
+        levels = [lv for lv, _ in state["bucket_estimates"]]
+        if levels != list(self.buckets):
+            raise ValueError(f"The sampler state is for difficulty levels {levels}, this dataset has "
+                             f"{list(self.buckets)}: resume with the dataset the run was started with.")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+        self._bucket_estimates = {lv: _Estimate(*e) for lv, e in state["bucket_estimates"]}
+        self._bucket_splits = {lv: _Estimate(*e) for lv, e in state["bucket_splits"]}
+        self._kind_splits = {lv: {True: _Estimate(*r), False: _Estimate(*n)} for lv, (r, n) in state["kind_splits"]}
+        self._drawn_as = {key: list(kinds) for key, kinds in state["drawn_as"].items()}
+        self._task_estimates = {key: _Estimate(*e) for key, e in state["task_estimates"].items()}
+        self.groups_drawn = dict((lv, n) for lv, n in state["groups_drawn"])
+        self.groups_revisited = dict((lv, n) for lv, n in state["groups_revisited"])
+        self._split_tasks = {lv: dict.fromkeys(pool) for lv, pool in state["split_tasks"]}
+        self._index_of = dict(state["index_of"])
+
+
+class TaskSlots(Sampler[int]):
+    """The dataloader's sampler under adaptive sampling: the layout of `sampler`'s batches (as many slots, batch by
+    batch), each slot index 0, with no task drawn. The trainer draws a batch's tasks with `sampler.draw_batch()` when
+    it consumes the batch, so the dataloader's prefetching never draws ahead of the results (issue 29, L2), and
+    skipping batches on resume draws nothing."""
+
+    def __init__(self, sampler: AdaptiveTaskSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.repeat(0, len(self.sampler))
+
+    def __len__(self) -> int:
+        return len(self.sampler)
