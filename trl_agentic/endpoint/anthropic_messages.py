@@ -102,6 +102,7 @@ async def serve_messages(service: CompletionService, session: EpisodeSession, ra
         stop=[s for s in req.stop_sequences or [] if s],
         requested=req.model_dump(exclude_none=True, exclude={"messages", "system", "tools"}),
         wire_format=ANTHROPIC_MESSAGES,
+        size=len(raw),
         split_reasoning=True,
     )
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -118,8 +119,8 @@ async def count_tokens(service: CompletionService, raw: bytes) -> dict[str, int]
     """`POST /v1/messages/count_tokens`: the prompt tokens of the request rendered fresh."""
     req = service.validate(CountTokensRequest, service.parse_json(raw))
     service.check_model(req.model)
-    return {"input_tokens": service.count_prompt_tokens(chat_messages(req.system, req.messages),
-                                                        chat_tools(req.tools))}
+    return {"input_tokens": await service.count_prompt_tokens(chat_messages(req.system, req.messages),
+                                                              chat_tools(req.tools), size=len(raw))}
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:

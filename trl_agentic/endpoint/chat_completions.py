@@ -44,6 +44,7 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
         top_logprobs=req.top_logprobs or 0,
         requested=req.model_dump(exclude_none=True, exclude={"messages", "tools"}),
         wire_format=CHAT_COMPLETIONS,
+        size=len(raw),
     )
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())

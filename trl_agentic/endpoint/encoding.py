@@ -34,6 +34,18 @@ from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 
+# `Tokenizer.encode` holds the GIL while it works, `encode_batch` releases it: a long text, which the endpoint tokenizes
+# in a worker thread (`service.OFFLOAD_BYTES`), must not stop the event loop meanwhile (issue 29, N7: a 3.9 MB body
+# stalled every episode's calls for seconds). Short texts keep the cheaper call.
+RELEASE_GIL_CHARS = 1 << 16
+
+
+def _encode(backend: Tokenizer, text: str) -> list[int]:
+    if len(text) > RELEASE_GIL_CHARS:
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return backend.encode(text, add_special_tokens=False).ids
+
+
 class TextEncoder:
     """`tokenizer(text, add_special_tokens=False)["input_ids"]`, computed through the backend with pieces cached.
 
@@ -69,7 +81,7 @@ class TextEncoder:
         if backend is None or not self._default_state():
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self._cut is None:
-            return backend.encode(text, add_special_tokens=False).ids
+            return _encode(backend, text)
         pieces = self._pieces(text)
         found: list[list[int] | None] = []
         with self._lock:
@@ -80,7 +92,7 @@ class TextEncoder:
                 found.append(ids)
         missing = [piece for piece, ids in zip(pieces, found) if ids is None]
         if missing:
-            encoded = iter([backend.encode(piece, add_special_tokens=False).ids for piece in missing])
+            encoded = iter([_encode(backend, piece) for piece in missing])
             found = [ids if ids is not None else next(encoded) for ids in found]
             with self._lock:
                 for piece, ids in zip(pieces, found):

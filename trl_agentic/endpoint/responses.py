@@ -98,6 +98,7 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
         top_logprobs=req.top_logprobs or 0,
         requested=req.model_dump(exclude_none=True, exclude={"input", "tools", "instructions"}),
         wire_format=RESPONSES,
+        size=len(raw),
         split_reasoning=True,
         messages_param="input",
     )

@@ -43,6 +43,11 @@ from .sessions import EpisodeClosedError, EpisodeLimitError, EpisodeLimits, Epis
 from .streaming import AnswerStream, Delta
 
 
+# Requests with a body past this size are rendered and tokenized in a worker thread (issue 29: a 3.9 MB body held the
+# event loop 4 s, and every episode's calls and /health waited). The tokenizer releases the GIL, the loop serves the
+# others meanwhile. Smaller requests stay on the loop: a thread hop would cost more than their rendering.
+OFFLOAD_BYTES = 256 * 1024
+
 # The wire formats a turn can come in (`Turn.wire_format`).
 CHAT_COMPLETIONS = "chat_completions"
 RESPONSES = "responses"
@@ -124,6 +129,7 @@ class Conversation:
         split_reasoning: parse a thinking model's reasoning out of the reply even without tools (formats with a
             reasoning item or block); Chat Completions only does so when tools are parsed, as it always has.
         messages_param: the request field holding the conversation, named in errors about it.
+        size: bytes of the request body; past `OFFLOAD_BYTES` the prompt is planned off the event loop.
     """
 
     messages: list[dict[str, Any]]
@@ -142,6 +148,7 @@ class Conversation:
     wire_format: str = CHAT_COMPLETIONS
     split_reasoning: bool = False
     messages_param: str = "messages"
+    size: int = 0
 
 
 @dataclass
@@ -255,13 +262,18 @@ class CompletionService:
 
     # Model calls
 
-    def count_prompt_tokens(self, messages: list[dict], tools: list[dict] | None) -> int:
-        """Tokens of the prompt these messages render to (without continuation: what a fresh call would cost)."""
-        try:
-            return len(self.renderer.render([template_message(m) for m in messages], tools))
-        except _TEMPLATE_ERRORS as error:
-            raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
-                           code="template_error") from None
+    async def count_prompt_tokens(self, messages: list[dict], tools: list[dict] | None, size: int = 0) -> int:
+        """Tokens of the prompt these messages render to (without continuation: what a fresh call would cost);
+        `size`, the request body's bytes, past `OFFLOAD_BYTES` moves the rendering off the event loop."""
+
+        def count() -> int:
+            try:
+                return len(self.renderer.render([template_message(m) for m in messages], tools))
+            except _TEMPLATE_ERRORS as error:
+                raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
+                               code="template_error") from None
+
+        return await asyncio.to_thread(count) if size > OFFLOAD_BYTES else count()
 
     async def complete(self, session: EpisodeSession, conversation: Conversation, request: Request) -> Completion:
         """Sample `conversation.n` answers to `conversation` in `session` and record them as turns.
@@ -294,6 +306,8 @@ class CompletionService:
         it): a streamed call raises it before its response starts.
 
         The returned call holds its admission until `run` (or `stream`) finishes it: hand it to one of them at once.
+        A large request (`Conversation.size` past `OFFLOAD_BYTES`) is planned in a worker thread, after its admission:
+        the episode's limits count it from the start, and the other calls of the episode see it in flight.
         """
         n = conversation.n
         try:
@@ -304,7 +318,10 @@ class CompletionService:
             raise APIError(400, str(error), code="episode_limit_exceeded") from None
         held = budget * n if budget is not None else 0
         try:
-            call = self._plan(session, conversation, budget)
+            if conversation.size > OFFLOAD_BYTES:
+                call = await asyncio.to_thread(self._plan, session, conversation, budget)
+            else:
+                call = self._plan(session, conversation, budget)
         except BaseException:
             session.finish_call(n, held, [])
             raise
