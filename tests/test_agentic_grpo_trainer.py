@@ -355,10 +355,16 @@ async def anthropic_tool_agent(client: anthropic.AsyncAnthropic, task):
     return reply.stop_reason
 
 
+def sampled_token_reward(prompts, completions, episodes, **kwargs):
+    # Varied whatever the wire format: the sampled ids themselves (Anthropic-shaped content is a list of blocks, whose
+    # length in `length_reward` hardly depends on what was sampled).
+    return [float(sum(tok for t in ep.turns for tok in t.completion_ids) % 5) for ep in episodes]
+
+
 def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = AgenticGRPOTrainer(model, agent=anthropic_tool_agent, reward_funcs=length_reward,
+    trainer = AgenticGRPOTrainer(model, agent=anthropic_tool_agent, reward_funcs=sampled_token_reward,
                                  args=config(tmp_path), train_dataset=dataset(), processing_class=tokenizer)
     try:
         trainer.train()
@@ -473,3 +479,105 @@ def test_reward_values_trl_cannot_hold_stop_training_naming_the_function(tmp_pat
         with pytest.raises(ValueError, match=message):
             train_and_read_log(trainer, tmp_path / func.__name__)
         assert len(read_episode_log(tmp_path / func.__name__)) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resume (issue 29, M4)
+
+
+async def two_call_agent(client, task):
+    messages = list(task["prompt"])
+    for _ in range(2):
+        response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+        messages += [response.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+    return messages[-2].get("content")
+
+
+def parity_reward(prompts, completions, episodes, **kwargs):
+    # What the model sampled decides: groups split or not from step to step, and the alarms come and go with them.
+    return [float(sum(t.completion_ids[0] for t in ep.turns) % 2) for ep in episodes]
+
+
+class StopAfter:
+    """Stops training at the end of a step, as a crash after it would (the last checkpoint is older)."""
+
+    def __init__(self, step):
+        from transformers import TrainerCallback
+
+        class _Stop(TrainerCallback):
+            def on_step_end(inner, args, state, control, **kwargs):
+                if state.global_step == step:
+                    control.should_training_stop = True
+
+        self.callback = _Stop()
+
+
+def resumable_trainer(output_dir, tokenizer, callbacks=None):
+    leveled = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Task {i}."}], "difficulty": 1 + i % 2}
+                                 for i in range(8)])
+    args = config(
+        output_dir, max_steps=5, save_strategy="steps", save_steps=3,  # checkpoints at steps 3 and 5
+        per_device_train_batch_size=4, num_generations=2,  # 2 tasks x 2 episodes a step
+        num_iterations=2,  # each generation trains 2 steps (at 0, 2, 4): the checkpoint at 3 is mid-way through one
+        max_concurrent_episodes=1,  # one request at a time: every request draws its seed in the same order
+        task_sampling="adaptive", target_difficulty=2,
+        alarm_window=1, alarm_min_split_rate=0.75,  # low_split_rate holds at some steps and not at others
+        held_out_eval_steps=2, held_out_num_samples=2,  # at steps 0, 2, 4 and 5: none at the checkpoint
+        logging_steps=4, logging_first_step=True,  # logs at 1 and 4: steps 2-3's metrics wait across the checkpoint
+        disable_tqdm=True, temperature=1.5,
+    )
+    return AgenticGRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=two_call_agent,
+                              reward_funcs=parity_reward, args=args, train_dataset=leveled,
+                              eval_dataset=leveled.select(range(2)), processing_class=tokenizer, callbacks=callbacks)
+
+
+def deterministic_part(record):
+    episode = record["episode"]
+    return {
+        "step": record["step"], "mode": record["mode"], "advantage": record["advantage"],
+        "difficulty": record.get("difficulty"), "task": episode["messages"][0]["content"],
+        "task_index": episode["task_index"], "group_index": episode["group_index"], "status": episode["status"],
+        "rewards": episode["metadata"]["rewards"],
+        "turns": [(t["prompt_ids"], t["completion_ids"], t["logprobs"]) for t in episode["turns"]],
+    }
+
+
+def test_a_resumed_run_is_the_run_that_was_never_interrupted(tmp_path, tokenizer):
+    """Stopped after step 4 (last checkpoint: step 3) and resumed in the same output_dir, a run logs, samples, alarms
+    and trains exactly as the run that was never stopped. It used to log step 4's episodes twice (the log is appended
+    to), to start the adaptive sampler, the seen tasks and the alarms' history afresh, and to generate anew at step 3
+    (TRL keeps no generation in a checkpoint)."""
+    whole = resumable_trainer(tmp_path / "whole", tokenizer)
+    train_and_read_log(whole, tmp_path / "whole")
+
+    stopped = resumable_trainer(tmp_path / "resumed", tokenizer, callbacks=[StopAfter(4).callback])
+    train_and_read_log(stopped, tmp_path / "resumed")
+    assert stopped.state.global_step == 4 and (tmp_path / "resumed" / "checkpoint-3").is_dir()
+    assert not (tmp_path / "resumed" / "checkpoint-4").exists()
+    resumed = resumable_trainer(tmp_path / "resumed", tokenizer)
+    try:
+        resumed.train(resume_from_checkpoint=True)
+    finally:
+        resumed.close()
+
+    records = {name: [deterministic_part(r) for r in read_episode_log(tmp_path / name)] for name in ("whole", "resumed")}
+    assert [r["step"] for r in records["whole"] if r["mode"] == "train"] == [s for s in (0, 2, 4) for _ in range(4)]
+    assert records["resumed"] == records["whole"]
+    assert resumed.task_sampler.state_dict() == whole.task_sampler.state_dict()
+    assert resumed._seen_tasks == whole._seen_tasks
+
+    def timeless(metrics: dict) -> dict:
+        # Left out: wall times, and transformers' own loss bookkeeping, which its checkpoints do not keep (the first
+        # `loss` logged after a resume averages the steps since the resume; `train_loss`, those of one train() call).
+        return {k: v for k, v in metrics.items() if k not in ("loss", "train_loss", "total_flos") and not any(
+            word in k for word in ("time", "per_second", "engine/"))}
+
+    callbacks = whole.alarms_callback, resumed.alarms_callback
+    assert callbacks[1].alarms == callbacks[0].alarms and callbacks[0].alarms  # some alarm fired
+    assert timeless(callbacks[1].history) == timeless(callbacks[0].history)
+    assert [s for s, _ in callbacks[0].history["held_out/success"]] == [0, 2, 4, 5]
+    assert (tmp_path / "resumed" / "alarms.json").read_text() == (tmp_path / "whole" / "alarms.json").read_text()
+    assert [timeless(e) for e in resumed.state.log_history] == [timeless(e) for e in whole.state.log_history]
+    assert [e["step"] for e in whole.state.log_history] == [1, 4, 5]
+    for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), name

@@ -46,6 +46,30 @@ def test_internals_we_rely_on():
     assert 'completion_mask * inputs["tool_mask"]' in compute  # our env_mask is applied in the loss
 
 
+def test_checkpoint_hooks_we_override():
+    """The trainer's own state goes into checkpoints through the hooks TRL itself uses for its entropy controller
+    (issue 29, M4): saved after `_save_checkpoint` wrote the folder, loaded in `_load_optimizer_and_scheduler`, which
+    must run once on resume after the dataloader (and so the adaptive sampler) exists and before `on_train_begin`."""
+    from transformers import Trainer
+
+    assert params(Trainer._save_checkpoint) == ["self", "model", "trial"]
+    assert params(Trainer._load_optimizer_and_scheduler) == ["self", "checkpoint"]
+    assert params(Trainer._get_output_dir) == ["self", "trial"]
+    save = inspect.getsource(Trainer._save_checkpoint)
+    assert 'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"' in save
+    assert "output_dir = os.path.join(run_dir, checkpoint_folder)" in save
+    loop = inspect.getsource(Trainer._inner_training_loop)
+    assert loop.index("self.get_train_dataloader()") < loop.index("self._prepare_for_training(") < loop.index(
+        "self.callback_handler.on_train_begin(")
+    assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in inspect.getsource(
+        Trainer._prepare_for_training)
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert "self._step = 0" in init and "self._buffered_inputs = None" in init
+    assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
+    for name in ("_save_checkpoint", "_load_optimizer_and_scheduler"):
+        assert getattr(AgenticGRPOTrainer, name) is not getattr(GRPOTrainer, name)
+
+
 def test_importance_sampling_modes_and_shapes_we_follow():
     """`rollout/loss_weights.importance_sampling_ratio` reproduces TRL's vLLM IS rule for appended rows."""
     from trl import GRPOConfig

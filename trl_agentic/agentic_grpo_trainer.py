@@ -8,11 +8,15 @@ with their episode's advantage, and the generation batch is split into `steps_pe
 dropping any row (REFERENCES: ROLL#409).
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
-`_generate_and_score_completions` (extra rows, episode metrics), `_prepare_inputs` (row-count-agnostic split).
+`_generate_and_score_completions` (extra rows, episode metrics), `_prepare_inputs` (row-count-agnostic split, tasks
+drawn as a batch is consumed), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state in each
+checkpoint: a resumed run is the run that was never stopped).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections import Counter
@@ -22,9 +26,10 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
-from transformers.utils import logging
 from trl.trainer.utils import shuffle_sequence_dict
 
 from .agentic_grpo_config import AgenticGRPOConfig
@@ -64,6 +69,12 @@ def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
                 chunk[key] = value
         chunks.append(chunk)
     return chunks
+
+
+def rollout_seed(seed: int, process_index: int, rollout: int) -> int:
+    """The seed of one process's `rollout`-th rollout: distinct per process and rollout, the same in every run."""
+    digest = hashlib.sha256(f"{seed}/{process_index}/{rollout}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -164,6 +175,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         )
         self._pending_inputs: list[dict] | None = None
         self._seen_tasks: set[str] = set()  # the tasks drawn so far (their agent and difficulty columns, as JSON)
+        self._rollouts = 0  # rollouts run so far (train and eval): each samples from a seed of its own
         self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
 
@@ -327,6 +339,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if isinstance(self.engine, TransformersEngine):
                 self.engine.model = unwrapped_model
                 self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
+            self._rollouts += 1
+            if isinstance(self.engine, TransformersEngine):
+                # Requests draw their seeds from (seed, process, rollout): a resumed run samples what the run that was
+                # never stopped did, and processes sharing a group do not sample alike.
+                self.engine.manual_seed(rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts))
             stats = getattr(self.engine, "stats", None)
             if stats is not None:
                 stats.reset()
@@ -584,6 +601,63 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 )
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # Checkpoints: everything the trainer holds besides TRL's state, so that a resumed run is the run that was never
+    # stopped (issue 29, M4). One file per process, as transformers' RNG states.
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        buffered = self._buffered_inputs is not None and self._step % generate_every != 0
+        state = {
+            "task_sampler": self.task_sampler.state_dict() if getattr(self, "task_sampler", None) else None,
+            "seen_tasks": sorted(self._seen_tasks),
+            "alarms": self.alarms_callback.state_dict() if self.alarms_callback is not None else None,
+            "metrics": {mode: dict(values) for mode, values in self._metrics.items()},  # not logged yet
+            "step": self._step,
+            "rollouts": self._rollouts,
+            "buffered_inputs": buffered,
+            # The log's length at this step: a resumed run cuts what the stopped run logged after it.
+            "episode_log_bytes": self._episode_log_path().stat().st_size
+            if self._episode_log_dir is not None and self._episode_log_path().exists() else 0,
+        }
+        if buffered:  # mid-way through a generation's updates (num_iterations > 1): its rows are not regenerated
+            torch.save(self._buffered_inputs, folder / f"trl_agentic_buffer_{self.accelerator.process_index}.pt")
+        path = folder / f"trl_agentic_state_{self.accelerator.process_index}.json"
+        path.write_text(json.dumps(state, default=str))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called once on resume, after the dataloader (and the adaptive sampler) exist and before training begins.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = Path(checkpoint) / f"trl_agentic_state_{self.accelerator.process_index}.json"
+        if not path.is_file():
+            logger.warning(f"{checkpoint} has no {path.name} (saved before trl-agentic kept its state in checkpoints): "
+                           "the adaptive sampler, the tasks seen, the alarms and the episode log start afresh.")
+            return
+        state = json.loads(path.read_text())
+        if state["task_sampler"] is not None and getattr(self, "task_sampler", None) is not None:
+            self.task_sampler.load_state_dict(state["task_sampler"])
+        self._seen_tasks = set(state["seen_tasks"])
+        if state["alarms"] is not None and self.alarms_callback is not None:
+            self.alarms_callback.load_state_dict(state["alarms"])
+        for mode, values in state["metrics"].items():
+            self._metrics[mode].clear()
+            self._metrics[mode].update(values)
+        self._step, self._rollouts = state["step"], state["rollouts"]
+        if state["buffered_inputs"]:
+            buffer = Path(checkpoint) / f"trl_agentic_buffer_{self.accelerator.process_index}.pt"
+            self._buffered_inputs = torch.load(buffer, map_location=self.accelerator.device, weights_only=True)
+        if self._episode_log_dir is not None and self._episode_log_path().exists():
+            log = self._episode_log_path()
+            if log.stat().st_size < state["episode_log_bytes"]:
+                logger.warning(f"{log} is shorter than when {checkpoint} was saved: it was edited or replaced, and "
+                               "the resumed run appends to it as it is.")
+            else:  # drop what the stopped run logged after the checkpoint: the resumed run logs those steps again
+                os.truncate(log, state["episode_log_bytes"])
 
     # Metrics and episode logs
 

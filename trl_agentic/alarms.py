@@ -712,7 +712,9 @@ class AlarmsCallback(TrainerCallback):
         logger.info(f"held-out success at step {step}: {result['success']:.1%}")
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.held_out is not None:
+        # Before training, unless a resumed run's checkpoint brought the held-out results (the run evaluated before
+        # its first step already; evaluating again at the resumed step would add a point the run never had).
+        if self.held_out is not None and not self.history.get("held_out/success"):
             self._evaluate_held_out(args, state, model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -767,6 +769,29 @@ class AlarmsCallback(TrainerCallback):
         if self.alarms and state.is_world_process_zero:
             lines = [f"  {a['name']} (steps {a['step']}-{a['last_step']}): {a['message']}" for a in self.alarms]
             logger.warning("Training alarms of this run:\n" + "\n".join(lines))
+
+    # Checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the callback has seen and found, for a checkpoint (`json.dumps` writes it): the metric history, the
+        alarms (and which still hold), the held-out results and the metrics waiting for the next log."""
+        return {
+            "history": {key: [list(point) for point in points] for key, points in self.history.items()},
+            "alarms": self.alarms,
+            "active": [self.alarms.index(entry) for entry in self._active.values()],
+            "pending": self._pending,
+            "held_out_results": [[step, result] for step, result in self.held_out_results.items()],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`: a resumed run then alarms and writes `alarms.json` as the uninterrupted run."""
+        # In place: the trainer's `alarms` is this list.
+        self.history.clear()
+        self.history.update({key: [tuple(point) for point in points] for key, points in state["history"].items()})
+        self.alarms[:] = state["alarms"]
+        self._active = {self.alarms[i]["name"]: self.alarms[i] for i in state["active"]}
+        self._pending = dict(state["pending"])
+        self.held_out_results = {step: result for step, result in state["held_out_results"]}
 
     def summary(self) -> dict[str, Any]:
         """What `alarms.json` holds: `alarms`, the `checks` run, the `settings`, and the held-out success by step."""
