@@ -146,3 +146,24 @@ def test_a_cancelled_request_leaves_the_batch(tokenizer, model):
     doomed, after, rows = asyncio.run(main())
     assert doomed.cancelled() and len(after.token_ids) == 4
     assert rows < 1000  # far from the 3000 tokens it asked for
+
+
+def test_requests_sent_together_to_an_idle_engine_are_admitted_together(tokenizer, model):
+    """An event loop starting many agents sends their first calls back to back while the engine's fresh worker thread
+    competes for the GIL: admitted as they came, they split over several prefills and end at different steps (issue
+    29: on a 16-core machine every fresh start split, e.g. 3 + 29; 32 agents kept 0.74-0.80 of the batching gain)."""
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+
+    async def together():
+        try:
+            await asyncio.gather(*[engine.generate([10 + i, 20, 30], SamplingParams(max_tokens=2, seed=i))
+                                   for i in range(16)])
+        finally:
+            await engine.stop()  # the worker thread ends: the next round starts a fresh one
+
+    admissions = []
+    for _ in range(20):
+        engine.batch_sizes.clear()
+        asyncio.run(together())
+        admissions.append(sorted(engine.batch_sizes.elements()))
+    assert admissions == [[16]] * 20
