@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trl_agentic.generation.engine import GenerationEngine, SamplingParams
-from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.generation.transformers_engine import TransformersEngine, _exponential_noise, _stream_key
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -260,3 +260,33 @@ def test_a_peft_model_is_served_with_its_adapters_and_its_frozen_base_is_not_cop
     own = [p for p in engine._module.parameters() if all(p is not q for q in model.parameters())]
     assert sum(p.numel() for p in own) == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
     assert model.training and all(m.training for m in model.modules())
+
+
+def test_each_rows_noise_follows_exp1_and_gives_draws_at_the_models_probabilities():
+    """The rows' random streams (SplitMix64, counter-based: all rows drawn at once): argmax(p / q) with q ~ Exp(1)
+    draws token i with probability p_i, rows and draws are independent of each other, and a row's draws are the
+    same whatever rows share its batch."""
+    probs = torch.softmax(torch.randn(10, generator=torch.Generator().manual_seed(0)), dim=0)
+    rows = 100_000
+    keys = torch.tensor([_stream_key(seed) for seed in range(rows)])  # seeds 0, 1, 2...: neighbours must not correlate
+    noise = _exponential_noise(keys, torch.zeros(rows, dtype=torch.long), 10)
+    assert noise.mean().item() == pytest.approx(1.0, abs=0.01) and noise.var().item() == pytest.approx(1.0, abs=0.02)
+    counts = torch.bincount((probs / noise).argmax(dim=1), minlength=10).float()
+    chi2 = (((counts - rows * probs) ** 2) / (rows * probs)).sum().item()
+    assert chi2 < 27.9  # chi-square, 9 degrees of freedom, p = 0.001
+    later = _exponential_noise(keys, torch.full((rows,), 7), 10)  # draw 7 of each row
+    assert abs(torch.corrcoef(torch.stack([noise.flatten(), later.flatten()]))[0, 1].item()) < 0.01
+    assert abs(torch.corrcoef(torch.stack([noise[:-1].flatten(), noise[1:].flatten()]))[0, 1].item()) < 0.01
+    alone = _exponential_noise(keys[5:6], torch.tensor([3]), 10)
+    assert torch.equal(alone[0], _exponential_noise(keys[:9], torch.full((9,), 3), 10)[5])
+
+
+def test_a_row_whose_logits_are_not_finite_fails_greedy_or_sampled():
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).eval()
+    model.lm_head.register_forward_hook(lambda module, args, logits: logits.fill_(float("nan")))
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="not finite"):
+        engine.generate_batch(prompts([5]), [SamplingParams(max_tokens=3, temperature=0.0)])
+    with pytest.raises(ValueError, match="not finite"):
+        engine.generate_batch(prompts([5]), [SamplingParams(max_tokens=3, seed=0)])
