@@ -637,6 +637,7 @@ class TransformersEngine:
             entries = [(row.entry, start) for row, start in zip(rows, reused)]
             cache = DynamicCache(ddp_cache_data=[_stack_prefixes(entries, layer, past) for layer in
                                                  range(len(next(e for e, s in entries if s).keys))])
+        sampling = self._sampling_inputs(rows)
         outputs = self._module(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
@@ -652,7 +653,7 @@ class TransformersEngine:
         self.stats.reused_tokens += sum(reused)
         self.stats.prefilled_tokens += int(lengths.sum()) - sum(reused)
         batch = _Batch(rows, outputs.cache)
-        self._sample(batch, outputs.logits[:, -1, :])
+        self._sample(batch, outputs.logits[:, -1, :], sampling)
         self._retire(batch)
         return batch
 
@@ -663,6 +664,7 @@ class TransformersEngine:
         lengths = torch.tensor([row.length for row in batch.rows])
         input_ids = torch.tensor([[row.tokens[-1]] for row in batch.rows])
         attention_mask = (torch.arange(columns + 1) >= (columns - lengths).unsqueeze(1)).long()  # (B, columns + 1)
+        sampling = self._sampling_inputs(batch.rows)
         outputs = self._module(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
@@ -675,38 +677,38 @@ class TransformersEngine:
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(batch.rows)
         self.stats.waiting_rows += waiting
-        self._sample(batch, outputs.logits[:, -1, :])
+        self._sample(batch, outputs.logits[:, -1, :], sampling)
 
-    def _sample(self, batch: _Batch, logits: torch.Tensor) -> None:
-        """Draw each row's next token from `logits` (B, V) and stream it; mark the rows that finished."""
+    def _sampling_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `_sample` needs of each row, on the model's device: temperatures (B,) and, as int64 (B, 3), stream
+        key, draw index and greediness. Made before the forward is queued: a copy from host memory waits for the work
+        queued before it, and here there is none."""
+        temperatures = torch.tensor([max(row.sampling.temperature, 1e-5) for row in rows])
+        streams = torch.tensor([[row.key, len(row.tokens), row.sampling.temperature <= 0] for row in rows],
+                               dtype=torch.int64)
+        return temperatures.to(self._device), streams.to(self._device)
+
+    def _sample(self, batch: _Batch, logits: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Draw each row's next token from `logits` (B, V) and stream it; mark the rows that finished. `inputs`: the
+        rows' `_sampling_inputs`."""
         rows = batch.rows
-        device = logits.device
-        temperatures = torch.tensor([max(row.sampling.temperature, 1e-5) for row in rows], device=device)
+        temperatures, streams = inputs
         logps = torch.log_softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)  # (B, V)
         # torch.multinomial draws one sample as argmax(probs / q), q ~ Exp(1): here every row's q comes from its own
         # stream, all rows in one go, and the argmax runs over the whole batch at once (a generator per row cost a
         # Python call per row and step: 8% of a 32-row decode step on a 256-hidden model).
         probs = logps.exp()
-        greedy = []
         for i, row in enumerate(rows):
             if row.cancelled is not None and row.cancelled.is_set():
                 row.finish = "cancelled"  # its client went away: free the row
-            if row.finish is not None:
-                continue
-            if row.sampling.temperature <= 0:
-                greedy.append(i)
-            elif row.sampling.top_k > 0 or row.sampling.top_p < 1.0:
+            if row.finish is None and row.sampling.temperature > 0 and (
+                    row.sampling.top_k > 0 or row.sampling.top_p < 1.0):
                 try:
                     probs[i] = _restrict(probs[i], row.sampling)
                 except Exception as error:  # noqa: BLE001 - this row's own failure
                     row.finish, row.error = "error", error
-        keys = torch.tensor([row.key for row in rows], dtype=torch.int64)
-        draws = torch.tensor([len(row.tokens) for row in rows], dtype=torch.int64)
-        noise = _exponential_noise(keys.to(device), draws.to(device), probs.shape[1])
-        chosen_ids = (probs / noise).argmax(dim=1)
-        if greedy:
-            index = torch.tensor(greedy, device=device)
-            chosen_ids[index] = logps[index].argmax(dim=1)
+        noise = _exponential_noise(streams[:, 0], streams[:, 1], probs.shape[1])
+        chosen_ids = torch.where(streams[:, 2].bool(), logps.argmax(dim=1), (probs / noise).argmax(dim=1))
         chosen = chosen_ids.tolist()
         chosen_logps = logps.gather(1, chosen_ids.unsqueeze(1)).squeeze(1).tolist()
         for i, (row, token, logprob) in enumerate(zip(rows, chosen, chosen_logps)):
