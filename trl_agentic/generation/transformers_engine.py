@@ -221,8 +221,8 @@ class TransformersEngine:
             model's parameters. For a model that trains while the engine serves it (the trainer's engine): a call
             still decoding while the optimizer steps samples from consistent weights. Memory: one more copy of the
             trainable parameters and of the buffers (frozen parameters, a LoRA model's base weights, are shared);
-            a sync copies them in place (no allocation). Under DeepSpeed ZeRO-3 the copy holds the full weights,
-            gathered parameter by parameter by `sync_weights()` (a collective: call it on every rank).
+            a sync copies them in place (no allocation). Under DeepSpeed ZeRO-3 the copy holds the full weights (all
+            of them: partitioned parameters cannot be shared), taken where the trainer has gathered them.
         seed: seed of the generator that draws a seed for each request that brings none (default: from the
             system's entropy). Requests never draw from torch's global RNG.
 
@@ -305,7 +305,7 @@ class TransformersEngine:
         The engine does it by itself before admitting requests when it sees the weights changed; call this where it
         cannot see it (an edit through `.data` while the engine is busy, one that keeps every tensor's checksum), or
         where the sync must happen at a known point: the trainer calls it before each rollout, where no optimizer
-        step runs (and on every rank: under ZeRO-3 the sync gathers the parameters).
+        step runs and, under ZeRO-3, the parameters are gathered.
 
         Example:
 
@@ -316,7 +316,7 @@ class TransformersEngine:
         ```
         """
         with self.model_lock, torch.no_grad():
-            self._sync(self._source_state(), gather=True)
+            self._sync(self._source_state(), explicit=True)
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generator that draws the seeds of the requests that bring none (the evaluator's `seed`)."""
@@ -344,25 +344,27 @@ class TransformersEngine:
             checksum = _weights_checksum(self._source)
             if checksum == self._synced_checksum:
                 return
-        self._sync(state, checksum, gather=False)
+        self._sync(state, checksum, explicit=False)
 
-    def _sync(self, state: tuple, checksum: list[int] | None = None, gather: bool = False) -> None:
+    def _sync(self, state: tuple, checksum: list[int] | None = None, explicit: bool = False) -> None:
         """Point `_module` at the model's current weights (rebuilding it if the model or its layout changed), and
-        drop the prefix cache. `gather`: ZeRO-3 parameters may be gathered (a collective: every rank syncs)."""
+        drop the prefix cache. `explicit`: a `sync_weights()` call, which must take the weights."""
         source = self._source
-        if self._module_of is not source or not _same_layout(self._module, source, self.inference_copy):
-            partitioned = [name for name, p in source.named_parameters() if _partitioned(p)]
-            if partitioned and not gather:
+        partitioned = [name for name, p in source.named_parameters() if _partitioned(p)]
+        if partitioned:
+            if explicit or self._module is None:
                 raise RuntimeError(
                     f"The model's parameters are partitioned (DeepSpeed ZeRO-3: {partitioned[0]!r} and "
-                    f"{len(partitioned) - 1} more), and the engine cannot gather them from its own thread. Call "
-                    f"`engine.sync_weights()` on every rank before generating (the trainer does it before each "
-                    f"rollout)."
+                    f"{len(partitioned) - 1} more): the engine generates with full weights and cannot gather them "
+                    f"from its own thread. Sync where they are gathered: the trainer does, inside "
+                    f"`unwrap_model_for_generation`, with `ds3_gather_for_generation=True` (TRL's default)."
                 )
+            return  # outside the trainer's gathered rollout: the copy keeps the weights of the last sync
+        if self._module_of is not source or not _same_layout(self._module, source, self.inference_copy):
             self._module, self._module_of = None, None  # free the old copy before allocating the new one
             self._module, self._module_of = _inference_module(source, self.inference_copy), source
         if self.inference_copy:
-            _copy_weights(source, self._module, gather)
+            _copy_weights(source, self._module)
         self._syncs += 1
         self._synced_state = state
         self._synced_checksum = checksum if checksum is not None else _weights_checksum(source)
@@ -926,30 +928,20 @@ def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inferen
     return True
 
 
-def _copy_weights(model: torch.nn.Module, module: torch.nn.Module, gather: bool) -> None:
-    """Copy the model's copied parameters and its buffers into `module`'s, in place, by name. Partitioned (ZeRO-3)
-    parameters are gathered one at a time when `gather` (a collective, as TRL's vLLM weight sync does), else left as
-    they were."""
+def _copy_weights(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Copy the model's copied parameters and its buffers into `module`'s, in place, by name."""
     mine = dict(module.named_parameters())
     for name, p in model.named_parameters():
-        own = mine[name]
-        if own is p:
-            continue
-        if _partitioned(p):
-            if gather:
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([p]):
-                    own.copy_(p.data)
-        else:
-            own.copy_(p.data)
+        if mine[name] is not p:
+            mine[name].copy_(p.data)
     mine = dict(module.named_buffers())
     for name, b in model.named_buffers():
         mine[name].copy_(b)
 
 
 def _copied(p: torch.Tensor) -> bool:
-    """Whether an inference copy holds a parameter of its own: it trains, or ZeRO-3 partitions it."""
+    """Whether an inference copy holds a parameter of its own: it trains, or ZeRO-3 partitions it (outside the
+    trainer's gathered rollout)."""
     return p.requires_grad or hasattr(p, "ds_shape")
 
 
