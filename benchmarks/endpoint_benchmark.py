@@ -4,6 +4,7 @@
 python benchmarks/endpoint_benchmark.py                      # ~1 min on 2 CPU cores
 python benchmarks/endpoint_benchmark.py --model tiny:qwen2_5:128x4 --episodes 64
 python benchmarks/endpoint_benchmark.py --sections c          # wire formats only
+python benchmarks/endpoint_benchmark.py --sections f          # the endpoint against a trivial handler (~30 s)
 ```
 
 (a) Per-call overhead: a zero-cost engine (fixed tokens, instantly) behind the real endpoint (uvicorn on loopback),
@@ -24,12 +25,26 @@ python benchmarks/endpoint_benchmark.py --sections c          # wire formats onl
 (e) Time to first streamed token (issue #12): the embedded TransformersEngine with a real tiny model, 64-token
     completions (greedy), a streamed call (time to its first content chunk, at the client) and a non-streamed call
     (time to the whole answer) taking turns. Goal: first token / full response <= 0.3.
+(f) The endpoint against a trivial handler (issue 29): what serving a call costs beyond what any FastAPI app on this
+    server setup costs. The "trivial handler" (`trivial_app`) is a FastAPI app with one route,
+    `POST /v1/chat/completions`, an `async def` taking the `Request`, that awaits `request.json()` (the whole body
+    read and decoded with the standard `json` module) and returns a fixed dict: the endpoint's own answer to such a
+    call, captured beforehand (a `chat.completion` with one tool call, ~450 bytes), serialised by FastAPI's default
+    `JSONResponse`. No middleware, no auth, no validation (and a `GET /health` for the server's start). It runs under
+    `EndpointServer` (the same uvicorn settings and socket options as the endpoint), and the same client calls both
+    with the same headers and bodies: raw httpx (the server's cost shows most) and the official `openai` client (one
+    per episode key, as an agent holds it). Eight lanes take turns every round, so load on the machine hits them
+    alike: each client, the endpoint and the trivial handler, at turn 1 (a new episode whose question names the
+    round; opening and closing it is not timed) and at turn 64 (the request of turn 64 of a grown tool episode with a
+    tool result that names the round: a continuation from turn 63, new text every round, as in a real episode).
+    Goal: endpoint p50 / trivial p50 <= 1.10 at turn 1 and at turn 64.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 
@@ -37,6 +52,8 @@ import anthropic
 import httpx
 import openai
 import torch
+
+from fastapi import FastAPI, Request
 
 from trl_agentic.endpoint.app import EndpointSettings, SamplingOverrides, create_app
 from trl_agentic.endpoint.chat import ChatRenderer
@@ -259,8 +276,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--episodes", type=int, default=32, help="agents in (b)")
     parser.add_argument("--agent-turns", type=int, default=4, help="calls per episode in (b)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per call in (b)")
-    parser.add_argument("--sections", default="a,b,c,d,e", help="which of (a)-(e) to run, comma-separated")
+    parser.add_argument("--sections", default="a,b,c,d,e,f", help="which of (a)-(f) to run, comma-separated")
     parser.add_argument("--rounds", type=int, default=60, help="calls per lane in (d) and (e)")
+    parser.add_argument("--trivial-rounds", type=int, default=400, help="calls per lane in (f)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
                              "threads already share the cores (0 = torch's default)")
@@ -279,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         print_growth(args)
     if "e" in sections:
         print_first_token(args)
+    if "f" in sections:
+        print_against_trivial(args)
 
 
 def growth(rounds: int, incremental: bool, lanes=(16, 64)) -> dict[int, float]:
@@ -401,6 +421,96 @@ def print_overhead(args) -> None:
     print(f"    {'client':<14}{'p50 ms':>9}{'p99 ms':>9}{'turns 0-4 p50':>16}{'last 5 p50':>13}")
     for name, r in (("httpx", raw), ("openai", sdk)):
         print(f"    {name:<14}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['early_p50']:>16.2f}{r['late_p50']:>13.2f}")
+
+
+def trivial_app(answer: dict) -> FastAPI:
+    """The trivial handler of (f): read and decode the JSON body, return the fixed `answer` (and a `/health` route,
+    which `EndpointServer.start` waits for)."""
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "ok"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        await request.json()
+        return answer
+
+    return app
+
+
+def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], list[float]]:
+    """Latencies (ms) of the lanes of (f), taking turns: `(client, server, turn)` for the raw httpx and `openai`
+    clients, the endpoint and the trivial handler, at turn 1 and at turn `turns`."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    server = EndpointServer(create_app(ZeroCostEngine(tokenizer), ChatRenderer(tokenizer))).start()
+    http = httpx.Client(timeout=30)
+    trivial = None
+
+    def call(client, base_url: str, key: str, messages: list[dict]) -> tuple[float, dict]:
+        body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
+        start = time.perf_counter()
+        if client is not None:
+            answer = client.chat.completions.create(**body)
+            ms = (time.perf_counter() - start) * 1000
+            return ms, answer.model_dump(exclude_none=True)
+        response = http.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        ms = (time.perf_counter() - start) * 1000
+        response.raise_for_status()
+        return ms, response.json()
+
+    def first(k: int) -> list[dict]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{QUESTION} (round {k})"}]
+
+    try:
+        grown, history = server.open_episode(), first(-1)
+        for k in range(turns - 1):
+            answer = call(None, server.base_url, grown.key, history)[1]
+            message = answer["choices"][0]["message"]
+            history += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
+                                  "content": f"{5 + 3 * k}"}]
+        trivial = EndpointServer(trivial_app(answer)).start()
+        sdks = {(url, grown.key): openai.OpenAI(base_url=url, api_key=grown.key, max_retries=0, http_client=http)
+                for url in (server.base_url, trivial.base_url)}
+        lanes = {(client, name, turn): [] for client in ("httpx", "openai") for turn in (1, turns)
+                 for name in ("endpoint", "trivial")}
+        for k in range(rounds + 20):  # the first 20 rounds warm up
+            session = server.open_episode()
+            for url in (server.base_url, trivial.base_url):
+                sdks[url, session.key] = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0,
+                                                       http_client=http)
+            messages = {1: first(k), turns: history[:-1] + [{**history[-1], "content": f"{history[-1]['content']} "
+                                                                                       f"(round {k})"}]}
+            for client, name, turn in lanes:
+                key = session.key if turn == 1 else grown.key
+                url = server.base_url if name == "endpoint" else trivial.base_url
+                sdk = sdks[url, key] if client == "openai" else None
+                ms, answer = call(sdk, url, key, messages[turn])
+                assert answer["choices"][0]["message"]["tool_calls"]
+                if k >= 20:
+                    lanes[client, name, turn].append(ms)
+            server.close_episode(session.episode.id)
+            del sdks[server.base_url, session.key], sdks[trivial.base_url, session.key]
+        episode = server.close_episode(grown.episode.id)
+        assert episode.num_forks == 0 and episode.turns[-1].prompt_source == "continued"
+    finally:
+        http.close()
+        server.stop()
+        if trivial is not None:
+            trivial.stop()
+    return lanes
+
+
+def print_against_trivial(args) -> None:
+    lanes = against_trivial(args.trivial_rounds)
+    p50 = {lane: statistics.median(ms) for lane, ms in lanes.items()}
+    print(f"(f) the endpoint against a trivial FastAPI handler (same server setup, same client, same bodies), "
+          f"zero-cost engine, c1, {args.trivial_rounds} rounds, the lanes taking turns (load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a loaded machine inflates the ratios)")
+    print(f"    {'client':<9}{'call':<10}{'endpoint p50':>14}{'trivial p50':>13}{'endpoint p99':>14}{'ratio':>8}")
+    for client, _, turn in [lane for lane in lanes if lane[1] == "endpoint"]:
+        endpoint, trivial = p50[client, "endpoint", turn], p50[client, "trivial", turn]
+        print(f"    {client:<9}{f'turn {turn}':<10}{endpoint:>12.2f}ms{trivial:>11.2f}ms"
+              f"{percentile(lanes[client, 'endpoint', turn], 99):>12.2f}ms{endpoint / trivial:>7.2f}x"
+              "  (goal <= 1.10)")
 
 
 def print_throughput(args) -> None:
