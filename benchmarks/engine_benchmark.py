@@ -14,7 +14,9 @@ Every figure is a ratio of two things measured in the same run, printed with its
     number of sequences the engine decodes per step over the number of requests waiting on the model at that step
     (decoding or queued). Goal: >= 0.9 (a call arriving mid-batch joins at the next step, it does not wait).
 (c) 32 single-call agents on a 256-hidden model: their speed-up over one call at a time (concurrent `generate` calls)
-    against the speed-up of transformers' own batched `generate` over one call at a time. Goal: >= 0.9 of it.
+    against the speed-up of transformers' own batched `generate` over one call at a time. Goal: >= 0.9 of it (issue
+    29: 0.74-0.80 measured after continuous batching). Also printed: the concurrent agents' time over batched
+    `generate`'s, which no per-call cost of the engine can flatter.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--growth", type=int, default=6, help="(a): tool result words added per turn")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens sampled per call")
     parser.add_argument("--agents", type=int, default=32, help="(b) episodes and (c) agents")
-    parser.add_argument("--rounds", type=int, default=3, help="(c): timed rounds per mode")
+    parser.add_argument("--rounds", type=int, default=5, help="(c): timed rounds per mode")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: no oversubscription)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         ours = seconds["engine, one agent at a time"] / seconds["engine, concurrent agents"]
         print(f"    batching gain: transformers {raw:.2f}x, engine {ours:.2f}x; kept {ours / raw:.2f} of it "
               f"(goal >= 0.9: {'met' if ours / raw >= 0.9 else 'NOT met'})")
+        direct = seconds["engine, concurrent agents"] / seconds["transformers generate, batched"]
+        print(f"    engine, concurrent agents / transformers generate, batched: {direct:.2f}x the time")
 
 
 if __name__ == "__main__":
