@@ -198,6 +198,27 @@ def test_after_an_optimizer_step_the_engine_samples_from_the_new_weights(inferen
 
 
 @pytest.mark.parametrize("inference_copy", [True, False])
+def test_hooks_on_the_model_fire_for_the_engines_forwards_and_are_not_copied(inference_copy):
+    """The engine's module shares the model's hook dicts: a hook holding a lock (unpicklable) failed every request
+    with "cannot pickle '_thread.lock'" once the engine built a module of its own, and one registered after the
+    engine was built never fired for generation."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).eval()
+    lock, seen = threading.Lock(), []
+
+    def before_engine(module, args, output):
+        with lock:
+            seen.append("before")
+
+    model.register_forward_hook(before_engine)
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=inference_copy)
+    model.model.layers[0].register_forward_hook(lambda module, args, output: seen.append("after"))
+    out = engine.generate_batch([chat_prompt(tokenizer)], [SamplingParams(max_tokens=4, seed=0)])[0]
+    assert len(out.token_ids) == 4
+    assert seen.count("before") >= 4 and seen.count("after") >= 4  # one forward per decode step at least
+
+
+@pytest.mark.parametrize("inference_copy", [True, False])
 @pytest.mark.parametrize("edit", ["ema", "one_weight", "sync_weights"])
 def test_weights_edited_through_data_are_used_by_the_next_request(inference_copy, edit):
     """L3: an edit through `.data` bumps no version counter and steps no optimizer (an EMA callback, an evaluator

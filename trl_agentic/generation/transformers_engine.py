@@ -902,6 +902,13 @@ def _inference_module(model: torch.nn.Module, inference_copy: bool) -> torch.nn.
             memo[id(p)] = p
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b) if inference_copy else b
+    # Hooks are shared, not copied: a hook registered on the model (before or after) fires for the engine's forwards
+    # as it did when the engine generated with the model itself, and one holding a lock or an event (unpicklable)
+    # used to fail every request with "cannot pickle '_thread.lock' object".
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if "hook" in name and isinstance(value, (dict, set)):
+                memo[id(value)] = value
     return copy.deepcopy(model, memo).eval()
 
 
