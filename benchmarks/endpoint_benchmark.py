@@ -37,7 +37,9 @@ python benchmarks/endpoint_benchmark.py --sections f          # the endpoint aga
     alike: each client, the endpoint and the trivial handler, at turn 1 (a new episode whose question names the
     round; opening and closing it is not timed) and at turn 64 (the request of turn 64 of a grown tool episode with a
     tool result that names the round: a continuation from turn 63, new text every round, as in a real episode).
-    Goal: endpoint p50 / trivial p50 <= 1.10 at turn 1 and at turn 64.
+    Goal: endpoint p50 / trivial p50 <= 1.10 at turn 1 and at turn 64. Beside it, the median CPU time of this process
+    per call (client and servers run in it) and its ratio: on a loaded machine a call that needs the CPU for longer
+    waits more often for a core, which inflates the latency ratio, not this one.
 """
 
 from __future__ import annotations
@@ -437,23 +439,25 @@ def trivial_app(answer: dict) -> FastAPI:
     return app
 
 
-def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], list[float]]:
-    """Latencies (ms) of the lanes of (f), taking turns: `(client, server, turn)` for the raw httpx and `openai`
-    clients, the endpoint and the trivial handler, at turn 1 and at turn `turns`."""
+def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], list[tuple[float, float]]]:
+    """`(latency, CPU time)` in ms of each call of the lanes of (f), taking turns: `(client, server, turn)` for the raw
+    httpx and `openai` clients, the endpoint and the trivial handler, at turn 1 and at turn `turns`. The CPU time is
+    this process's (client and server threads both run in it) during the call: what the call costs without the time
+    spent waiting for a core, which other processes' load adds to the latency."""
     tokenizer = build_tiny_tokenizer("qwen2_5")
     server = EndpointServer(create_app(ZeroCostEngine(tokenizer), ChatRenderer(tokenizer))).start()
     http = httpx.Client(timeout=30)
     trivial = None
 
-    def call(client, base_url: str, key: str, messages: list[dict]) -> tuple[float, dict]:
+    def call(client, base_url: str, key: str, messages: list[dict]) -> tuple[tuple[float, float], dict]:
         body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         if client is not None:
             answer = client.chat.completions.create(**body)
-            ms = (time.perf_counter() - start) * 1000
+            ms = ((time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000)
             return ms, answer.model_dump(exclude_none=True)
         response = http.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
-        ms = (time.perf_counter() - start) * 1000
+        ms = ((time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000)
         response.raise_for_status()
         return ms, response.json()
 
@@ -483,10 +487,10 @@ def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], 
                 key = session.key if turn == 1 else grown.key
                 url = server.base_url if name == "endpoint" else trivial.base_url
                 sdk = sdks[url, key] if client == "openai" else None
-                ms, answer = call(sdk, url, key, messages[turn])
+                timing, answer = call(sdk, url, key, messages[turn])
                 assert answer["choices"][0]["message"]["tool_calls"]
                 if k >= 20:
-                    lanes[client, name, turn].append(ms)
+                    lanes[client, name, turn].append(timing)
             server.close_episode(session.episode.id)
             del sdks[server.base_url, session.key], sdks[trivial.base_url, session.key]
         episode = server.close_episode(grown.episode.id)
@@ -501,15 +505,19 @@ def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], 
 
 def print_against_trivial(args) -> None:
     lanes = against_trivial(args.trivial_rounds)
-    p50 = {lane: statistics.median(ms) for lane, ms in lanes.items()}
+    p50 = {lane: statistics.median(ms for ms, _ in calls) for lane, calls in lanes.items()}
+    cpu = {lane: statistics.median(cpu for _, cpu in calls) for lane, calls in lanes.items()}
     print(f"(f) the endpoint against a trivial FastAPI handler (same server setup, same client, same bodies), "
           f"zero-cost engine, c1, {args.trivial_rounds} rounds, the lanes taking turns (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a loaded machine inflates the ratios)")
-    print(f"    {'client':<9}{'call':<10}{'endpoint p50':>14}{'trivial p50':>13}{'endpoint p99':>14}{'ratio':>8}")
+    print(f"    {'client':<9}{'call':<10}{'endpoint p50':>14}{'trivial p50':>13}{'endpoint p99':>14}{'ratio':>8}"
+          f"{'CPU ms per call':>22}{'CPU ratio':>11}")
     for client, _, turn in [lane for lane in lanes if lane[1] == "endpoint"]:
         endpoint, trivial = p50[client, "endpoint", turn], p50[client, "trivial", turn]
-        print(f"    {client:<9}{f'turn {turn}':<10}{endpoint:>12.2f}ms{trivial:>11.2f}ms"
-              f"{percentile(lanes[client, 'endpoint', turn], 99):>12.2f}ms{endpoint / trivial:>7.2f}x"
+        p99 = percentile([ms for ms, _ in lanes[client, "endpoint", turn]], 99)
+        cpus = cpu[client, "endpoint", turn], cpu[client, "trivial", turn]
+        print(f"    {client:<9}{f'turn {turn}':<10}{endpoint:>12.2f}ms{trivial:>11.2f}ms{p99:>12.2f}ms"
+              f"{endpoint / trivial:>7.2f}x{cpus[0]:>11.2f} vs {cpus[1]:.2f}{cpus[0] / cpus[1]:>10.2f}x"
               "  (goal <= 1.10)")
 
 
