@@ -33,7 +33,7 @@ def main(out_dir):
     model = build_tiny_model(tokenizer, seed=0)  # same initial weights on both ranks
     rows = [{"prompt": [{"role": "user", "content": f"task {i}"}]} for i in range(8)]
     args = AgenticGRPOConfig(
-        output_dir=out_dir, num_generations=2, per_device_train_batch_size=2, max_steps=2,
+        output_dir=out_dir, num_generations=4, per_device_train_batch_size=2, max_steps=2,  # each rank: half a group
         max_completion_length=5, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
         learning_rate=1e-2, log_episodes=True, seed=0,
     )

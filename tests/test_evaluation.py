@@ -284,6 +284,36 @@ def test_a_reused_evaluator_samples_from_the_live_weights_after_a_fused_optimize
     assert after_step == expected
 
 
+def test_an_evaluation_samples_what_its_seed_says_whatever_order_the_calls_arrive_in(tokenizer):
+    """Episode i samples from seeds derived from (seed, i) and each call's index (issue 29): concurrent episodes'
+    calls reach the engine in any order, and the engine handed its own seeds out in that order."""
+    import asyncio
+    import dataclasses
+    import random
+
+    delays = random.Random()
+
+    async def jittery_agent(client, task):
+        messages = list(task["prompt"])
+        for _ in range(2):
+            await asyncio.sleep(delays.random() * 0.02)  # another order of calls each run
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": "Again."}]
+
+    suite = dataclasses.replace(SUITE, agent=jittery_agent)
+    with Evaluator(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, suite, counts_dataset(),
+                   num_samples=2, max_tokens=3, concurrency=6) as evaluator:
+        def sampled(order, seed):
+            delays.seed(order)
+            return [[turn.completion_ids for turn in episode.turns] for episode in evaluator.run(seed=seed)]
+
+        first = sampled(order=1, seed=5)
+        assert all(len(turns) == 2 for turns in first)
+        assert sampled(order=2, seed=5) == first
+        assert sampled(order=1, seed=6) != first
+
+
 def test_evaluator_rejects_bad_arguments(tokenizer):
     model = build_tiny_model(tokenizer)
     with pytest.raises(ValueError, match="num_samples must be >= 1"):

@@ -31,10 +31,20 @@ def test_two_ranks_agree_after_training(tmp_path):
     assert steps[0] == steps[1] and steps[0]["global_step"] == 2
 
     # The ranks really produced different numbers of rows: rank 1's agent rewrites its history (a fork per episode).
-    rows_per_rank = []
+    rows_per_rank, records_per_rank = [], []
     for r in (0, 1):
         lines = (tmp_path / "episodes" / f"episodes-rank{r}.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
         assert len(records) == 4 and all(rec["episode"]["status"] == "ok" for rec in records)
         rows_per_rank.append(sum(len(rec["rows"]) for rec in records))
+        records_per_rank.append(records)
     assert rows_per_rank == [4, 8]
+
+    # Each rank holds half of a step's group (one task, 4 episodes): the first calls of its 4 episodes have the same
+    # prompt, and sample 4 different answers. Seeded alike on both ranks, episode i of rank 0 sampled what episode i of
+    # rank 1 did (the seeds derive from the process index too).
+    for step in (0, 1):
+        first_turns = [rec["episode"]["turns"][0] for records in records_per_rank for rec in records
+                       if rec["step"] == step]
+        assert len(first_turns) == 4 and len({json.dumps(t["prompt_ids"]) for t in first_turns}) == 1
+        assert len({json.dumps(t["completion_ids"]) for t in first_turns}) == 4, [t["completion_ids"] for t in first_turns]

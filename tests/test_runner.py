@@ -6,14 +6,16 @@ instead of hanging it.
 """
 
 import asyncio
+import random
 import threading
 import time
 
 import pytest
 
+from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.runner import CANCEL_GRACE_S, run_episodes, run_rollout
-from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 from conftest import ScriptedEngine
 
@@ -99,3 +101,41 @@ def test_async_agent_that_swallows_cancellation_is_abandoned_as_timeout(server):
         assert [e.status for e in episodes] == ["timeout", "timeout"], agent.__name__
         assert all(e.result is None and e.metadata["abandoned"] for e in episodes)
         assert elapsed < TIMEOUT + 2 * CANCEL_GRACE_S + 2.0, (agent.__name__, elapsed)
+
+
+def test_a_seeded_rollout_samples_the_same_tokens_whatever_order_its_calls_arrive_in(start_server):
+    """Each episode's calls sample from seeds derived from the rollout's seed, the episode's position and the call's
+    index, not from the order requests reach the engine (issue 29, L4): concurrent episodes interleave their calls
+    differently from run to run, and the engine handed its own seeds out in arrival order."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    engine = TransformersEngine(build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+                                pad_token_id=tokenizer.pad_token_id, seed=0)
+    server = start_server(engine, tokenizer)
+    delays = random.Random()
+
+    async def jittery_agent(client, task):
+        messages = [{"role": "user", "content": task["prompt"]}]
+        for call in range(3):
+            await asyncio.sleep(delays.random() * 0.02)  # the calls reach the engine in a different order every run
+            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4,
+                                                         n=2 if call == 0 else 1)  # n > 1: a seed per choice
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"Go on ({call})."}]
+
+    tasks = [{"prompt": f"Task {i}."} for i in range(3) for _ in range(2)]  # 3 groups of 2
+
+    def sampled(order: int, seed: int | None) -> list[list[list[int]]]:
+        delays.seed(order)
+        engine.manual_seed(0)  # as the trainer reseeds the engine before each rollout
+        episodes = run_rollout(run_episodes(server, resolve_agent(jittery_agent), tasks,
+                                            group_indices=[i % 2 for i in range(6)], timeout=60, seed=seed))
+        assert [e.status for e in episodes] == ["ok"] * 6, [e.error for e in episodes]
+        # Per (task position, group index): each call's choices, in call order.
+        return [[turn.completion_ids for turn in episode.turns] for episode in episodes]
+
+    first = sampled(order=1, seed=7)
+    assert all(len(turns) == 4 for turns in first)  # 2 choices, then 2 calls
+    assert sampled(order=2, seed=7) == first
+    assert sampled(order=1, seed=8) != first  # the rollout's seed decides what is sampled
+    assert first[0] != first[1]  # the two episodes of a group sample differently
+    assert first[0][0] != first[0][1]  # and so do the choices of one call

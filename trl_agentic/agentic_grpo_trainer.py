@@ -340,10 +340,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self.engine.model = unwrapped_model
                 self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
             self._rollouts += 1
+            seed = None
             if isinstance(self.engine, TransformersEngine):
-                # Requests draw their seeds from (seed, process, rollout): a resumed run samples what the run that was
-                # never stopped did, and processes sharing a group do not sample alike.
-                self.engine.manual_seed(rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts))
+                # Episode i's calls sample from seeds derived from (seed, process, rollout), i and the call's index in
+                # the episode (`run_episodes`): a resumed run samples what the run that was never stopped did, the
+                # episodes' calls may interleave in any order (issue 29), and processes sharing a group do not sample
+                # alike. Not for vLLM, which samples seeded requests one by one (a per-request generator).
+                seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts)
+                self.engine.manual_seed(seed)  # requests without an episode seed, if any
             stats = getattr(self.engine, "stats", None)
             if stats is not None:
                 stats.reset()
@@ -359,6 +363,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     max_concurrent=self.args.max_concurrent_episodes,
                     timeout=self.args.episode_timeout,
                     model=SERVED_MODEL_NAME,
+                    seed=seed,
                 ),
             ).result()
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)

@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from .endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, build_engine, launch_endpoint
+from .generation.engine import derive_seed
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.runner import run_episode, run_rollout
@@ -424,18 +425,19 @@ class Evaluator:
     def run(self, model=None, seed: int | None = None) -> list[Episode]:
         """Run every task's episodes against `model` (default: the model served last) and return them, task-major.
 
-        With a `seed`, the engine draws the seeds of its requests from a generator seeded with it (it never draws
-        from, or moves, torch's global RNG; episodes run concurrently, so batches, hence draws, may still differ
-        between runs). The model's weights are taken afresh, even if they were edited in place since the last run.
+        With a `seed`, episode `i` samples from seeds derived from `(seed, i)` and each call's index in the episode
+        (`run_episodes`): the same seed samples the same tokens however the concurrent episodes' calls interleave
+        (issue 29). Neither draws from, or moves, torch's global RNG. The model's weights are taken afresh, even if
+        they were edited in place since the last run.
         """
         if model is not None:
             self.engine.model = model
         self.engine.sync_weights()  # an EMA callback or a loader writing through `.data` bumps nothing the engine sees
         if seed is not None:
             self.engine.manual_seed(seed)
-        return run_rollout(self._run_episodes())  # a hung agent cannot hold the evaluation (issue 9)
+        return run_rollout(self._run_episodes(seed))  # a hung agent cannot hold the evaluation (issue 9)
 
-    async def _run_episodes(self) -> list[Episode]:
+    async def _run_episodes(self, seed: int | None = None) -> list[Episode]:
         from tqdm.auto import tqdm
 
         semaphore = asyncio.Semaphore(self.concurrency)
@@ -448,7 +450,8 @@ class Evaluator:
             async def one(i: int) -> Episode:
                 async with semaphore:
                     episode = await run_episode(self.server, self.agent, self.agent_tasks[i], i // self.num_samples,
-                                                i % self.num_samples, self.episode_timeout, http_client=http_client)
+                                                i % self.num_samples, self.episode_timeout, http_client=http_client,
+                                                seed=None if seed is None else derive_seed(seed, i))
                 statuses[episode.status] += 1
                 bar.update(1)
                 bar.set_postfix({s: statuses[s] for s in sorted(statuses)}, refresh=False)

@@ -203,7 +203,7 @@ def create_app(
             max_episode_tokens=_first(body.max_episode_tokens, defaults.max_episode_tokens, None),
         )
         try:
-            session = registry.open(body.task_index, body.group_index, body.metadata, limits)
+            session = registry.open(body.task_index, body.group_index, body.metadata, limits, body.seed)
         except TooManyOpenEpisodesError as error:
             raise APIError(429, str(error), "rate_limit_error", "too_many_open_episodes") from None
         base = str(request.base_url).rstrip("/")

@@ -318,6 +318,8 @@ class OpenEpisodeRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     max_turns: int | None = Field(default=None, ge=1)
     max_episode_tokens: int | None = Field(default=None, ge=1)
+    # The episode's seed: its calls that bring none sample from seeds derived from it and their index in the episode.
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
 class CloseEpisodeRequest(BaseModel):

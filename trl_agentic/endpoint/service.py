@@ -362,7 +362,9 @@ class CompletionService:
             temperature=_first(overrides.temperature, conversation.temperature, 1.0),
             top_p=_first(overrides.top_p, conversation.top_p, 1.0),
             top_k=_first(overrides.top_k, conversation.top_k, 0),
-            seed=conversation.seed,
+            # The request's seed, else one from the episode's seed and this call's index (taken by every call): not
+            # from the order calls reach the engine, which concurrent episodes change from run to run (issue 29).
+            seed=_first(conversation.seed, session.call_seed()),
             stop_token_ids=sorted(renderer.end_of_turn_ids),
             top_logprobs=conversation.top_logprobs,
         )
@@ -404,8 +406,8 @@ class CompletionService:
         parse_tools = conversation.tool_choice != "none"
         streams = [self._answer_stream(i, call, parse_tools, on_delta) for i in range(n)] if on_delta else None
         generation = asyncio.ensure_future(asyncio.gather(*[
-            engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i), on_token=streams[i].feed)
-            if streams and self.engine_streams else engine.generate(prompt_ids, _with_seed(sampling, conversation.seed, i))
+            engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i), on_token=streams[i].feed)
+            if streams and self.engine_streams else engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i))
             for i in range(n)
         ]))
         generation.add_done_callback(lambda future: future.cancelled() or future.exception())  # cancelled: unread
@@ -517,6 +519,7 @@ def _first(*values):
 
 
 def _with_seed(sampling: SamplingParams, seed: int | None, i: int) -> SamplingParams:
+    # Choice `i` of a seeded call samples from `seed + i` (the call's own seed or its episode's derived one).
     if seed is None or i == 0:
         return sampling
     return SamplingParams(**{**sampling.to_dict(), "seed": seed + i})

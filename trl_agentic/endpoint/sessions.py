@@ -8,6 +8,7 @@ an episode without a call for `idle_timeout` seconds is closed with status `canc
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import secrets
@@ -17,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..generation.engine import derive_seed
 from ..trace import Episode, Turn
 from .chat import ChatRenderer, common_prefix_length
 from .protocol import comparable_message, template_message
@@ -132,6 +134,7 @@ class EpisodeSession:
     episode: Episode
     key: str
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    seed: int | None = None  # the episode's seed: its calls' seeds derive from it (`call_seed`)
     opened_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     in_flight: int = 0  # choices admitted and not finished yet
@@ -151,6 +154,15 @@ class EpisodeSession:
     _by_answer: dict[bytes, list[int]] = field(default_factory=dict)
     _by_prefix: dict[bytes, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _calls: itertools.count = field(default_factory=itertools.count)  # indices of the episode's calls, in order
+
+    def call_seed(self) -> int | None:
+        """The seed of the episode's next model call: derived from the episode's seed and the call's index in the
+        episode (every call takes an index, whether it brings a seed of its own or not), so that what an episode
+        samples does not depend on how its calls interleave with other episodes' (issue 29). `None` for an episode
+        opened without a seed (the engine draws one)."""
+        index = next(self._calls)  # atomic: one C call under the GIL
+        return None if self.seed is None else derive_seed(self.seed, index)
 
     def admit(self, choices: int) -> int | None:
         """Check the episode's limits for a call of `choices` choices and, in the same step, count it in flight: the
@@ -342,11 +354,14 @@ class EpisodeRegistry:
         group_index: int = 0,
         metadata: dict[str, Any] | None = None,
         limits: EpisodeLimits | None = None,
+        seed: int | None = None,
     ) -> EpisodeSession:
+        """Open an episode; with a `seed`, each model call that brings no seed of its own samples from a seed derived
+        from it and the call's index in the episode (`EpisodeSession.call_seed`)."""
         episode_id = f"ep-{secrets.token_hex(16)}"
         key = f"sk-ep-{secrets.token_urlsafe(32)}"
         episode = Episode(id=episode_id, task_index=task_index, group_index=group_index, metadata=metadata or {})
-        session = EpisodeSession(episode=episode, key=key, limits=limits or EpisodeLimits())
+        session = EpisodeSession(episode=episode, key=key, limits=limits or EpisodeLimits(), seed=seed)
         if self.max_open is not None and len(self._by_id) >= self.max_open:
             self.reap_idle()
         with self._lock:

@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from ..generation.engine import derive_seed
 from ..trace import Episode
 from .agents import AgentCrash, EpisodeAgent, EpisodeContext
 
@@ -43,8 +44,9 @@ class EpisodeServer(Protocol):
     @property
     def served_model_name(self) -> str: ...
 
-    def open_episode(self, task_index: int = 0, group_index: int = 0) -> Any:
-        """Returns a session with the episode's `key` and `episode.id`."""
+    def open_episode(self, task_index: int = 0, group_index: int = 0, seed: int | None = None) -> Any:
+        """Returns a session with the episode's `key` and `episode.id`; its calls that bring no seed sample from seeds
+        derived from `seed` and their index in the episode (`None`: the engine draws them)."""
 
     def close_episode(self, episode_id: str, status: str | None = None, result: Any = None,
                       error: str | None = None) -> Episode: ...
@@ -59,14 +61,16 @@ async def run_episode(
     timeout: float = 300.0,
     model: str | None = None,
     http_client: httpx.AsyncClient | None = None,
+    seed: int | None = None,
 ) -> Episode:
     """Open an episode, run the agent on `task` until it returns, fails or times out, and close the episode.
 
     The status is `ok`, `agent_error` (the agent raised or the command exited non-zero), `timeout`, or what the
     endpoint saw (`context_overflow`, `limit_exceeded`). The episode is always closed and returned. `model` is the
-    name handed to the agent (default: the one the server answers to).
+    name handed to the agent (default: the one the server answers to). `seed`: the episode's seed (its calls' seeds
+    derive from it, `EpisodeServer.open_episode`).
     """
-    session = server.open_episode(task_index=task_index, group_index=group_index)
+    session = server.open_episode(task_index=task_index, group_index=group_index, seed=seed)
     context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
@@ -118,24 +122,32 @@ async def run_episodes(
     timeout: float = 300.0,
     model: str | None = None,
     http_client: httpx.AsyncClient | None = None,
+    seed: int | None = None,
 ) -> list[Episode]:
     """Run one episode per entry of `tasks` (a task repeated G times makes a group), at most `max_concurrent` at once.
 
     Each episode's agent gets an HTTP client (a connection pool) of its own, unless `http_client` is given for all
     (`benchmarks/rollout_benchmark.py` compares the two). Returns the episodes in the order of `tasks`.
+
+    With a `seed`, episode `i` is opened with the seed `derive_seed(seed, i)`, and each of its model calls that brings
+    no seed samples from one derived from that and the call's index in the episode: the same tasks and seed sample the
+    same tokens however the episodes' calls interleave (issue 29; the engine's own seeds go in arrival order).
     """
     semaphore = asyncio.Semaphore(max_concurrent)
     group_indices = group_indices or [0] * len(tasks)
 
     async def one(i: int) -> Episode:
+        episode_seed = None if seed is None else derive_seed(seed, i)
         async with semaphore:
             # A connection pool per episode, not one for all: httpcore walks every pooled connection (two system calls
             # each) at each request and response, 9% of a CPU demo step's profile with 32 episodes sharing one pool
             # (benchmarks/rollout_benchmark.py: 0.95x the shared pool's time on a zero-cost engine).
             if http_client is not None:
-                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client)
+                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client,
+                                         episode_seed)
             async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as own_client:
-                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, own_client)
+                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, own_client,
+                                         episode_seed)
 
     return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
 
