@@ -92,6 +92,36 @@ def test_agents_written_with_the_anthropic_sdk(server, tmp_path):
         CallableAgent(unannotated_agent, client="gemini")
 
 
+def test_a_proxy_in_the_environment_does_not_carry_the_agents_model_calls(server, monkeypatch):
+    """The clients the runner builds for the endpoint ignore HTTP(S)_PROXY / ALL_PROXY: a cluster's proxy, set for the
+    agent's other traffic, used to receive every model call (loopback is not exempt unless NO_PROXY says so), and every
+    episode failed. Openai and anthropic clients, async and sync."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens on the discard port
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+    async def openai_async(client, task):
+        return (await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4)).choices[0].message.content
+
+    def openai_sync(client, task):
+        return client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4).choices[0].message.content
+
+    async def anthropic_async(client: anthropic.AsyncAnthropic, task):
+        return (await client.messages.create(model="policy", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"}])).content[0].text
+
+    def anthropic_sync(client: anthropic.Anthropic, task):
+        return client.messages.create(model="policy", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"}]).content[0].text
+
+    for agent in (openai_async, openai_sync, anthropic_async, anthropic_sync):
+        (episode,) = run(server, resolve_agent(agent))
+        assert (episode.status, episode.error, episode.result) == ("ok", None, "Fine."), agent.__name__
+
+
 def process_is_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -145,7 +145,9 @@ async def run_episodes(
             if http_client is not None:
                 return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client,
                                          episode_seed)
-            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context()) as own_client:
+            # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents'
+            # own traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
+            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context(), trust_env=False) as own_client:
                 return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, own_client,
                                          episode_seed)
 
