@@ -169,6 +169,34 @@ def test_parse_plain_malformed_and_tools_off(renderers):
     assert not malformed and "tool_calls" not in message and message["content"].startswith("<tool_call>")
 
 
+
+def test_unreadable_tool_call_keeps_the_reasoning_split(renderers):
+    """A reply whose tool call cannot be read is text, split as a readable reply is: the reasoning apart, the rest
+    (the call's markup included) as content, stripped (issue #29: the whole text, `<think>` and all, was the content,
+    so a stream that had sent the reasoning as reasoning did not add up to it)."""
+    renderer = renderers["qwen3"]
+    tokenizer, tools = renderer.tokenizer, [CALCULATOR_TOOL]
+    prompt = renderer.render([{"role": "user", "content": "What is 2 + 3?"}], tools)
+    broken = '<tool_call>\n{"name": "calculator"\n</tool_call>'
+    reasoned = "<think>\nAdd them.\n</think>\n\nLet me. " + broken
+    split = {"role": "assistant", "content": "Let me. " + broken, "reasoning_content": "Add them."}
+    for text, with_tools, without_tools in [
+        (reasoned, split, split),  # without tools, Responses and Messages split the reasoning alike
+        ("  Let me. " + broken, {"role": "assistant", "content": "Let me. " + broken},
+         {"role": "assistant", "content": "  Let me. " + broken}),  # no reasoning: the text as decoded
+    ]:
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert renderer.parse(ids, prompt, tools) == (with_tools, True)
+        assert renderer.unreadable_message(ids, prompt) == with_tools
+        assert renderer.parse(ids, prompt, None, split_reasoning=True) == (without_tools, False)
+    # gpt-oss's template drops text outside its regions: an unreadable reply is the decoded text, none of it lost.
+    harmony = ChatRenderer(harmony_tokenizer())
+    ids = harmony.tokenizer.encode('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe'
+                                   '<|channel|>commentary json<|message|>{"x": 1<|call|>', add_special_tokens=False)
+    prompt = harmony.render([{"role": "user", "content": "Probe 1."}], [PROBE_TOOL])
+    assert harmony.parse(ids, prompt, [PROBE_TOOL]) == ({"role": "assistant", "content": harmony.tokenizer.decode(
+        ids, skip_special_tokens=True)}, True)
+
 def test_reserialized_messages_compare_equal():
     """What agents send back (arguments as a JSON string with other key order and spacing, `null` fields, list
     content, regenerated ids, dropped reasoning) is the same message as the one we returned."""

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from trl_agentic.endpoint.app import SamplingOverrides
+from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.streaming import AnswerStream
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -315,3 +316,159 @@ def test_special_token_in_the_answer_streams_what_is_recorded(start_server, rand
     assert first.response_message == {**second.response_message, "tool_calls": first.response_message.get(
         "tool_calls")} if tools and case == "text_then_call" else second.response_message
     assert streamed[0] == (second.response_message["content"] or "")
+
+
+def ask_reasoned(client, wire_format, stream, question, tools=None):
+    """One call: `(reasoning, text, tool calls [(name, arguments dict)])`; streamed, what the deltas add up to."""
+    reasoning = text = ""
+    if wire_format == "chat_completions":
+        body = {"model": "policy", "messages": [{"role": "user", "content": question}]}
+        if tools:
+            body["tools"] = tools
+        if not stream:
+            message = client.chat.completions.create(**body).choices[0].message
+            return (getattr(message, "reasoning_content", None) or "", message.content or "",
+                    [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []])
+        arguments = {}
+        for chunk in client.chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                text += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    name, args = arguments.get(call.index, ("", ""))
+                    arguments[call.index] = (name + (call.function.name or ""), args + (call.function.arguments or ""))
+        return reasoning, text, [(name, json.loads(args)) for name, args in arguments.values()]
+    if wire_format == "responses":
+        body = {"model": "policy", "input": question}
+        if tools:
+            body["tools"] = [{"type": "function", **t["function"]} for t in tools]
+        if not stream:
+            response = client.responses.create(**body)
+            reasoning = "".join(part.text for item in response.output if item.type == "reasoning"
+                                for part in item.content or [])
+            text = response.output_text
+        else:
+            with client.responses.stream(**body) as events:
+                for event in events:
+                    if event.type == "response.output_text.delta":
+                        text += event.delta
+                    elif event.type == "response.reasoning_text.delta":
+                        reasoning += event.delta
+                    elif event.type in ("response.completed", "response.incomplete"):
+                        response = event.response
+        calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
+        return reasoning, text, calls
+    body = {"model": "policy", "max_tokens": 200, "messages": [{"role": "user", "content": question}]}
+    if tools:
+        body["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                          "input_schema": t["function"]["parameters"]} for t in tools]
+    if not stream:
+        message = client.messages.create(**body)
+        reasoning = "".join(b.thinking for b in message.content if b.type == "thinking")
+        text = "".join(b.text for b in message.content if b.type == "text")
+    else:
+        with client.messages.stream(**body) as events:
+            for event in events:
+                if event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    reasoning += event.delta.thinking
+                elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    text += event.delta.text
+            message = events.get_final_message()
+    return reasoning, text, [(block.name, block.input) for block in message.content if block.type == "tool_use"]
+
+
+# A thinking model's answers whose tool call cannot be read (or, without tools, is not offered): the reasoning has
+# streamed by the time the call turns out unreadable, and so may the text before it.
+BROKEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>'
+REASONED_ANSWERS = {
+    "broken_call": "<think>\nAdd them.\n</think>\n\n" + BROKEN,
+    "text_then_broken_call": "<think>\nAdd them.\n</think>\n\nLet me. " + BROKEN,
+    "whitespace_then_reasoning": "\n<think>\nAdd them.\n</think>\n\n" + BROKEN,
+    "whitespace_then_text": "  Let me. " + BROKEN,
+    "nan_call": '<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": NaN}}'
+                "\n</tool_call>",
+    "call": '<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}'
+            "\n</tool_call>",
+    "text": "<think>\nAdd them.\n</think>\n\nIt is 5.",
+}
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer():
+    return build_tiny_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(start_server, thinking_tokenizer):
+    # Answers the case its question names.
+    tokenizer = thinking_tokenizer
+
+    def respond(prompt_ids):
+        prompt = tokenizer.decode(prompt_ids)
+        return next(answer for case, answer in REASONED_ANSWERS.items() if f"case {case}<" in prompt)
+
+    return start_server(FeedingEngine(tokenizer, respond), tokenizer), tokenizer
+
+
+@pytest.mark.parametrize("tools", [None, [CALCULATOR_TOOL]], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("wire_format", FORMATS)
+def test_reasoning_then_unreadable_tool_call_streams_what_is_recorded(thinking_server, wire_format, tools):
+    # The reasoning (and the text before the call) streamed, then the unreadable call made the answer the whole text
+    # as content, reasoning markup included: the streamed reasoning was no part of the answer, its content not what
+    # streamed, and the agent's next call forked.
+    server, tokenizer = thinking_server
+    session = server.open_episode()
+    client = client_for(server, session, wire_format)
+    answers = {}
+    for case, answer in REASONED_ANSWERS.items():
+        if case == "whitespace_then_reasoning" and tools is None and wire_format != "chat_completions":
+            answers[case] = None  # whitespace streams before the reasoning opens (streaming.py's module doc)
+            continue
+        question = f"case {case}"
+        plain = answers[case] = ask_reasoned(client, wire_format, stream=False, question=question, tools=tools)
+        streamed = ask_reasoned(client, wire_format, stream=True, question=question, tools=tools)
+        assert streamed == plain, case
+        reasoning, text, calls = plain
+        split = tools is not None or wire_format != "chat_completions"  # Chat Completions splits only with tools
+        if split and "<think>" in answer:
+            assert reasoning == "Add them." and "think>" not in text, case  # split as a readable answer is
+        if not (tools and case == "call"):
+            assert calls == [] and ("<tool_call>" in text or case == "text"), case
+    turns = server.close_episode(session.episode.id).turns
+    answered = [(case, answer) for case, answer in REASONED_ANSWERS.items() if answers[case] is not None]
+    for k, (case, answer) in enumerate(answered):
+        first, second = turns[2 * k : 2 * k + 2]
+        assert first.completion_ids == second.completion_ids == tokenizer.encode(answer, add_special_tokens=False) + [
+            tokenizer.eos_token_id]
+        for turn in (first, second):  # the recorded answer, as the agent got it (and sends it back)
+            message = turn.response_message
+            assert (message.get("reasoning_content") or "", message["content"] or "") == answers[case][:2], case
+        unreadable = tools is not None and case not in ("call", "text")
+        assert first.malformed_tool_call == second.malformed_tool_call == unreadable, case
+
+
+@pytest.mark.parametrize("tools", [None, [CALCULATOR_TOOL]], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("case", REASONED_ANSWERS)
+def test_answer_stream_adds_up_to_the_parsed_reasoning_and_content(thinking_tokenizer, case, tools):
+    """`AnswerStream` alone, fed token by token as the engine does and built as the service builds it (tools parsed,
+    or only the reasoning split, as Responses and Messages do without tools): the deltas of each kind add up to the
+    parsed message's, and the stream never `diverged`."""
+    tokenizer = thinking_tokenizer
+    renderer = ChatRenderer(tokenizer)
+    prompt = renderer.render([{"role": "user", "content": "What is 2 + 3?"}], tools)
+    ids = tokenizer.encode(REASONED_ANSWERS[case], add_special_tokens=False) + [tokenizer.eos_token_id]
+    message, _ = renderer.parse(ids, prompt, tools, split_reasoning=True)
+    deltas = []
+    stream = AnswerStream(0, tokenizer, deltas.append, response_template=tokenizer.response_template,
+                          prefix_ids=renderer.prompt_tail(prompt), tools=tools, strip_content=tools is not None)
+    for token in ids:
+        stream.feed([token])
+    stream.finish(message, ids)
+    streamed = {kind: "".join(d.text for d in deltas if d.kind == kind) for kind in ("reasoning", "content")}
+    expected = {"reasoning": message.get("reasoning_content") or "", "content": message["content"] or ""}
+    if case == "whitespace_then_reasoning" and tools is None:  # the documented limit: "\n" left before "<think>"
+        assert stream.diverged and streamed["content"] == "\n" and expected["content"].startswith("<tool_call>")
+        return
+    assert streamed == expected and not stream.diverged
+    if "<think>" in REASONED_ANSWERS[case]:
+        assert expected["reasoning"] == "Add them."

@@ -20,6 +20,7 @@ also declined when its first user message is not a plain query to the template (
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -104,6 +105,13 @@ class ChatRenderer:
         # Compiled once: `parse_response` compiles a template given as a dict on every call (~150 us).
         template = getattr(tokenizer, "response_template", None)
         self._response_template = load_response_template(template) if template is not None else None
+        # The same without its tool-call field, so that tool-call markup is content: what a reply is parsed with when
+        # its tool calls are not read (`unreadable_message`). Only where text outside every region is content, so
+        # that none is lost (gpt-oss's template has no such region: such a reply is the decoded text).
+        self._text_template = None
+        if self._response_template is not None and self._response_template.implicit == "content":
+            fields = {k: v for k, v in self._response_template.fields.items() if k != "tool_calls"}
+            self._text_template = dataclasses.replace(self._response_template, fields=fields)
         self._tool_prefix_cache: dict[tuple, list[int]] = {}
         self._plain_queries: dict[str, bool] = {}  # first user message's content -> `_is_plain_query`
         # Work counters (read by tests and benchmarks): messages rendered, and characters tokenized, so far.
@@ -463,9 +471,9 @@ class ChatRenderer:
     ) -> tuple[dict[str, Any], bool]:
         """Parse sampled ids into an OpenAI assistant message. Returns `(message, malformed_tool_call)`.
 
-        A completion that cannot be parsed (e.g. a broken tool call) is returned as plain text, never an error.
-        With `split_reasoning`, a thinking model's reasoning becomes `reasoning_content` even when no tools are parsed
-        (the Responses and Anthropic formats return it as an item / block of its own).
+        A completion whose tool calls cannot be read (e.g. broken JSON) is returned as text (`unreadable_message`),
+        never an error. With `split_reasoning`, a thinking model's reasoning becomes `reasoning_content` even when no
+        tools are parsed (the Responses and Anthropic formats return it as an item / block of its own).
         """
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         if not (parse_tools and tools and self.can_parse_tools):
@@ -487,7 +495,7 @@ class ChatRenderer:
                 if not isinstance(function["arguments"], dict):
                     raise ValueError("tool call arguments are not an object")
         except Exception:  # noqa: BLE001 - any parser failure means "malformed", the text goes back as content
-            return {"role": "assistant", "content": text}, True
+            return self.unreadable_message(completion_ids, prompt_ids), True
         content = parsed.get("content") or ""
         if isinstance(content, str) and self.tokenizer.eos_token:
             content = content.removesuffix(self.tokenizer.eos_token)
@@ -513,21 +521,44 @@ class ChatRenderer:
                 return prompt_ids[i + 1 :]
         return prompt_ids
 
+    def unreadable_message(self, completion_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]:
+        """The assistant message of a reply whose tool calls cannot be read (broken JSON, numbers JSON has not): its
+        reasoning split out as in a readable reply, the rest, tool-call markup included, as content (stripped, as
+        parsed content is).
+
+        A streamed answer has sent its reasoning, and the text before the call, by the time the call turns out
+        unreadable; this message starts with what it sent (issue #29: the whole text as content, reasoning markup
+        included, made what streamed differ from what was recorded, and the agent's next call forked).
+        """
+        return self._parse_text(completion_ids, prompt_ids, reasoned_only=False)
+
     def _parse_reasoning(self, completion_ids: list[int], prompt_ids: list[int], text: str) -> dict[str, Any]:
-        # Reasoning only: whatever else the parser finds (a tool call the request did not offer) stays in the text.
-        try:
-            parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids), tools=None,
-                                                   schema=self._response_template)
-        except Exception:  # noqa: BLE001 - unparseable: the text as it is
+        # Reasoning only: a tool call (the request offered none) is text. Without reasoning, the text as decoded.
+        return self._parse_text(completion_ids, prompt_ids, reasoned_only=True, text=text)
+
+    def _parse_text(self, completion_ids: list[int], prompt_ids: list[int], reasoned_only: bool,
+                    text: str | None = None) -> dict[str, Any]:
+        """The reply parsed with the template's text fields (`_text_template`): `{content, reasoning_content}`.
+        The decoded text as content when that fails, or, with `reasoned_only`, when the model did not reason."""
+        parsed = None
+        if self._text_template is not None:
+            try:
+                parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids),
+                                                       tools=None, schema=self._text_template)
+            except Exception:  # noqa: BLE001 - unparseable: the text as it is
+                pass
+        content = (parsed.get("content") or "") if isinstance(parsed, dict) else None
+        reasoning = (parsed.get("reasoning_content") or "") if isinstance(parsed, dict) else None
+        if not isinstance(content, str) or not isinstance(reasoning, str) or (reasoned_only and not reasoning):
+            if text is None:
+                text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
             return {"role": "assistant", "content": text}
-        if not isinstance(parsed, dict) or parsed.get("tool_calls") or not parsed.get("reasoning_content"):
-            return {"role": "assistant", "content": text}
-        content = parsed.get("content") or ""
-        if isinstance(content, str) and self.tokenizer.eos_token:
+        if self.tokenizer.eos_token:
             content = content.removesuffix(self.tokenizer.eos_token)
-        if not isinstance(content, str) or not isinstance(parsed["reasoning_content"], str):
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": content, "reasoning_content": parsed["reasoning_content"]}
+        message = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        return message
 
 
 def _alternatives(tokens) -> re.Pattern:

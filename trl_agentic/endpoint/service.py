@@ -149,6 +149,7 @@ class Conversation:
     split_reasoning: bool = False
     messages_param: str = "messages"
     size: int = 0
+    template_messages: list[dict[str, Any]] | None = None  # `messages` normalized already (`template_message`)
 
 
 @dataclass
@@ -245,13 +246,17 @@ class CompletionService:
             raise APIError(400, f"Request body is not valid JSON: {error}", code="invalid_json") from None
 
     @staticmethod
-    def validate(model: type[BaseModel], body: Any):
-        """`model.model_validate(body)`, the first problem as a 400 naming the field."""
+    def validate(model: type[BaseModel], body: Any, skipped: tuple[str, int] | None = None):
+        """`model.model_validate(body)`, the first problem as a 400 naming the field. `skipped = (field, k)`: the
+        body's list `field` lacks its first `k` items (validated before), its errors name their index in the whole."""
         try:
             return model.model_validate(body)
         except ValidationError as error:
             first = error.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ()))
+            loc = first.get("loc", ())
+            if skipped and len(loc) > 1 and loc[0] == skipped[0] and isinstance(loc[1], int):
+                loc = (loc[0], loc[1] + skipped[1], *loc[2:])
+            param = ".".join(str(p) for p in loc)
             raise APIError(400, f"Invalid request: {param or 'body'}: {first.get('msg')}", param=param or None,
                            code="invalid_request") from None
 
@@ -331,7 +336,9 @@ class CompletionService:
     def _plan(self, session: EpisodeSession, conversation: Conversation, budget: int | None) -> PreparedCall:
         engine, renderer, settings = self.engine, self.renderer, self.settings
         n = conversation.n
-        messages = [template_message(m) for m in conversation.messages]
+        messages = conversation.template_messages
+        if messages is None:
+            messages = [template_message(m) for m in conversation.messages]
         tools = conversation.tools
         try:
             plan = session.plan_prompt(renderer, messages, tools)
@@ -439,8 +446,7 @@ class CompletionService:
             if message.get("tool_calls") and not _strict_json_arguments(message["tool_calls"]):
                 # Python's parser takes NaN, 1e999 and lone surrogates; JSON has none of them, and the Messages
                 # answer could not be written (a 500 after the turn was recorded). A broken tool call, as any other.
-                message, malformed = {"role": "assistant", "content": self.tokenizer.decode(
-                    forced + out.token_ids, skip_special_tokens=True)}, True
+                message, malformed = renderer.unreadable_message(forced + out.token_ids, plan.prompt_ids), True
             if stopped_text is not None:
                 message = {"role": "assistant", "content": stopped_text}
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason

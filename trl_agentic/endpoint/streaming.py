@@ -12,12 +12,15 @@ answer's content and reasoning, as the wire formats stream them, under three rul
   waits (the parsed value is stripped), and so does text that may begin a stop string or the end-of-sequence text.
 - The stream ends on the parsed message, the same one a non-streamed call returns (`finish`): what the parser had not
   let through yet is sent then, so the deltas add up to the non-streamed answer. Text that may come out otherwise in
-  the parsed message waits for it: all of an answer the parser cannot read (a broken tool call), and what follows a
-  special token the parser keeps and a plain decode drops.
+  the parsed message waits for it: the rest of an answer the parser cannot read (a broken tool call: its message
+  keeps the reasoning and the text before the call as they streamed, `ChatRenderer.unreadable_message`), and what
+  follows a special token the parser keeps and a plain decode drops.
 
-One case cannot add up: text the model writes after a tool call replaces, in the parsed message, the text it wrote
-before it (transformers' parser keeps the last content region), and a stream cannot take back what it sent. Such an
-answer is counted in `AnswerStream.diverged`; the recorded turn is unaffected.
+One case cannot add up: text the model writes after a tool call (or after its reasoning) replaces, in the parsed
+message, the text it wrote before it (transformers' parser keeps the last region of a field), and a stream cannot take
+back what it sent. Without tools, Responses and Messages stream the text as decoded until the model reasons, so even
+whitespace before a `<think>` has left by then. Such an answer is counted in `AnswerStream.diverged`; the recorded
+turn is unaffected.
 """
 
 from __future__ import annotations
