@@ -447,3 +447,20 @@ def test_eval_split_rate_counts_groups_of_the_evals_samples_per_task(tmp_path):
     assert metrics["eval_sampling/split_rate"] == 0.5
     assert metrics["eval_sampling/split_rate"] == pytest.approx(1 - metrics["eval_frac_reward_zero_std"])
     assert metrics["eval_sampling/groups/1"] == metrics["eval_sampling/groups/2"] == 1.0
+
+
+def test_a_group_left_unscored_releases_how_its_task_was_drawn():
+    """Each drawn group is observed once, scored or not: a group whose episodes are all unscorable (agent errors)
+    must not leave its draw kind (revisit or new) pending, or the task's next groups are filed under the kinds of
+    earlier draws and the pending list grows with every such group (and with it the checkpoint's sampler state)."""
+    data = leveled({1: 1})
+    sampler = AdaptiveTaskSampler(data, num_generations=2, tasks_per_batch=1, revisit=1.0, seed=0)
+    assert sampler.draw_task() == 0  # a new task (nothing to revisit yet)
+    sampler.observe([data[0]] * 2, [None, None])
+    assert sampler._drawn_as == {}
+    sampler.draw_task()  # new again (the pool is empty); it splits and joins the revisit pool
+    sampler.observe([data[0]] * 2, [1.0, 0.0])
+    assert sampler._kind_splits[1][False].episodes > 0
+    sampler.draw_task()  # a revisit now: its split is a revisit's
+    sampler.observe([data[0]] * 2, [1.0, 0.0])
+    assert sampler._kind_splits[1][True].episodes > 0 and sampler._drawn_as == {}

@@ -313,21 +313,25 @@ class AdaptiveTaskSampler(Sampler[int]):
 
     def _observe_group(self, rows: Sequence[dict[str, Any]], rewards: Sequence[float | None]) -> None:
         by_task: dict[str, tuple[Any, list[float]]] = {}  # one task, unless the caller's layout mixes them
+        drawn_as: dict[str, bool | None] = {}  # how each task of the group was drawn, scored or not
         for row, reward in zip(rows, rewards, strict=True):
-            if reward is None or (isinstance(reward, float) and math.isnan(reward)):
-                continue
             level = row.get(self.difficulty_column) if self.difficulty_column else 0
             if level not in self._bucket_estimates:
                 continue  # a row from another dataset
-            by_task.setdefault(self._key(row), (level, []))[1].append(float(reward >= self.success_threshold))
+            key = self._key(row)
+            if key not in drawn_as:  # the group's draw is settled even when none of it is scored (agent errors)
+                pending = self._drawn_as.get(key)
+                drawn_as[key] = pending.pop(0) if pending else None
+                if pending is not None and not pending:
+                    del self._drawn_as[key]
+            if reward is None or (isinstance(reward, float) and math.isnan(reward)):
+                continue
+            by_task.setdefault(key, (level, []))[1].append(float(reward >= self.success_threshold))
         for key, (level, outcomes) in by_task.items():
             # Decay per group: a bucket's estimate follows its last `memory` groups.
             self._bucket_estimates[level].update(outcomes, self.decay)
             self._task_estimates.setdefault(key, _Estimate()).update(outcomes, 1.0)
-            pending = self._drawn_as.get(key)
-            revisited = pending.pop(0) if pending else None
-            if pending is not None and not pending:
-                del self._drawn_as[key]
+            revisited = drawn_as[key]
             if len(outcomes) > 1:  # a group of one scored episode cannot split: it says nothing of split rates
                 split = [float(len(set(outcomes)) > 1)]
                 self._bucket_splits[level].update(split, self.decay)
