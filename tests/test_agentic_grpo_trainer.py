@@ -589,3 +589,37 @@ def test_a_resumed_run_is_the_run_that_was_never_interrupted(tmp_path, tokenizer
     assert [e["step"] for e in whole.state.log_history] == [1, 4, 5]
     for (name, p), q in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_a_checkpoint_without_the_trainers_state_resumes_with_a_warning(tmp_path, tokenizer, caplog):
+    """A checkpoint saved before trl-agentic kept its state in checkpoints (no trl_agentic_state_*.json) still resumes:
+    TRL's state and the weights are restored, the trainer's own state starts afresh, and a warning says so."""
+    stopped = resumable_trainer(tmp_path, tokenizer, callbacks=[StopAfter(3).callback])
+    train_and_read_log(stopped, tmp_path)
+    checkpoint = tmp_path / "checkpoint-3"
+    for path in checkpoint.glob("trl_agentic_*"):
+        path.unlink()
+    resumed = resumable_trainer(tmp_path, tokenizer)
+    with caplog.at_level("WARNING", logger="trl_agentic"):
+        try:
+            resumed.train(resume_from_checkpoint=str(checkpoint))
+        finally:
+            resumed.close()
+    assert resumed.state.global_step == 5
+    assert any("trl_agentic_state_0.json" in r.getMessage() and "afresh" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_of_another_process_count_is_refused_with_how_to_resume(tmp_path, tokenizer):
+    """The trainer's state is per process, and every process must restore the same sampler and micro-step (or they
+    draw different tasks, or one generates while another trains on its buffer and the collectives hang): a checkpoint
+    saved by another number of processes is refused on every process, saying what to do."""
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    for rank in range(2):  # saved by two processes; this run has one
+        (checkpoint / f"trl_agentic_state_{rank}.json").write_text("{}")
+    trainer = resumable_trainer(tmp_path, tokenizer)
+    try:
+        with pytest.raises(ValueError, match="2 processes.*1 process.*--num_processes 2"):
+            trainer._load_optimizer_and_scheduler(str(checkpoint))
+    finally:
+        trainer.close()

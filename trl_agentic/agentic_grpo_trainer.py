@@ -639,6 +639,18 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if checkpoint is None:
             return
         path = Path(checkpoint) / f"trl_agentic_state_{self.accelerator.process_index}.json"
+        saved_by = len(list(Path(checkpoint).glob("trl_agentic_state_*.json")))
+        if saved_by and saved_by != self.accelerator.num_processes:
+            # Per process: restoring some processes' state and not others' made them draw different tasks, or one
+            # generate while another trained on its buffer (the collectives then hang).
+            processes = f"{self.accelerator.num_processes} process" + "es" * (self.accelerator.num_processes > 1)
+            raise ValueError(
+                f"{checkpoint} was saved by {saved_by} process{'es' * (saved_by > 1)} (trl_agentic_state_*.json) and this run has "
+                f"{processes}: the trainer's state (adaptive sampler, buffered generation, episode log) is per process. "
+                f"Resume with the same number of processes (`accelerate launch --num_processes {saved_by}`), or delete "
+                f"the checkpoint's trl_agentic_state_*.json and trl_agentic_buffer_*.pt files to resume with that state "
+                f"started afresh."
+            )
         if not path.is_file():
             logger.warning(f"{checkpoint} has no {path.name} (saved before trl-agentic kept its state in checkpoints): "
                            "the adaptive sampler, the tasks seen, the alarms and the episode log start afresh.")
