@@ -623,3 +623,25 @@ def test_a_checkpoint_of_another_process_count_is_refused_with_how_to_resume(tmp
             trainer._load_optimizer_and_scheduler(str(checkpoint))
     finally:
         trainer.close()
+
+
+def test_resuming_into_a_dir_with_another_runs_episode_log_leaves_that_log_whole(tmp_path, tokenizer, caplog):
+    """The log is cut back on resume only when it is the log the checkpoint counted (its start unchanged): resumed
+    from another run's checkpoint into a folder holding a longer log of its own, the resumed run cut that log at the
+    checkpoint's byte count, mid-record."""
+    stopped = resumable_trainer(tmp_path / "a", tokenizer, callbacks=[StopAfter(3).callback])
+    train_and_read_log(stopped, tmp_path / "a")
+    other = tmp_path / "b" / "episodes" / "episodes-rank0.jsonl"
+    other.parent.mkdir(parents=True)
+    own = "".join(json.dumps({"step": i, "mode": "train", "note": "x" * 500}) + "\n" for i in range(400))
+    other.write_text(own)
+    assert len(own) > json.loads((tmp_path / "a" / "checkpoint-3" / "trl_agentic_state_0.json").read_text())[
+        "episode_log_bytes"]
+    resumed = resumable_trainer(tmp_path / "b", tokenizer)
+    with caplog.at_level("WARNING", logger="trl_agentic"):
+        try:
+            resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+        finally:
+            resumed.close()
+    assert other.read_text().startswith(own)
+    assert any("not the log" in r.getMessage() for r in caplog.records)

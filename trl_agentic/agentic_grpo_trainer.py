@@ -77,6 +77,18 @@ def rollout_seed(seed: int, process_index: int, rollout: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
+def _log_digest(path: Path, size: int, window: int = 1 << 16) -> str | None:
+    """A fingerprint of the first `size` bytes of an episode log (its first and last 64 KiB of them): a resumed run
+    cuts the log only when it is the one its checkpoint counted."""
+    if not path.exists():
+        return None
+    with path.open("rb") as f:
+        head = f.read(min(size, window))
+        f.seek(max(size - window, 0))
+        tail = f.read(size - max(size - window, 0))
+    return hashlib.sha256(head + b"|" + tail).hexdigest()
+
+
 class AgenticGRPOTrainer(GRPOTrainer):
     """GRPO on episodes of a black-box agent that talks to the policy through an OpenAI-compatible endpoint.
 
@@ -624,10 +636,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "step": self._step,
             "rollouts": self._rollouts,
             "buffered_inputs": buffered,
-            # The log's length at this step: a resumed run cuts what the stopped run logged after it.
-            "episode_log_bytes": self._episode_log_path().stat().st_size
-            if self._episode_log_dir is not None and self._episode_log_path().exists() else 0,
         }
+        # The log's length at this step: a resumed run cuts what the stopped run logged after it, once it has checked
+        # (`_log_digest`) that the log it finds is this one.
+        log = self._episode_log_path() if self._episode_log_dir is not None else None
+        state["episode_log_bytes"] = log.stat().st_size if log is not None and log.exists() else 0
+        state["episode_log_digest"] = _log_digest(log, state["episode_log_bytes"]) if log is not None else None
         if buffered:  # mid-way through a generation's updates (num_iterations > 1): its rows are not regenerated
             torch.save(self._buffered_inputs, folder / f"trl_agentic_buffer_{self.accelerator.process_index}.pt")
         path = folder / f"trl_agentic_state_{self.accelerator.process_index}.json"
@@ -670,9 +684,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._buffered_inputs = torch.load(buffer, map_location=self.accelerator.device, weights_only=True)
         if self._episode_log_dir is not None and self._episode_log_path().exists():
             log = self._episode_log_path()
-            if log.stat().st_size < state["episode_log_bytes"]:
+            size = state["episode_log_bytes"]
+            if log.stat().st_size < size:
                 logger.warning(f"{log} is shorter than when {checkpoint} was saved: it was edited or replaced, and "
                                "the resumed run appends to it as it is.")
+            elif "episode_log_digest" in state and _log_digest(log, size) != state["episode_log_digest"]:
+                # (None: the run that saved the checkpoint logged no episodes.)
+                logger.warning(f"{log} is not the log {checkpoint} counted (another run's, or edited): the resumed "
+                               "run appends to it as it is, without cutting it.")
             else:  # drop what the stopped run logged after the checkpoint: the resumed run logs those steps again
                 os.truncate(log, state["episode_log_bytes"])
 
