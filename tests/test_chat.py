@@ -402,3 +402,13 @@ def test_stop_tokens_include_the_generation_config_eos_ids(renderers, tmp_path):
     GenerationConfig(eos_token_id=[tokenizer.eos_token_id, endoftext]).save_pretrained(tmp_path)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tmp_path))
     assert renderer.end_of_turn_ids == {tokenizer.eos_token_id, endoftext}
+
+
+def test_the_plain_query_cache_holds_fingerprints_not_contents():
+    """The renderer remembers, per distinct first user message, whether it is a plain query (up to 4096 of them): it
+    keeps a fingerprint of each, not the message, which may be a task of a megabyte."""
+    renderer = ChatRenderer(build_tiny_tokenizer("qwen3"))
+    big = "task " * 200_000
+    assert renderer._is_plain_query({"role": "user", "content": big})
+    renderer._is_plain_query({"role": "user", "content": [{"type": "text", "text": big}]})
+    assert len(renderer._plain_queries) == 2 and all(len(key) <= 64 for key in renderer._plain_queries)

@@ -113,7 +113,7 @@ class ChatRenderer:
             fields = {k: v for k, v in self._response_template.fields.items() if k != "tool_calls"}
             self._text_template = dataclasses.replace(self._response_template, fields=fields)
         self._tool_prefix_cache: dict[tuple, list[int]] = {}
-        self._plain_queries: dict[str, bool] = {}  # first user message's content -> `_is_plain_query`
+        self._plain_queries: dict[str, bool] = {}  # first user message's content (sha256) -> `_is_plain_query`
         # Work counters (read by tests and benchmarks): messages rendered, and characters tokenized, so far.
         self.rendered_messages = 0
         self.encoded_chars = 0
@@ -377,13 +377,14 @@ class ChatRenderer:
         once per distinct content: an episode's head is the same on every call.
         """
         content = message.get("content")
-        key = content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str)
-        if key not in self._plain_queries:
+        text = content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str)
+        key = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()  # a task may be a megabyte
+        plain = self._plain_queries.get(key)  # one lookup: a worker thread planning a large call may clear the dict
+        if plain is None:
             if len(self._plain_queries) >= 4096:  # a bound, for servers that see many distinct prompts
                 self._plain_queries.clear()
-            tail = self._tail_after(message)
-            self._plain_queries[key] = tail == self._plain_tail
-        return self._plain_queries[key]
+            plain = self._plain_queries[key] = self._tail_after(message) == self._plain_tail
+        return plain
 
     def _tail_after(self, user: dict) -> str | None:
         # What the template renders for an answer with reasoning after `user` (`None`: it refuses `user` alone).
