@@ -13,25 +13,42 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ..generation.engine import GenerationOutput
-from .protocol import ChatCompletionRequest, error_body
+from .protocol import ChatCompletionRequest, FunctionCall, Message, TextPart, ToolCall, error_body, template_message
 from .service import CHAT_COMPLETIONS, APIError, Completion, CompletionService, Conversation, Delta
 from .sessions import EpisodeSession
 
 
 logger = logging.getLogger(__name__)
 
+# Validate, dump and normalize only the messages a request adds to the validated prefix of the episode's last request
+# (`ValidatedPrefix`); off, every call does all of its messages (the tests compare both).
+REUSE_VALIDATED_PREFIX = True
+
+
+@dataclass
+class ValidatedPrefix:
+    """The leading messages of an episode's last request that `_plain` lets reuse: as parsed (`raw`), validated and
+    dumped (`dumped`, recorded as the turn's `request_messages`) and normalized for the template (`normalized`)."""
+
+    raw: list[Any]
+    dumped: list[dict]
+    normalized: list[dict]
+
 
 async def serve_chat_completions(service: CompletionService, session: EpisodeSession, raw: bytes, request: Request):
     """Answer one Chat Completions request body `raw` in `session` (a dict, or a streaming response)."""
-    req = service.validate(ChatCompletionRequest, service.parse_json(raw))
+    req, messages, normalized = _validate(service, session, service.parse_json(raw))
     service.check_model(req.model)
     conversation = Conversation(
-        messages=req.model_dump(exclude_none=True, include={"messages"})["messages"],  # one call: half the time
+        messages=messages,
+        template_messages=normalized,
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         tool_choice=req.tool_choice if isinstance(req.tool_choice, str) else None,
         forced_tool_name=req.forced_tool_name,
@@ -58,6 +75,96 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
     chunks = _stream_chunks(service, call, service.stream(call, request), response_id, created, req.model,
                             req.logprobs, include_usage)
     return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+
+def _validate(service: CompletionService, session: EpisodeSession, body: Any
+              ) -> tuple[ChatCompletionRequest, list[dict], list[dict] | None]:
+    """The validated request, its messages dumped (the recorded `request_messages`) and normalized (`None`: left to
+    the service). An agent re-sends the whole conversation each call; validating, dumping and normalizing 127
+    messages cost a 64-turn call ~400 us (issue 29), so the messages equal to the episode's `ValidatedPrefix` are
+    taken from it and only the rest is validated. Exact: `_plain` messages that are `==` validate to the same
+    message, and an error in the rest names the index it has in the whole list."""
+    if not REUSE_VALIDATED_PREFIX:
+        req = service.validate(ChatCompletionRequest, body)
+        return req, req.model_dump(exclude_none=True, include={"messages"})["messages"], None
+    prefix: ValidatedPrefix | None = session.chat_prefix
+    messages = body.get("messages") if type(body) is dict else None
+    reused = _common_prefix(prefix.raw, messages) if prefix is not None and type(messages) is list else 0
+    if reused:
+        # From the last reused message on: the list stays non-empty (`min_length`), that message is known valid.
+        req = service.validate(ChatCompletionRequest, {**body, "messages": messages[reused - 1 :]},
+                               skipped=("messages", reused - 1))
+        added = req.model_dump(exclude_none=True, include={"messages"})["messages"][1:]
+        dumped = prefix.dumped[:reused] + added
+        normalized = prefix.normalized[:reused] + [template_message(m) for m in added]
+    else:
+        req = service.validate(ChatCompletionRequest, body)
+        dumped = req.model_dump(exclude_none=True, include={"messages"})["messages"]  # one call: half the time
+        normalized = [template_message(m) for m in dumped]
+    plain = reused
+    while plain < len(messages) and _plain(messages[plain]):
+        plain += 1
+    session.chat_prefix = ValidatedPrefix(messages[:plain], dumped[:plain], normalized[:plain]) if plain else None
+    return req, dumped, normalized
+
+
+def _common_prefix(old: list, new: list) -> int:
+    """How many leading items `old` and `new` share (`==`), by halving: a few list comparisons at C speed."""
+    high = min(len(old), len(new))
+    if new[:high] == old[:high]:
+        return high
+    low = 0  # old[:low] == new[:low]; not so at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if new[:middle] == old[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+_MESSAGE_FIELDS = frozenset(Message.model_fields)
+_CALL_FIELDS, _FUNCTION_FIELDS = frozenset(ToolCall.model_fields), frozenset(FunctionCall.model_fields)
+_PART_FIELDS = frozenset(TextPart.model_fields)
+
+
+def _plain(message: Any) -> bool:
+    """Whether any parsed message `==` this one (a valid one) validates and dumps to the same message: every value a
+    string or null (`==` tells `1`, `1.0` and `true` apart from neither), content parts and tool calls lists of dicts
+    of those with no field of their own, and at most one extra field that is not null, a string or a list of strings
+    (pydantic keeps extra fields in the order they came; declared ones in its own)."""
+    if type(message) is not dict:
+        return False
+    extras = 0
+    for key, value in message.items():
+        if value is None:
+            continue
+        if key not in _MESSAGE_FIELDS:
+            extras += 1
+            if extras > 1 or not (type(value) is str or (type(value) is list and _strings(value))):
+                return False
+        elif type(value) is str:
+            continue
+        elif key == "content" and type(value) is list:
+            if not all(type(part) is dict and part.keys() <= _PART_FIELDS and _strings(part.values())
+                       for part in value):
+                return False
+        elif key == "tool_calls" and type(value) is list:
+            for call in value:
+                if type(call) is not dict or not call.keys() <= _CALL_FIELDS:
+                    return False
+                function = call.get("function")
+                if (type(function) is not dict or not function.keys() <= _FUNCTION_FIELDS
+                        or not _strings(function.values())
+                        or not all(v is None or type(v) is str for k, v in call.items() if k != "function")):
+                    return False
+        else:
+            return False
+    return True
+
+
+def _strings(values) -> bool:
+    return all(type(value) is str for value in values)
 
 
 def _usage(completion: Completion) -> dict:

@@ -147,6 +147,9 @@ class EpisodeSession:
     # Responses API (`previous_response_id`): response id -> (the id it continued, the messages it added: its input
     # items and its answer, as chat messages). Lives and dies with the episode.
     responses: dict[str, tuple[str | None, list[dict]]] = field(default_factory=dict)
+    # Chat Completions: the validated prefix of the last request's messages (`chat_completions.ValidatedPrefix`), so
+    # that a call re-sending them validates and normalizes only its new messages (issue 29). A hint: checked exactly.
+    chat_prefix: Any = None
     _histories: list[_TurnHistory] = field(default_factory=list)
     # Delivered turns by key (issue #12: finding the parent by comparing the request with every turn's history made
     # an episode O(T²)): turns by the key of their answer (latest last), and the latest turn whose history (request +
