@@ -88,6 +88,9 @@ def test_multi_turn_tool_agent_trains_on_exactly_the_sampled_tokens(tmp_path, to
     finally:
         trainer.close()
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters()), "parameters did not change"
+    # The engine generates with an inference copy, synced by the trainer before each rollout (issue 29, M1): it never
+    # reads every weight per call to look for edits.
+    assert trainer.engine.inference_copy and not trainer.engine.watch_weights
 
     records = read_episode_log(tmp_path)
     assert len(records) == 4  # 2 steps x (1 task x 2 episodes)

@@ -211,6 +211,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             batch_wait_ms=args.generation_batch_wait_ms,
             max_context_length=context,
             inference_copy=True,  # the module trains while abandoned calls may still decode (issue 29, M1)
+            watch_weights=False,  # synced in each `_rollout_episodes`: no read of every weight per idle call
             seed=args.seed,
         )
 

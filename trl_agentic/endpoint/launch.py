@@ -52,6 +52,7 @@ def build_engine(
     max_context_length: int | None = None,
     inference_copy: bool = False,
     seed: int | None = None,
+    watch_weights: bool = True,
 ) -> TransformersEngine:
     """The embedded engine over a transformers causal LM (its current weights; assign `engine.model` to swap it).
 
@@ -65,6 +66,8 @@ def build_engine(
         inference_copy: generate with a copy of the weights taken at each sync (a model that trains meanwhile: the
             trainer's engine) rather than a view of the model's own (see [`TransformersEngine`]).
         seed: seed of the seeds drawn for requests that bring none (default: the system's entropy).
+        watch_weights: compare a checksum of the weights when a request reaches an idle engine, to see edits through
+            `.data` (off where the owner calls `engine.sync_weights()` after changing them, as the trainer does).
 
     Example:
 
@@ -81,6 +84,7 @@ def build_engine(
         max_context_length=max_context_length,
         inference_copy=inference_copy,
         seed=seed,
+        watch_weights=watch_weights,
     )
 
 
