@@ -100,3 +100,22 @@ def test_loss_normalisations_our_row_weighting_assumes():
     assert 'self.loss_type in ["grpo", "sapo"]' in compute and 'self.loss_type in ["cispo", "dapo", "vespo"]' in compute
     assert set(TOKEN_LEVEL_LOSSES + ROW_SUM_LOSSES + ROW_MEAN_LOSSES) == {
         "dapo", "bnpo", "cispo", "vespo", "dr_grpo", "luspo", "grpo", "sapo"}
+
+
+def test_transformers_internals_the_endpoint_relies_on():
+    """The endpoint's fast paths lean on transformers internals (trl_agentic/endpoint/encoding.py, chat.py): fail here,
+    by name, when they move, rather than through a silent fallback or a wrong token somewhere else."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    from transformers.utils.chat_parsing.response_templates import load_response_template  # noqa: F401 (chat.py)
+
+    from trl_agentic.endpoint.encoding import _plain_backend
+    from trl_agentic.tiny_models import build_tiny_tokenizer
+
+    # parse_response(ids, schema=<compiled template>, prefix=..., tools=...): ChatRenderer.parse compiles it once.
+    assert params(PreTrainedTokenizerBase.parse_response) == ["self", "response", "schema", "prefix", "tools"]
+    # TextEncoder tokenizes through the tokenizers backend of a plain fast tokenizer, as its `__call__` would.
+    assert "_encode_plus" in vars(TokenizersBackend)
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    assert isinstance(tokenizer, TokenizersBackend) and isinstance(_plain_backend(tokenizer), Tokenizer)
