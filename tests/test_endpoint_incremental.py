@@ -159,12 +159,12 @@ def respond_by_prompt(tokenizer):
 
 def random_episode_bodies(rng, answer_of):
     """Calls of an agent that also rewrites its history: `answer_of(body) -> (status, answer message)`. Each step
-    continues, retries, edits the last or an old message (content, a declared field, an extra field: string, number,
+    continues, retries, makes a side call, edits the last or an old message (content, a declared field, an extra field: string, number,
     bool, nested, two at once), reorders an old message's keys, goes back, or sends an invalid old message (a 400,
     then undone). Returns nothing: `answer_of` sees (and records) every call."""
     messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 1 + 1?"}]
     ops = ["continue"] * 5 + ["retry", "edit_last", "rewrite", "declared", "extra", "reorder", "back", "invalid",
-                              "parts"] + rng.choice([["retype"] * 3, ["swap"] * 3])
+                              "parts", "side"] + rng.choice([["retype"] * 3, ["swap"] * 3])
     for step in range(16):
         op = rng.choice(ops)
         body = json.loads(json.dumps(messages))
@@ -187,6 +187,8 @@ def random_episode_bodies(rng, answer_of):
                 body[k] = dict(reversed(list(body[k].items())))
             else:
                 body[old] = {**body[old], "x": "a", "y": "b"}
+        elif op == "side":  # a call outside the conversation (a title), then the conversation goes on
+            answer_of([{"role": "user", "content": f"Title this chat ({step})."}])
         elif op == "reorder":
             body[old] = dict(reversed(list(body[old].items())))
         elif op == "back" and len(body) > 4:
@@ -287,6 +289,8 @@ def test_an_invalid_message_in_the_resent_prefix_is_the_400_it_was_without_the_r
                 turns = session.episode.turns
                 if reuse:  # the later turns record the very dicts the earlier ones did, not copies
                     assert turns[3].request_messages[2] is turns[1].request_messages[2]
+                    assert post([{"role": "user", "content": "Title this chat."}]).status_code == 200
+                    assert len(session.chat_prefix.raw) == len(messages) - 2  # a side call keeps the conversation's
                 broken = [json.loads(json.dumps(messages)) for _ in range(4)]
                 broken[0][3]["content"] = 5  # an old tool result
                 broken[1][2]["tool_calls"][0]["function"]["arguments"] = 7  # an old answer's arguments

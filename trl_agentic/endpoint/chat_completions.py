@@ -104,7 +104,8 @@ def _validate(service: CompletionService, session: EpisodeSession, body: Any
     plain = reused
     while plain < len(messages) and _plain(messages[plain]):
         plain += 1
-    session.chat_prefix = ValidatedPrefix(messages[:plain], dumped[:plain], normalized[:plain]) if plain else None
+    if reused or prefix is None or plain >= len(prefix.raw):  # a side call (a title, a summary) leaves it be
+        session.chat_prefix = ValidatedPrefix(messages[:plain], dumped[:plain], normalized[:plain]) if plain else None
     return req, dumped, normalized
 
 
