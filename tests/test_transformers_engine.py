@@ -128,6 +128,14 @@ def fresh_scores(model, prompt, completion):
     return score(copy.deepcopy(model).eval(), prompt, completion, 1.0)
 
 
+def tiny_engine(train=False, **engine_kwargs):
+    """A fresh tiny model (in train or eval mode), an engine over it, and a chat prompt."""
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).train(train)
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, **engine_kwargs)
+    return tokenizer, model, engine, chat_prompt(tokenizer)
+
+
 def optimizer_step(model, prompt):
     """One training step of the trainer's module: a forward and backward in train mode, then AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -183,10 +191,7 @@ def test_an_abandoned_call_never_flips_the_mode_a_training_forward_sees():
 def test_after_an_optimizer_step_the_engine_samples_from_the_new_weights(inference_copy):
     """The inference copy is synced after optimizer steps (the trainer calls `sync_weights`; alone, the engine sees
     the step before its next admission); a fresh forward of the updated model gives the same logprobs."""
-    tokenizer = build_tiny_tokenizer("qwen2_5")
-    model = build_tiny_model(tokenizer).train()
-    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=inference_copy)
-    prompt = chat_prompt(tokenizer)
+    tokenizer, model, engine, prompt = tiny_engine(train=True, inference_copy=inference_copy)
     sampling = SamplingParams(max_tokens=8, seed=5)
     before = engine.generate_batch([prompt], [sampling])[0]
     assert before.logprobs == pytest.approx(fresh_scores(model, prompt, before.token_ids), abs=1e-5)
@@ -207,11 +212,8 @@ def test_an_engine_told_its_syncs_never_reads_every_weight_per_call(monkeypatch,
     reads = []
     checksum = module._weights_checksum
     monkeypatch.setattr(module, "_weights_checksum", lambda model: reads.append(1) or checksum(model))
-    tokenizer = build_tiny_tokenizer("qwen2_5")
-    model = build_tiny_model(tokenizer).eval()
-    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=True,
-                                watch_weights=watch_weights)
-    prompt, sampling = chat_prompt(tokenizer), SamplingParams(max_tokens=4, seed=3)
+    tokenizer, model, engine, prompt = tiny_engine(inference_copy=True, watch_weights=watch_weights)
+    sampling = SamplingParams(max_tokens=4, seed=3)
     first = [engine.generate_batch([prompt], [sampling])[0] for _ in range(3)]  # each reaches an idle engine
     assert (len(reads) > 0) == watch_weights
     model.model.layers[0].self_attn.k_proj.weight.data[3, 5] += 0.5
@@ -249,10 +251,7 @@ def test_weights_edited_through_data_are_used_by_the_next_request(inference_copy
     """L3: an edit through `.data` bumps no version counter and steps no optimizer (an EMA callback, an evaluator
     loading weights). The second of two identical requests samples from the new weights: not from the first one's
     cached prefix, nor from a stale inference copy."""
-    tokenizer = build_tiny_tokenizer("qwen2_5")
-    model = build_tiny_model(tokenizer).eval()
-    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=inference_copy)
-    prompt = chat_prompt(tokenizer)
+    tokenizer, model, engine, prompt = tiny_engine(inference_copy=inference_copy)
     sampling = SamplingParams(max_tokens=8, seed=5)
     first = engine.generate_batch([prompt], [sampling])[0]
     average = build_tiny_model(tokenizer, seed=1)
