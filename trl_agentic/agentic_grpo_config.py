@@ -146,6 +146,21 @@ class AgenticGRPOConfig(GRPOConfig):
             this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise),
             and, with a difficulty column, `malformed_tool_calls` only on a rise beyond this many standard errors of
             what the last steps' groups could give by chance.
+
+        > Parameters that control asynchronous rollouts
+
+        async_rollouts (`bool`, *optional*, defaults to `False`):
+            Generate the episodes of the next steps while the trainer optimises the current one (a producer running
+            ahead, paced by `max_staleness`). Episodes in flight when the weights change go on with the new weights;
+            every sampled token records the policy version that sampled it, and TRL's importance-sampling correction
+            (`vllm_importance_sampling_correction`, `vllm_importance_sampling_mode`, the clip bounds) reweights
+            tokens from the behaviour policy to the policy at the step that trains them. Worth it when episodes wait
+            on tools (shells, tests, web calls): the model samples while the trainer trains. Not with vLLM colocate
+            (generation and training share the GPU in turns).
+        max_staleness (`int`, *optional*, defaults to `1`):
+            Most optimizer steps between the weights that sampled a trained token and the step that trains it. The
+            producer starts a group only when it will be consumed within this bound (it is paced, never discards);
+            `0` keeps the producer from running ahead (a synchronous schedule through the asynchronous path).
     """
 
     max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})
@@ -222,6 +237,13 @@ class AgenticGRPOConfig(GRPOConfig):
         default=None, metadata={"help": "Seconds without a call before an episode is closed; None = never."}
     )
 
+    async_rollouts: bool = field(
+        default=False, metadata={"help": "Generate the next steps' episodes while the trainer optimises this one."}
+    )
+    max_staleness: int = field(
+        default=1, metadata={"help": "Most optimizer steps between a token's sampling policy and its training step."}
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.max_concurrent_episodes < 1:
@@ -252,6 +274,14 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.episode_idle_timeout is not None and self.episode_idle_timeout <= 0:
             raise ValueError(
                 f"episode_idle_timeout must be > 0 seconds or None (never), got {self.episode_idle_timeout}."
+            )
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 optimizer steps, got {self.max_staleness}.")
+        if self.async_rollouts and self.use_vllm and self.vllm_mode == "colocate":
+            raise ValueError(
+                "async_rollouts=True needs generation beside training, and vLLM colocate shares the GPU with the "
+                "trainer in turns. Serve the policy with `trl vllm-serve` and set vllm_mode='server', or generate with "
+                "the embedded engine (use_vllm=False), or set async_rollouts=False."
             )
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")

@@ -42,6 +42,7 @@ from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
+from .rollout.producer import RolloutProducer
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
 from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
@@ -121,6 +122,19 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "trl-agentic"]
     _name = "AgenticGRPO"
+    _behaviour_correction = False  # set under async_rollouts with the embedded engine (see `use_vllm`)
+
+    @property
+    def use_vllm(self) -> bool:
+        """TRL's flag, read where it computes the old logprobs and the importance-sampling correction between the
+        sampling policy and the trainer's (`_generate_and_score_completions`, `_compute_loss`): also `True` under
+        asynchronous rollouts with the embedded engine, whose tokens come from earlier policy versions (issue 30).
+        Everything else TRL does with vLLM is not reached: `rollout_func` generates."""
+        return self._use_vllm or self._behaviour_correction
+
+    @use_vllm.setter
+    def use_vllm(self, value: bool) -> None:
+        self._use_vllm = value
 
     def __init__(
         self,
@@ -190,6 +204,19 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._rollouts = 0  # rollouts run so far (train and eval): each samples from a seed of its own
         self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log_dir = Path(args.output_dir) / "episodes" if args.log_episodes else None
+        # Asynchronous rollouts (issue 30): a producer runs the next batches' episodes while this one trains
+        self._producer: RolloutProducer | None = None
+        self._async_state: dict[str, Any] | None = None  # from a checkpoint, applied when the producer starts
+        self._ready_episodes: list[Episode] | None = None  # the batch being scored, from the producer
+        self._batch_versions: list[int] | None = None  # start version of each of its episodes
+        if args.async_rollouts and not args.use_vllm:
+            # The episodes of a batch were sampled by up to `max_staleness` earlier versions: TRL's importance-sampling
+            # correction (behaviour -> the policy at the consuming step), which TRL applies when vLLM samples.
+            self._behaviour_correction = True
+            self._last_loaded_step = -1
+            if not args.vllm_importance_sampling_correction:
+                logger.warning("async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
+                               "earlier policy versions are trained without the importance-sampling correction.")
 
         # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms.py)
         self.alarms_callback = attach_alarms(self) if args.alarms else None
@@ -343,42 +370,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             raise ValueError(f"agent_columns names {missing}, which the dataset does not have; its columns are "
                              f"{sorted(inputs[0])}. Fix `agent_columns`.")
         tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
-        with unwrap_model_for_generation(
-            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
-        ) as unwrapped_model:
-            # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
-            # nothing collective may happen per call.
-            self.engine.policy_version = self.state.global_step
-            if isinstance(self.engine, TransformersEngine):
-                self.engine.model = unwrapped_model
-                self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
-            self._rollouts += 1
-            seed = None
-            if isinstance(self.engine, TransformersEngine):
-                # Episode i's calls sample from seeds derived from (seed, process, rollout), i and the call's index in
-                # the episode (`run_episodes`): a resumed run samples what the run that was never stopped did, the
-                # episodes' calls may interleave in any order (issue 29), and processes sharing a group do not sample
-                # alike. Not for vLLM, which samples seeded requests one by one (a per-request generator).
-                seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts)
-                self.engine.manual_seed(seed)  # requests without an episode seed, if any
-            stats = getattr(self.engine, "stats", None)
-            if stats is not None:
-                stats.reset()
-            # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
-            # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
-            episodes = self._rollout_pool.submit(
-                run_rollout,
-                run_episodes(
-                    self.endpoint,
-                    self.agent,
-                    tasks,
-                    group_indices=[i % num_generations for i in range(len(tasks))],
-                    max_concurrent=self.args.max_concurrent_episodes,
-                    timeout=self.args.episode_timeout,
-                    model=SERVED_MODEL_NAME,
-                    seed=seed,
-                ),
-            ).result()
+        stats = getattr(self.engine, "stats", None)
+        from_producer = self._ready_episodes is not None
+        if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
+            episodes, self._ready_episodes = self._ready_episodes, None
+        else:
+            episodes = self._run_rollout(tasks, num_generations, stats)
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
             mode = self._mode()
             self._metrics[mode]["engine/decode_occupancy"].append(stats.decode_occupancy)
@@ -386,12 +383,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
             prompt_tokens = stats.reused_tokens + stats.prefilled_tokens
             self._metrics[mode]["engine/reused_prompt_tokens"].append(
                 stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0)
+            if from_producer:  # the engine's work since the last step's batch (the producer never stops)
+                stats.reset()
         rows_results = [
             episode_to_rows(
                 ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls
             )
             for ep in episodes
         ]
+        if from_producer:
+            self._check_staleness(episodes, rows_results, num_generations)
         main_rows = []
         for prompt, result in zip(prompts, rows_results, strict=True):
             if result.rows:
@@ -410,7 +411,84 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "episodes": episodes,
         }
 
+    def _run_rollout(self, tasks: list[dict], num_generations: int, stats) -> list[Episode]:
+        """Run this process's episodes now, on the current weights (the synchronous schedule, and evaluation)."""
+        with unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+        ) as unwrapped_model:
+            # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
+            # nothing collective may happen per call.
+            self.engine.policy_version = self.state.global_step
+            if isinstance(self.engine, TransformersEngine):
+                self.engine.model = unwrapped_model
+                self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
+            self._rollouts += 1
+            seed = None
+            if isinstance(self.engine, TransformersEngine):
+                # Episode i's calls sample from seeds derived from (seed, process, rollout), i and the call's index in
+                # the episode (`run_episodes`): a resumed run samples what the run that was never stopped did, the
+                # episodes' calls may interleave in any order (issue 29), and processes sharing a group do not sample
+                # alike. Not for vLLM, which samples seeded requests one by one (a per-request generator).
+                seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts)
+                self.engine.manual_seed(seed)  # requests without an episode seed, if any
+            if stats is not None:
+                stats.reset()
+            # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
+            # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
+            episodes = self._rollout_pool.submit(
+                run_rollout,
+                run_episodes(
+                    self.endpoint,
+                    self.agent,
+                    tasks,
+                    group_indices=[i % num_generations for i in range(len(tasks))],
+                    max_concurrent=self.args.max_concurrent_episodes,
+                    timeout=self.args.episode_timeout,
+                    model=SERVED_MODEL_NAME,
+                    seed=seed,
+                ),
+            ).result()
+        return episodes
+
+    def _check_staleness(self, episodes: list[Episode], rows_results, group_size: int) -> None:
+        """The bound, checked on what is trained: an episode's staleness is the version gap between this step and its
+        oldest trained token. A group holding a token beyond `max_staleness` (none under the producer's pacing; a
+        resumed run with a lower bound could) is dropped: its rows train nothing, and it is counted."""
+        consume = self.state.global_step
+        staleness, dropped = [], 0
+        for start in range(0, len(episodes), group_size):
+            group = range(start, min(start + group_size, len(episodes)))
+            gaps = []
+            for i in group:
+                versions = [row.oldest_version for row in rows_results[i].rows if row.oldest_version is not None]
+                gap = consume - min(versions) if versions else None
+                episodes[i].metadata["staleness"] = gap
+                if gap is not None:
+                    gaps.append(gap)
+            if gaps and max(gaps) > self.args.max_staleness:
+                dropped += 1
+                for i in group:
+                    episodes[i].metadata["dropped"] = True
+                    for row in rows_results[i].rows:
+                        row.env_mask = [0] * len(row.env_mask)
+            staleness += gaps
+        if dropped:
+            logger.warning(f"Step {consume}: {dropped} group(s) held tokens sampled more than max_staleness="
+                           f"{self.args.max_staleness} versions ago and were dropped (not trained; in the episode log "
+                           "with `dropped`).")
+        device = self.accelerator.device
+        local = torch.tensor([float(dropped), float(len(staleness)), float(sum(staleness)),
+                              float(max(staleness, default=0))], device=device)
+        gathered = self.accelerator.gather(local.unsqueeze(0))
+        metrics = self._metrics["train"]
+        metrics["async/dropped_groups"].append(gathered[:, 0].sum().item())
+        count = gathered[:, 1].sum().item()
+        metrics["async/staleness_mean"].append(gathered[:, 2].sum().item() / count if count else 0.0)
+        metrics["async/staleness_max"].append(gathered[:, 3].max().item())
+
     def _generate(self, prompts: list):
+        if self._behaviour_correction:  # TRL would sync a vLLM it does not have (`use_vllm`)
+            self._last_loaded_step = self.state.global_step
         prompt_ids, completion_ids, tool_mask, _, logprobs, extra_fields, images, tool_images = super()._generate(
             prompts
         )
@@ -604,8 +682,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
             return batch
         generate_every = self.args.steps_per_generation * self.num_iterations
+        if self.args.async_rollouts:
+            self._async_sync_weights()  # every micro-step: the version moves at each optimizer step
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            if self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
+            if self.args.async_rollouts:  # the producer's batch: its tasks were drawn when it was submitted
+                generation_batch = self._async_take_batch(len(generation_batch))
+            elif self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
                 generation_batch = self._draw_generation_batch(len(generation_batch))
             num_episodes = len(generation_batch)
             generation_batch = self._generate_and_score_completions(generation_batch)
@@ -619,6 +701,139 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 )
             self._buffered_inputs = chunks
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    # Asynchronous rollouts (issue 30)
+
+    def _consume_version(self, batch: int) -> int:
+        """The global step at which generation batch `batch` (counted from the producer's first start) is consumed."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self._async["offset"] + batch * generate_every // self.args.gradient_accumulation_steps
+
+    def _task_batches(self):
+        """The global generation batches of dataset indices in the order the dataloader would yield them (each
+        once, not `num_iterations * steps_per_generation` times): TRL's `RepeatSampler`, epoch after epoch."""
+        sampler = super()._get_train_sampler()
+        size, repeats = self.args.generation_batch_size, sampler.repeat_count
+        while True:
+            indices = list(iter(sampler))
+            if len(indices) < size:
+                raise ValueError(f"The training dataset makes no whole generation batch of {size} episodes "
+                                 f"({len(indices)} slots per epoch).")
+            for start in range(0, len(indices) - size + 1, size * repeats):
+                yield indices[start : start + size]
+
+    def _async_draw(self) -> list[int]:
+        """The next global generation batch's dataset indices (every process draws the same)."""
+        self._async["drawn"] += 1
+        if self.args.task_sampling == "adaptive":
+            return self.task_sampler.draw_batch()
+        return next(self._async["stream"])
+
+    def _async_start(self, num_slots: int) -> None:
+        """Start the producer (first training batch, or after a resume): resubmit a checkpoint's pending batches."""
+        saved = self._async_state or {}
+        # `offset`: the step of batch 0 (a run resumed from a checkpoint saved without asynchronous rollouts)
+        self._async = {"consumed": saved.get("consumed", 0), "drawn": saved.get("drawn", 0), "pending": {},
+                       "offset": saved.get("offset", self.state.global_step), "num_slots": num_slots, "version": None}
+        self._async_state = None
+        if self.args.task_sampling != "adaptive":
+            self._async["stream"] = self._task_batches()
+            for _ in range(self._async["drawn"]):  # where the stopped run's stream was
+                next(self._async["stream"])
+        self._producer = RolloutProducer(
+            self.endpoint, self.agent, max_staleness=self.args.max_staleness,
+            max_concurrent=self.args.max_concurrent_episodes, timeout=self.args.episode_timeout,
+            model=SERVED_MODEL_NAME, version=self.state.global_step,
+        )
+        self._async_sync_weights()
+        # The batches the stopped run had drawn but not trained: their episodes were lost with it; run them again.
+        for index, indices in sorted((int(k), v) for k, v in saved.get("pending", {}).items()):
+            self._async_submit(index, indices)
+
+    def _async_submit(self, index: int, indices: list[int]) -> None:
+        num_slots = self._async["num_slots"]
+        start = self.accelerator.process_index * num_slots
+        inputs = [self.train_dataset[i] for i in indices[start : start + num_slots]]
+        self._async["pending"][index] = (indices, inputs)
+        tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
+        missing = [c for c in self.args.agent_columns if c not in inputs[0]]
+        if missing:
+            raise ValueError(f"agent_columns names {missing}, which the dataset does not have; its columns are "
+                             f"{sorted(inputs[0])}. Fix `agent_columns`.")
+        # Seeds by batch index, not by rollout count: a resumed run samples its batches as the stopped one did.
+        seed = None
+        if isinstance(self.engine, TransformersEngine):
+            seed = rollout_seed(self.args.seed, self.accelerator.process_index, -1 - index)
+        self._producer.submit(index, tasks, [i % self.num_generations for i in range(len(tasks))],
+                              consume_version=self._consume_version(index), unit_size=self.num_generations, seed=seed)
+
+    def _async_fill(self) -> None:
+        """Submit every batch the producer may start at the current version (pacing: `max_staleness`)."""
+        version = self.state.global_step
+        while self._consume_version(self._async["drawn"]) - self.args.max_staleness <= version:
+            index = self._async["drawn"]
+            self._async_submit(index, self._async_draw())
+
+    def _async_sync_weights(self) -> None:
+        """After an optimizer step: the engine takes the new weights (its inference copy, or TRL's vLLM sync) and the
+        producer learns the version. Episodes in flight go on with the new weights."""
+        if self._producer is None or self._async["version"] == self.state.global_step:
+            return
+        version = self.state.global_step
+        if self._use_vllm:
+            self.vllm_generation.sync_weights()  # TRL's own sync with the vLLM server
+            self._last_loaded_step = version
+            self.engine.policy_version = version
+        else:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+            ) as unwrapped_model:
+                self.engine.policy_version = version
+                if isinstance(self.engine, TransformersEngine):
+                    self.engine.model = unwrapped_model
+                    self.engine.sync_weights()
+        self._async["version"] = version
+        self._producer.set_version(version)
+
+    def _async_take_batch(self, num_slots: int) -> list[dict]:
+        """This process's rows of the next generation batch, its episodes run by the producer (waited for)."""
+        if self._producer is None:
+            self._async_start(num_slots)
+        self._async_fill()
+        index = self._async["consumed"]
+        if index not in self._async["pending"]:  # every batch up to this step's is submitted by `_async_fill`
+            raise RuntimeError(f"Generation batch {index} was never submitted to the producer.")
+        episodes, waited = self._producer.result(index)
+        _, inputs = self._async["pending"].pop(index)
+        self._async["consumed"] += 1
+        metrics = self._metrics["train"]
+        metrics["async/trainer_wait_s"].append(waited)
+        metrics["async/producer_wait_s"].append(self._producer.take_idle_seconds())
+        metrics["async/in_flight_episodes"].append(float(self._producer.running))
+        self._ready_episodes = episodes
+        return inputs
+
+    def _stop_producer(self) -> None:
+        """End the producer (after `train`): episodes of batches no step will train are cancelled. A later `train`
+        starts it again from the batches it had not trained."""
+        if self._producer is None:
+            return
+        self._producer.close()
+        self._producer = None
+        self._async_state = self._async_checkpoint_state()
+
+    def _async_checkpoint_state(self) -> dict[str, Any]:
+        state = getattr(self, "_async", None)
+        if state is None:
+            return self._async_state or {}
+        return {"consumed": state["consumed"], "drawn": state["drawn"], "offset": state["offset"],
+                "pending": {str(k): v[0] for k, v in state["pending"].items()}}
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._stop_producer()
 
     # Checkpoints: everything the trainer holds besides TRL's state, so that a resumed run is the run that was never
     # stopped (issue 29, M4). One file per process, as transformers' RNG states.
@@ -637,6 +852,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "step": self._step,
             "rollouts": self._rollouts,
             "buffered_inputs": buffered,
+            # The producer's batches drawn and not trained yet: their episodes are not saved (they run again on
+            # resume, from the same tasks and seeds); nothing trained twice, no task skipped.
+            "async": self._async_checkpoint_state() if self.args.async_rollouts else None,
         }
         # The log's length at this step: a resumed run cuts what the stopped run logged after it, once it has checked
         # (`_log_digest`) that the log it finds is this one.
@@ -680,6 +898,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._metrics[mode].clear()
             self._metrics[mode].update(values)
         self._step, self._rollouts = state["step"], state["rollouts"]
+        if self.args.async_rollouts:
+            self._async_state = state.get("async") or {}
+            if not self._async_state and self.state.global_step:
+                logger.warning(f"{checkpoint} was saved without asynchronous rollouts: the producer starts from the "
+                               "dataset's first batch.")
         if state["buffered_inputs"]:
             buffer = Path(checkpoint) / f"trl_agentic_buffer_{self.accelerator.process_index}.pt"
             self._buffered_inputs = torch.load(buffer, map_location=self.accelerator.device, weights_only=True)
@@ -800,6 +1023,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 pass
 
     def close(self) -> None:
-        """Stop the endpoint server and the rollout thread."""
+        """Stop the producer, the endpoint server and the rollout thread."""
+        self._stop_producer()
         self.endpoint.stop()
         self._rollout_pool.shutdown(wait=False)

@@ -32,7 +32,10 @@ class Turn:
         completion_ids: token ids the model sampled (including its stop token when it stopped).
         logprobs: one logprob per completion token, under the distribution it was sampled from.
         finish_reason: `"stop"`, `"length"` or `"tool_calls"` (as returned to the client).
-        policy_version: the trainer's global step when the tokens were sampled.
+        policy_version: the trainer's global step (the policy version) whose weights sampled the first token: under
+            asynchronous rollouts a call may go on across a weight update, see `token_versions`.
+        token_versions: the version that sampled each completion token when they differ (the weights changed while
+            the call decoded), `None` when all are `policy_version`.
         request_messages: the messages of the request, as the agent sent them (normalized JSON).
         request_tools: the tools of the request, as the agent sent them.
         response_message: the assistant message returned to the agent.
@@ -57,6 +60,7 @@ class Turn:
     logprobs: list[float]
     finish_reason: str
     policy_version: int = 0
+    token_versions: list[int] | None = None
     request_messages: list[dict[str, Any]] = field(default_factory=list)
     request_tools: list[dict[str, Any]] | None = None
     response_message: dict[str, Any] = field(default_factory=dict)
@@ -70,6 +74,12 @@ class Turn:
     requested_sampling: dict[str, Any] = field(default_factory=dict)
     wall_time: float = 0.0
     wire_format: str = "chat_completions"
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version that sampled each completion token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(
+            self.completion_ids)
 
     @property
     def num_tool_calls(self) -> int:
@@ -118,6 +128,12 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return sum(len(turn.completion_ids) for turn in self.turns)
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version that sampled each completion token."""
+        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(
+            self.completion_ids)
 
     @property
     def num_tool_calls(self) -> int:

@@ -402,7 +402,9 @@ class CompletionService:
         def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
             return Turn(
                 index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids if out else [],
-                logprobs=out.logprobs if out else [], finish_reason=finish, policy_version=engine.policy_version,
+                logprobs=out.logprobs if out else [], finish_reason=finish,
+                policy_version=out.versions[0] if out and out.versions else engine.policy_version,
+                token_versions=out.versions if out and out.versions and out.versions[-1] != out.versions[0] else None,
                 request_messages=conversation.messages, request_tools=tools, response_message=message,
                 prompt_source=plan.source, parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
                 malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
@@ -554,7 +556,8 @@ def apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]
             ends.append((k, length))
     k = next((k for k, length in ends if length >= position + len(stop)), len(out.token_ids))
     top = out.top_logprobs[:k] if out.top_logprobs is not None else None
-    return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top), text[:position], stop
+    versions = out.versions[:k] if out.versions is not None else None
+    return GenerationOutput(out.token_ids[:k], out.logprobs[:k], "stop", top, versions), text[:position], stop
 
 
 def text_pieces(tokenizer, token_ids: list[int]) -> list[tuple[int, str]]:

@@ -74,13 +74,16 @@ class GenerationOutput:
     """What the engine sampled for one prompt.
 
     `finish_reason` is `"stop"` when a stop token was sampled (it is the last id) and `"length"` when `max_tokens`
-    ran out.
+    ran out. `versions`: the `policy_version` of the weights that sampled each token, from an engine that can take
+    new weights while a request decodes (the embedded engine under asynchronous rollouts); `None` from one that
+    cannot (all tokens are of the version the engine had when the call ended).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    versions: list[int] | None = None
 
 
 @runtime_checkable

@@ -138,12 +138,13 @@ class _Row:
     length: int = 0  # tokens with key/value states in its batch's cache: prompt + all sampled ids but the last
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     tops: list | None = None
     finish: str | None = None
     error: BaseException | None = None
 
     def output(self) -> GenerationOutput:
-        return GenerationOutput(self.tokens, self.logprobs, self.finish, self.tops)
+        return GenerationOutput(self.tokens, self.logprobs, self.finish, self.tops, self.versions)
 
 
 class _Batch:
@@ -272,6 +273,7 @@ class TransformersEngine:
         self._syncs = 0  # weights taken so far; with `_module`, identifies the weights the prefix cache holds
         self._synced_state: tuple | None = None  # `_source_state()` at the last sync
         self._synced_checksum: list[int] | None = None  # `_weights_checksum()` at the last sync
+        self._weights_version = 0  # `policy_version` at the last sync: the version of the weights that generate
         self._seeds = torch.Generator()  # draws the seeds of requests that bring none
         if seed is None:
             self._seeds.seed()
@@ -306,7 +308,9 @@ class TransformersEngine:
 
     def sync_weights(self) -> None:
         """Take the model's current weights now: the inference copy is refreshed (or the view checked) and the prefix
-        cache dropped. Waits for the decode step in progress, if any; rows still decoding go on with the new weights.
+        cache dropped. Waits for the decode step in progress, if any; rows still decoding go on with the new weights
+        (their next tokens are sampled by the new weights attending to the key/value states the old ones computed;
+        each token's `GenerationOutput.versions` entry says which weights sampled it, its logprob what they gave it).
 
         The engine does it by itself before admitting requests when it sees the weights changed; call this where it
         cannot see it (an edit through `.data` while the engine is busy, one that keeps every tensor's checksum), or
@@ -373,6 +377,7 @@ class TransformersEngine:
             _copy_weights(source, self._module)
         self._syncs += 1
         self._synced_state = state
+        self._weights_version = self.policy_version
         if self.watch_weights:
             self._synced_checksum = checksum if checksum is not None else _weights_checksum(source)
         self.prefix_cache.clear(self._policy())
@@ -729,6 +734,7 @@ class TransformersEngine:
                 continue
             row.tokens.append(token)
             row.logprobs.append(logprob)
+            row.versions.append(self._weights_version)
             if row.tops is not None:
                 values, ids = torch.topk(logps[i], row.sampling.top_logprobs)
                 row.tops.append(list(zip(ids.tolist(), values.tolist())))

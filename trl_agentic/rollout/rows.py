@@ -26,6 +26,7 @@ class Row:
         completion_ids: everything after it (sampled tokens and, between turns, the context the model was shown).
         env_mask: 1 on sampled tokens, 0 elsewhere; same length as `completion_ids`.
         logprobs: sampling logprob of each sampled token, 0.0 where `env_mask` is 0.
+        versions: the policy version that sampled each sampled token (`Turn.versions`), -1 where `env_mask` is 0.
         turns: indices of the turns merged into this row.
         kind: `"main"` (starts at the episode's first call), `"fork"` (after a history rewrite or a template that is not
             append-only), `"side_call"` (unrelated to the episode's history), `"branch"` (a second continuation of
@@ -38,10 +39,16 @@ class Row:
     logprobs: list[float] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     kind: str = "main"
+    versions: list[int] = field(default_factory=list)
 
     @property
     def num_sampled_tokens(self) -> int:
         return sum(self.env_mask)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the row's sampled tokens (`None` without any)."""
+        return min((v for v, m in zip(self.versions, self.env_mask) if m), default=None)
 
     def to_dict(self) -> dict:
         return {
@@ -51,6 +58,7 @@ class Row:
             "logprobs": self.logprobs,
             "turns": self.turns,
             "kind": self.kind,
+            "versions": self.versions,
         }
 
 
@@ -120,6 +128,7 @@ def episode_to_rows(
                 row.completion_ids += context + turn.completion_ids
                 row.env_mask += [0] * len(context) + [1] * len(turn.completion_ids)
                 row.logprobs += [0.0] * len(context) + list(turn.logprobs)
+                row.versions += [-1] * len(context) + turn.versions
                 row.turns.append(turn.index)
                 tail_of_row[parent_row] = turn.index
                 row_of_turn[turn.index] = parent_row
@@ -141,6 +150,7 @@ def episode_to_rows(
                 logprobs=list(turn.logprobs),
                 turns=[turn.index],
                 kind=kind,
+                versions=turn.versions,
             )
         )
         tail_of_row[len(rows) - 1] = turn.index

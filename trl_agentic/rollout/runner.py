@@ -123,6 +123,7 @@ async def run_episodes(
     model: str | None = None,
     http_client: httpx.AsyncClient | None = None,
     seed: int | None = None,
+    first_index: int = 0,
 ) -> list[Episode]:
     """Run one episode per entry of `tasks` (a task repeated G times makes a group), at most `max_concurrent` at once.
 
@@ -132,24 +133,27 @@ async def run_episodes(
     With a `seed`, episode `i` is opened with the seed `derive_seed(seed, i)`, and each of its model calls that brings
     no seed samples from one derived from that and the call's index in the episode: the same tasks and seed sample the
     same tokens however the episodes' calls interleave (issue 29; the engine's own seeds go in arrival order).
+    `first_index`: the index (task index, seed) of `tasks[0]` in a batch run a part at a time (the asynchronous
+    producer starts a batch one group at a time).
     """
     semaphore = asyncio.Semaphore(max_concurrent)
     group_indices = group_indices or [0] * len(tasks)
 
     async def one(i: int) -> Episode:
-        episode_seed = None if seed is None else derive_seed(seed, i)
+        index = first_index + i
+        episode_seed = None if seed is None else derive_seed(seed, index)
         async with semaphore:
             # A connection pool per episode, not one for all: httpcore walks every pooled connection (two system calls
             # each) at each request and response, 9% of a CPU demo step's profile with 32 episodes sharing one pool
             # (benchmarks/rollout_benchmark.py: 0.95x the shared pool's time on a zero-cost engine).
             if http_client is not None:
-                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, http_client,
-                                         episode_seed)
+                return await run_episode(server, agent, tasks[i], index, group_indices[i], timeout, model,
+                                         http_client, episode_seed)
             # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents'
             # own traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
             async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context(), trust_env=False) as own_client:
-                return await run_episode(server, agent, tasks[i], i, group_indices[i], timeout, model, own_client,
-                                         episode_seed)
+                return await run_episode(server, agent, tasks[i], index, group_indices[i], timeout, model,
+                                         own_client, episode_seed)
 
     return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
 
