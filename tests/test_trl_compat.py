@@ -87,6 +87,23 @@ def test_importance_sampling_modes_and_shapes_we_follow():
     assert 'per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]' in compute
 
 
+def test_the_use_vllm_reads_asynchronous_rollouts_rely_on():
+    """Under asynchronous rollouts with the embedded engine, `AgenticGRPOTrainer.use_vllm` reads True after `__init__`
+    so that TRL computes its old logprobs and importance-sampling correction (issue 30): TRL must read the flag (not
+    `args.use_vllm`) there, and nowhere a rollout_func run would reach vLLM but where `_last_loaded_step` guards it."""
+    score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert score.count("self.use_vllm and self.vllm_importance_sampling_correction") == 4
+    assert "args.use_vllm" not in score
+    compute = inspect.getsource(GRPOTrainer._compute_loss)
+    assert "if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != \"vespo\":" in compute
+    generate = inspect.getsource(GRPOTrainer._generate)
+    assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in generate
+    assert generate.count("self.use_vllm") == 1
+    init = inspect.getsource(GRPOTrainer.__init__)
+    assert "self.use_vllm = args.use_vllm" in init
+    assert isinstance(AgenticGRPOTrainer.__dict__["use_vllm"], property)
+
+
 def test_loss_normalisations_our_row_weighting_assumes():
     """`rollout/loss_weights.py` spreads an episode's advantage over its rows by how each loss type normalises."""
     from trl_agentic.rollout.loss_weights import ROW_MEAN_LOSSES, ROW_SUM_LOSSES, TOKEN_LEVEL_LOSSES

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -88,6 +89,17 @@ def _log_digest(path: Path, size: int, window: int = 1 << 16) -> str | None:
         f.seek(max(size - window, 0))
         tail = f.read(size - max(size - window, 0))
     return hashlib.sha256(head + b"|" + tail).hexdigest()
+
+
+class _AsyncWeightSync(TrainerCallback):
+    """Under asynchronous rollouts: the engine takes the new weights right after each optimizer step (episodes in
+    flight go on with them), not only when the next step asks for its batch."""
+
+    def __init__(self, trainer: AgenticGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._async_sync_weights()
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -218,6 +230,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 logger.warning("async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
                                "earlier policy versions are trained without the importance-sampling correction.")
 
+        if args.async_rollouts:  # the engine takes each optimizer step's weights at once, before logs and saves
+            self.add_callback(_AsyncWeightSync(self))
         # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms.py)
         self.alarms_callback = attach_alarms(self) if args.alarms else None
         self.alarms = self.alarms_callback.alarms if self.alarms_callback else []  # also in output_dir/alarms.json
@@ -788,10 +802,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             with unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
             ) as unwrapped_model:
-                self.engine.policy_version = version
                 if isinstance(self.engine, TransformersEngine):
                     self.engine.model = unwrapped_model
-                    self.engine.sync_weights()
+                    self.engine.sync_weights(policy_version=version)
+                else:
+                    self.engine.policy_version = version
         self._async["version"] = version
         self._producer.set_version(version)
 

@@ -306,7 +306,7 @@ class TransformersEngine:
     def model(self, model: torch.nn.Module) -> None:
         self._source = extract_model_from_parallel(model)  # taken before the next admission
 
-    def sync_weights(self) -> None:
+    def sync_weights(self, policy_version: int | None = None) -> None:
         """Take the model's current weights now: the inference copy is refreshed (or the view checked) and the prefix
         cache dropped. Waits for the decode step in progress, if any; rows still decoding go on with the new weights
         (their next tokens are sampled by the new weights attending to the key/value states the old ones computed;
@@ -324,8 +324,13 @@ class TransformersEngine:
         ...     p.data.copy_(q.data)
         >>> engine.sync_weights()
         ```
+
+        `policy_version`: set `self.policy_version` with the weights, under the lock that decode steps hold: no
+        token is sampled by the old weights once the new version shows.
         """
         with self.model_lock, torch.no_grad():
+            if policy_version is not None:
+                self.policy_version = policy_version
             self._sync(self._source_state(), explicit=True)
 
     def manual_seed(self, seed: int) -> None:

@@ -217,10 +217,11 @@ class RolloutProducer:
             for i, episode in enumerate(episodes):
                 episode.metadata["start_version"] = version
                 batch.episodes[start + i] = episode
-        except BaseException as error:  # noqa: BLE001 - handed to the trainer (`result` raises it)
+        except asyncio.CancelledError:  # `close`
+            batch.error = batch.error or RuntimeError("The producer was closed before this batch ended.")
+            raise
+        except Exception as error:  # noqa: BLE001 - a bug, not an agent's failure (those are episodes): `result` raises it
             batch.error = batch.error or error
-            if not isinstance(error, Exception):
-                raise
         finally:
             self._running -= end - start
             batch.running -= end - start
