@@ -23,6 +23,7 @@ from trl_agentic.rollout.producer import RolloutProducer
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Turn
+from trl_agentic.viewer import build_viewer_data, find_episode_files, load_records
 
 from conftest import ScriptedEngine
 from test_agentic_grpo_trainer import (
@@ -192,6 +193,10 @@ def test_async_training_trains_every_token_within_the_bound_from_groups_started_
     assert all(k in logs[0] for k in ("async/staleness_mean", "async/trainer_wait_s", "async/producer_wait_s",
                                       "async/in_flight_episodes", "sampling/importance_sampling_ratio/mean"))
     assert trainer._producer is None  # stopped with train()
+    # `trl-agentic inspect` shows each episode's start version and staleness.
+    summary, _ = build_viewer_data(load_records(find_episode_files(tmp_path)[0]))
+    assert [(e["step"], e["staleness"]) for e in summary["episodes"]] == [
+        (r["step"], r["episode"]["metadata"]["staleness"]) for r in records]
 
 
 def test_max_staleness_0_never_runs_ahead_and_the_correction_is_then_the_identity(tmp_path, tokenizer):

@@ -162,6 +162,10 @@ class DemoSettings:
     # Engine: concurrent requests arriving within this window are sampled as one batch (CPU decoding is
     # per-step bound, so one batch of 32 costs about what one of 8 does)
     generation_batch_wait_ms: float = 50.0
+    # Asynchronous rollouts (issue 30): the next step's episodes run while this one trains, at most `max_staleness`
+    # optimizer steps behind (`--async-rollouts`)
+    async_rollouts: bool = False
+    max_staleness: int = 1
 
     def warm_start_key(self) -> str:
         from trl_agentic import __version__
@@ -678,6 +682,8 @@ def grpo_config(settings: DemoSettings, output_dir: Path):
         target_min_share=settings.target_min_share,
         target_affinity=settings.target_affinity,
         sampling_revisit=settings.sampling_revisit,
+        async_rollouts=settings.async_rollouts,
+        max_staleness=settings.max_staleness,
     )
 
 
@@ -785,6 +791,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="torch CPU threads (default 1; 0: torch's default, all cores). One thread leaves a core to "
                              "the endpoint and the agents (faster on 2 cores), and the warm start's first phase is then "
                              "the same whatever the machine's core count.")
+    parser.add_argument("--async-rollouts", action="store_true",
+                        help="Generate the next step's episodes while this one trains (max_staleness 1; "
+                             "--set max_staleness=N for another bound).")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* "
                              "(repeatable).")
@@ -796,7 +805,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     if args.smoke:
         settings = dataclasses.replace(settings, **SMOKE_OVERRIDES)
     for name, value in (("steps", args.steps), ("eval_size", args.eval_size), ("eval_every", args.eval_every),
-                        ("learning_rate", args.learning_rate)):
+                        ("learning_rate", args.learning_rate), ("async_rollouts", args.async_rollouts or None)):
         if value is not None:
             settings = dataclasses.replace(settings, **{name: value})
     types = {f.name: f.type for f in dataclasses.fields(DemoSettings)}

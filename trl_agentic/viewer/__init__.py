@@ -184,6 +184,10 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             "wall": _round(episode.get("wall_time"), 2), "error": _short(episode.get("error")),
             "result": _short(episode.get("result"), 120), "task": _short(prompt_text, 160),
         })
+        metadata = episode.get("metadata") or {}
+        if "staleness" in metadata:  # asynchronous rollouts: the version it started on, its oldest trained token's gap
+            episodes[-1].update(start_version=metadata.get("start_version"), staleness=metadata["staleness"],
+                                dropped=bool(metadata.get("dropped")))
         if "difficulty" in record:  # a run with a difficulty column (a curriculum): the task's level
             episodes[-1].update(difficulty=record["difficulty"], target=bool(record.get("target")))
 
@@ -232,7 +236,9 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
                 "fork_reason": t.get("fork_reason"), "drift": t.get("drift", 0), "finish": t.get("finish_reason"),
                 "malformed": bool(t.get("malformed_tool_call")), "forced": t.get("forced_tokens", 0),
                 "prompt_tokens": len(t.get("prompt_ids", [])), "sampled_tokens": len(t.get("completion_ids", [])),
-                "version": t.get("policy_version"), "wall": _round(t.get("wall_time"), 3),
+                # A call that decoded across a weight update (asynchronous rollouts): the versions it spans
+                "version": t.get("policy_version") if not t.get("token_versions") else
+                f"{min(t['token_versions'])}-{max(t['token_versions'])}", "wall": _round(t.get("wall_time"), 3),
                 "requested": t.get("requested_sampling") or {},
             } for t in turns],
             "rows": detail_rows, "untrained": untrained, "skipped_turns": skipped, "capped_turns": capped,
