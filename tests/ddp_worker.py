@@ -1,5 +1,5 @@
 """Worker for tests/test_multiprocess.py: two gloo ranks train two steps with multi-turn agents whose episodes split
-into different numbers of rows per rank. Launched with `python -m torch.distributed.run --nproc_per_node 2`."""
+into different numbers of rows per rank (`async`: with asynchronous rollouts). Launched with `python -m torch.distributed.run --nproc_per_node 2`."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def reward(prompts, completions, **kwargs):
     return [float(sum(len(m.get("content") or "") for m in c) % 4) for c in completions]
 
 
-def main(out_dir):
+def main(out_dir, mode="sync"):
     rank = int(os.environ["RANK"])
     tokenizer = build_tiny_tokenizer("qwen2_5")
     model = build_tiny_model(tokenizer, seed=0)  # same initial weights on both ranks
@@ -35,7 +35,7 @@ def main(out_dir):
     args = AgenticGRPOConfig(
         output_dir=out_dir, num_generations=4, per_device_train_batch_size=2, max_steps=2,  # each rank: half a group
         max_completion_length=5, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        learning_rate=1e-2, log_episodes=True, seed=0,
+        learning_rate=1e-2, log_episodes=True, seed=0, async_rollouts=mode == "async",
     )
     trainer = AgenticGRPOTrainer(model, agent=agent, reward_funcs=reward, args=args,
                                  train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
@@ -48,4 +48,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

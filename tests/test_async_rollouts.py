@@ -301,24 +301,31 @@ def test_a_two_version_batch_trains_with_trls_correction_exactly_as_computed_by_
 # Resume
 
 
-def resumable(output_dir, tokenizer, callbacks=None):
+def resumable(output_dir, tokenizer, sampling, callbacks=None):
+    extra = {}
+    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "difficulty": 1 + i % 2}
+                               for i in range(6)])
+    if sampling == "adaptive":  # the sampler draws ahead of what it has observed; held-out evaluation beside it
+        extra = dict(task_sampling="adaptive", target_difficulty=2, held_out_eval_steps=2, held_out_num_samples=2)
     args = config(output_dir, async_rollouts=True, max_staleness=1, max_steps=5, save_strategy="steps",
-                  save_steps=2, per_device_train_batch_size=4, disable_tqdm=True)
+                  save_steps=2, per_device_train_batch_size=4, disable_tqdm=True, **extra)
     return AgenticGRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=tool_agent,
-                              reward_funcs=length_reward, args=args, train_dataset=dataset(6),
-                              processing_class=tokenizer, callbacks=callbacks)
+                              reward_funcs=length_reward, args=args, train_dataset=train,
+                              eval_dataset=train.select(range(2)), processing_class=tokenizer, callbacks=callbacks)
 
 
-def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(tmp_path, tokenizer):
+@pytest.mark.parametrize("sampling", ["uniform", "adaptive"])
+def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(tmp_path, tokenizer,
+                                                                                           sampling):
     """A checkpoint keeps the producer's batches drawn but not trained (their tasks, not their episodes): the resumed
     run generates them again and trains them at the steps the stopped run would have, nothing twice, nothing lost."""
-    whole = resumable(tmp_path / "whole", tokenizer)
+    whole = resumable(tmp_path / "whole", tokenizer, sampling)
     train_and_read_log(whole, tmp_path / "whole")
-    stopped = resumable(tmp_path / "resumed", tokenizer, callbacks=[StopAfter(3).callback])
+    stopped = resumable(tmp_path / "resumed", tokenizer, sampling, callbacks=[StopAfter(3).callback])
     train_and_read_log(stopped, tmp_path / "resumed")
     state = json.loads((tmp_path / "resumed" / "checkpoint-2" / "trl_agentic_state_0.json").read_text())
     assert state["async"]["consumed"] == 2 and sorted(state["async"]["pending"]) == ["2"]  # batch 2 ran ahead
-    resumed = resumable(tmp_path / "resumed", tokenizer)
+    resumed = resumable(tmp_path / "resumed", tokenizer, sampling)
     try:
         resumed.train(resume_from_checkpoint=True)
     finally:
@@ -327,7 +334,17 @@ def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_ne
     def tasks_by_step(path):
         return [(r["step"], r["episode"]["messages"][0]["content"]) for r in read_episode_log(path)]
 
-    assert tasks_by_step(tmp_path / "resumed") == tasks_by_step(tmp_path / "whole")
+    resumed_tasks, whole_tasks = tasks_by_step(tmp_path / "resumed"), tasks_by_step(tmp_path / "whole")
+    if sampling == "uniform":
+        assert resumed_tasks == whole_tasks
+    else:
+        # Batch 2 ran ahead on version 1 when the checkpoint (version 2) was saved: the resumed run samples it again
+        # on version 2, so its rewards, and what the sampler draws after observing them (batch 4), may differ.
+        assert resumed_tasks[:16] == whole_tasks[:16]
     assert [s for s, _ in tasks_by_step(tmp_path / "whole")] == [s for s in range(5) for _ in range(4)]
     for record in read_episode_log(tmp_path / "resumed"):
         assert record["step"] - min(trained_versions(record)) <= 1
+    if sampling == "adaptive":
+        held_out = [s for s, _ in whole.alarms_callback.history["held_out/success"]]
+        assert held_out == [0, 2, 4, 5]
+        assert [s for s, _ in resumed.alarms_callback.history["held_out/success"]] == held_out

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -15,10 +16,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_ranks_agree_after_training(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_ranks_agree_after_training(tmp_path, mode):
     worker = Path(__file__).parent / "ddp_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(worker), str(tmp_path)]
+               "--master_port", str(free_port()), str(worker), str(tmp_path), mode]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -39,6 +41,14 @@ def test_two_ranks_agree_after_training(tmp_path):
         rows_per_rank.append(sum(len(rec["rows"]) for rec in records))
         records_per_rank.append(records)
     assert rows_per_rank == [4, 8]
+    if mode == "async":  # both ranks consumed the same global batches (each its half of a group), within the bound
+        for step in (0, 1):
+            tasks = {rec["episode"]["messages"][0]["content"] for records in records_per_rank for rec in records
+                     if rec["step"] == step}
+            assert len(tasks) == 1, tasks
+        for records in records_per_rank:
+            for rec in records:
+                assert rec["episode"]["metadata"]["staleness"] <= 1
 
     # Each rank holds half of a step's group (one task, 4 episodes): the first calls of its 4 episodes have the same
     # prompt, and sample 4 different answers. Seeded alike on both ranks, episode i of rank 0 sampled what episode i of
