@@ -24,7 +24,9 @@ What it proves, per mode (every line is an assertion; the figures are printed):
   every recorded turn's logprobs are compared with the HF model's recomputation (same tolerance), and the recorded
   prompt of each continued turn is checked to extend its parent's prompt + sampled ids token for token. Training in
   server mode needs a second GPU for the NCCL weight sync (TRL's rule: server and trainer on different devices); with
-  two or more GPUs the script also trains `--steps` steps in server mode and checks 1-3 above.
+  two or more GPUs the script also trains `--steps` steps in server mode and checks 1-3 above, then again with
+  `async_rollouts=True, max_staleness=1` (episodes run ahead while the trainer trains; the logged staleness stays
+  within the bound and no group is dropped).
 """
 
 from __future__ import annotations
@@ -147,7 +149,7 @@ def train_and_check(mode: str, policy: str, tokenizer, steps: int, tolerance: fl
         trainer.close()
     seconds = time.time() - started
     logs = [e for e in trainer.state.log_history if "loss" in e]
-    print(f"\n[{mode}, {is_mode}] {steps} steps in {seconds:.0f}s")
+    print(f"\n[{mode}, {is_mode}{', async' if config.async_rollouts else ''}] {steps} steps in {seconds:.0f}s")
     for entry, record in zip(logs, probe.records):
         print(f"  loss {entry['loss']:+.4f}  reward {entry.get('reward', float('nan')):.3f}  "
               f"rows {record['rows']} ({record['main_rows']} main)  IS ratio {record['ratio_shape']}  "
@@ -163,6 +165,12 @@ def train_and_check(mode: str, policy: str, tokenizer, steps: int, tolerance: fl
         assert record["logp_diff_mean"] < tolerance, f"vLLM and trainer logprobs differ: {record['logp_diff_mean']}"
     changed = [n for n, p in trainer.model.named_parameters() if n in lora and not torch.equal(lora[n], p.float())]
     assert changed, "LoRA parameters did not change"
+    if config.async_rollouts:  # the producer ran ahead: within the bound, nothing dropped
+        stale = [e for e in logs if "async/staleness_max" in e]
+        assert len(stale) == steps and all(e["async/staleness_max"] <= config.max_staleness for e in stale), stale
+        assert sum(e["async/dropped_groups"] for e in stale) == 0, "groups dropped"
+        print(f"  OK (async): staleness max {max(e['async/staleness_max'] for e in stale):.0f} "
+              f"(bound {config.max_staleness}), trainer waited {sum(e['async/trainer_wait_s'] for e in stale):.1f}s")
     print(f"  OK: finite loss, extra rows, TRL-shaped IS ratio {probe.records[-1]['ratio_shape']}, main rows keep "
           f"their IS weights, logprobs agree, {len(changed)}/{len(lora)} LoRA tensors changed")
 
@@ -255,6 +263,10 @@ def main() -> int:
             if two_gpus:
                 train_and_check("server", policy, tokenizer, args.steps, args.tolerance, "sequence_mask",
                                 vllm_server_base_url=f"http://127.0.0.1:{port}")
+                # Asynchronous rollouts (issue 30): episodes run ahead on the server while the trainer trains, the
+                # weights pushed after every optimizer step with episodes in flight
+                train_and_check("server", policy, tokenizer, args.steps + 1, args.tolerance, "token_truncate",
+                                vllm_server_base_url=f"http://127.0.0.1:{port}", async_rollouts=True, max_staleness=1)
             else:
                 print("  (one GPU: server-mode training needs a second GPU for TRL's NCCL weight sync; skipped)")
         finally:

@@ -10,7 +10,11 @@ python benchmarks/trainer_benchmark.py --steps 16 --model-size 128x2
 ```
 
 Goal (issue #12, issue 29): `AgenticGRPOTrainer` s/step <= 1.10x `GRPOTrainer(tools=...)` on the 64x2 and on the
-256x2 model. Each model's summary prints that ratio (means of the timed steps) next to the goal, the median of the
+256x2 model; with asynchronous rollouts (`async_rollouts=True, max_staleness=1`, issue 30) <= 0.8x. The asynchronous
+trainer runs ahead only within one `train()`, so it is timed in blocks: `--async-rounds` times, a fresh asynchronous
+trainer trains `--async-steps` consecutive steps (its rate: the steps after the first, which fills the pipeline, over
+their wall time), then `GRPOTrainer(tools=...)` takes `--async-steps` more steps, its mean step time the ratio's
+denominator. Each model's summary prints that ratio (means of the timed steps) next to the goal, the median of the
 rounds' ratios (both trainers run back to back in a round, so it cancels load that drifts between rounds) and the
 ratio of CPU seconds per step (all threads): on a small shared machine other processes' load moves the wall-clock
 ratio by +-0.15 from run to run, the CPU ratio much less. It also splits `AgenticGRPOTrainer`'s generation into the
@@ -167,19 +171,36 @@ def main() -> None:
     parser.add_argument("--warm-start-steps", type=int, default=200, help="SFT steps on calculator demonstrations.")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest on a small, shared CPU: no thread oversubscription).")
+    parser.add_argument("--async-rounds", type=int, default=2,
+                        help="Blocks of the asynchronous trainer, each followed by as many steps of TRL's (0: none).")
+    parser.add_argument("--async-steps", type=int, default=6, help="Optimizer steps per asynchronous block.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     ratios = {size: benchmark(size, args) for size in args.model_size.split(",")}
     print()
-    for size, ratio in ratios.items():
+    for size, (ratio, async_ratio) in ratios.items():
         print(f"tiny:qwen2_5:{size}: AgenticGRPOTrainer / GRPOTrainer(tools=...) s/step {ratio:.2f}x "
               f"(goal <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'})")
+        if async_ratio is not None:
+            print(f"tiny:qwen2_5:{size}: AgenticGRPOTrainer(async_rollouts=True) / GRPOTrainer(tools=...) s/step "
+                  f"{async_ratio:.2f}x (goal <= 0.80x: {'met' if async_ratio <= 0.80 else 'NOT met'})")
 
 
-def benchmark(model_size: str, args) -> float:
-    """Both trainers on the `model_size` tiny model; prints the table, returns the ratio of seconds per step."""
+class StepEnds(TrainerCallback):
+    """When each optimizer step ended (an asynchronous block's rate: steps over the time between their ends)."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def benchmark(model_size: str, args) -> tuple[float, float | None]:
+    """The trainers on the `model_size` tiny model; prints the table, returns the ratios of seconds per step
+    (synchronous, asynchronous) to TRL's."""
     # Model: warm-started so that it calls the calculator, reads the result and answers (two model calls)
     task = get_task("calculator")
     assert get_json_schema(calculator) == task.tools[0], "the two trainers would render different prompts"
@@ -209,16 +230,19 @@ def benchmark(model_size: str, args) -> float:
         disable_tqdm=True,
     )
     output_dir = tempfile.mkdtemp(prefix="trainer-benchmark-")
-    ours = AgenticGRPOTrainer(
-        copy.deepcopy(model),
-        agent=task.agent,  # calculator agent: at most 6 model calls
-        reward_funcs=task.reward_funcs,
-        # No wait for company: the engine batches continuously, calls join the running batch (issue #12)
-        args=AgenticGRPOConfig(output_dir=f"{output_dir}/agentic", max_turns=6, generation_batch_wait_ms=0.0,
-                               **common),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
+    def agentic(folder: str, **overrides) -> AgenticGRPOTrainer:
+        return AgenticGRPOTrainer(
+            copy.deepcopy(model),
+            agent=task.agent,  # calculator agent: at most 6 model calls
+            reward_funcs=task.reward_funcs,
+            # No wait for company: the engine batches continuously, calls join the running batch (issue #12)
+            args=AgenticGRPOConfig(output_dir=f"{output_dir}/{folder}", max_turns=6, generation_batch_wait_ms=0.0,
+                                   **{**common, **overrides}),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+
+    ours = agentic("agentic")
     trl = GRPOTrainer(
         copy.deepcopy(model),
         reward_funcs=calculator_correct,
@@ -235,6 +259,7 @@ def benchmark(model_size: str, args) -> float:
         trainer.add_callback(timers[name])
         trainer.remove_callback(PrinterCallback)  # disable_tqdm=True would print every log dict
 
+    async_seconds, trl_block_seconds = [], []
     try:
         # One warm-up step each (lazy initialisation, first endpoint calls), then alternate, flipping the order
         for trainer in trainers.values():
@@ -243,6 +268,24 @@ def benchmark(model_size: str, args) -> float:
         for step in range(args.steps):
             for name in names if step % 2 == 0 else names[::-1]:
                 one_step(trainers[name])
+        # Asynchronous blocks, each followed by as many of TRL's steps (its timer keeps counting them separately)
+        for round_index in range(args.async_rounds):
+            ahead = agentic(f"async-{round_index}", async_rollouts=True, max_staleness=1, max_steps=args.async_steps)
+            ends = StepEnds()
+            ahead.add_callback(ends)
+            ahead.remove_callback(PrinterCallback)
+            try:
+                ahead.train()
+            finally:
+                ahead.close()
+            async_seconds.append((ends.ends[-1] - ends.ends[0]) / (len(ends.ends) - 1))
+            timer = timers[trl_name]
+            kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
+            for _ in range(args.async_steps):
+                one_step(trl)
+            trl_block_seconds.append(statistics.mean(timer.seconds[kept[0]:]))
+            # The table below is of the alternating steps only
+            del timer.seconds[kept[0]:], timer.cpu_seconds[kept[0]:], timer.logs[kept[1]:], counts[trl_name][kept[2]:]
     finally:
         ours.close()
 
@@ -299,7 +342,15 @@ def benchmark(model_size: str, args) -> float:
     print(f"ratio AgenticGRPOTrainer / GRPOTrainer(tools=...) seconds per step: {ratio:.2f}x (goal <= 1.10x); median "
           f"of the rounds' ratios {paired:.2f}x; CPU seconds per step {cpu_ratio:.2f}x (less sensitive to the load of "
           f"other processes)")
-    return ratio
+    if not async_seconds:
+        return ratio, None
+    async_ratio = statistics.mean(async_seconds) / statistics.mean(trl_block_seconds)
+    print(f"AgenticGRPOTrainer(async_rollouts=True, max_staleness=1), {args.async_rounds} blocks of "
+          f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in async_seconds) + " s/step; GRPOTrainer(tools="
+          "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_block_seconds) + f" s/step; ratio "
+          f"{async_ratio:.2f}x (goal <= 0.80x); median of the blocks' ratios "
+          f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x")
+    return ratio, async_ratio
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import json
 import os
+import time
 
 import pytest
 from openai.types.chat import ChatCompletion
@@ -32,6 +33,7 @@ from trl_agentic.tasks.files import (
     files_agent,
     files_correct,
 )
+from trl_agentic.tasks.latency import build_latency_dataset, make_latency_suite
 from trl_agentic.tasks.splits import sample_split, split_of
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
@@ -108,7 +110,7 @@ def demo_replies(demo):
 
 
 def test_get_task_bundled_and_import_path():
-    for name in ("calculator", "files"):
+    for name in ("calculator", "files", "latency"):
         suite = get_task(name)
         assert isinstance(suite, TaskSuite) and suite.name == name
     assert get_task("trl_agentic.tasks.calculator:CALCULATOR") is get_task("calculator")
@@ -481,14 +483,54 @@ def test_files_agent_cleans_up_when_the_client_fails(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_latency_agent_waits_on_its_tool_after_every_model_call():
+    suite = make_latency_suite(tool_latency=0.05)
+    task = {"prompt": build_latency_dataset("train", 1)[0]["prompt"], "readings": [4, 0, 7]}
+    client = ScriptedClient(
+        [tool_call_reply(("probe", "{}")), "I will wait.", tool_call_reply(("probe", "{}"), ("probe", "{}")),
+         "The sum is 11."],
+        probe=time.monotonic,
+    )
+    assert asyncio.run(suite.agent(client, task)) == "The sum is 11."
+    # One model call per reading and one for the answer, the tool's latency between each two
+    assert len(client.requests) == 4
+    assert all(later - earlier >= 0.05 for earlier, later in zip(client.probes, client.probes[1:]))
+    assert all(request["tools"] == suite.tools for request in client.requests)
+    after_prompt = client.requests[-1]["messages"][len(task["prompt"]):]
+    calls = [m["tool_calls"] for m in after_prompt if m["role"] == "assistant" and m.get("tool_calls")]
+    assert [(m["role"], m.get("content")) for m in after_prompt if m["role"] != "assistant"] == [
+        ("tool", "4"), ("user", "The probe ran: reading 0."), ("tool", "7"),
+        ("tool", "Error: the probe runs once per turn."),
+    ]
+    assert [m["tool_call_id"] for m in after_prompt if m["role"] == "tool"] == [
+        calls[0][0]["id"], calls[1][0]["id"], calls[1][1]["id"]
+    ]
+    episode = Episode(id="e", status="ok", result="The sum is 11.")
+    assert suite.reward_funcs[0](prompts=[None], completions=[[]], answer=["11"], episodes=[episode]) == [1.0]
+    assert not {"answer"} & set(suite.agent_columns)
+    with pytest.raises(ValueError, match="min_calls"):
+        make_latency_suite(min_calls=3, max_calls=2)
+    with pytest.raises(ValueError, match="tool_latency"):
+        make_latency_suite(tool_latency=-1)
+
+
+def test_latency_dataset_draws_two_to_four_readings_and_their_sum():
+    rows = build_latency_dataset("train", size=64, seed=1)
+    assert {len(r) for r in rows["readings"]} == {2, 3, 4}
+    assert all(row["answer"] == str(sum(row["readings"])) for row in rows)
+    assert all(f"{len(row['readings'])} times" in row["prompt"][-1]["content"] for row in rows)
+    train = {tuple(r) for r in build_latency_dataset("train", size=200, seed=0)["readings"]}
+    assert not train & {tuple(r) for r in build_latency_dataset("eval", size=50, seed=0)["readings"]}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Demonstrations
 
 
-@pytest.mark.parametrize("task_name", ["calculator", "files"])
+@pytest.mark.parametrize("task_name", ["calculator", "files", "latency"])
 def test_demonstrations_replayed_by_the_agent_score_full_marks(task_name, tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    suite = get_task(task_name)
+    suite = get_task(task_name) if task_name != "latency" else make_latency_suite(tool_latency=0.0)
     # The agent works from the columns its suite declares, none of the checker's (issue #9: `answer` leaked).
     assert not {"answer", "expected", "expression"} & set(suite.agent_columns)
     rows = suite.build_dataset("train", size=6, seed=3)
@@ -511,7 +553,7 @@ def test_demonstrations_replayed_by_the_agent_score_full_marks(task_name, tmp_pa
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "llama3_2"])
-@pytest.mark.parametrize("task_name", ["calculator", "files"])
+@pytest.mark.parametrize("task_name", ["calculator", "files", "latency"])
 def test_demonstrations_render_through_chat_templates(family, task_name):
     tokenizer = build_tiny_tokenizer(family)
     suite = get_task(task_name)

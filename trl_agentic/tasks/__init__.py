@@ -111,11 +111,12 @@ def build_difficulty_dataset(
 BUNDLED_TASKS: dict[str, str] = {
     "calculator": "trl_agentic.tasks.calculator:CALCULATOR",
     "files": "trl_agentic.tasks.files:FILES",
+    "latency": "trl_agentic.tasks.latency:LATENCY",
 }
 
 
 def get_task(name: str) -> TaskSuite:
-    """Resolve a task suite by bundled name (`"calculator"`, `"files"`) or import path `"pkg.module:attr"`.
+    """Resolve a task suite by bundled name (`"calculator"`, `"files"`, `"latency"`) or import path `"pkg.module:attr"`.
 
     Args:
         name: a bundled name, or the import path of a module-level [`TaskSuite`], e.g. `"my_tasks:SQL_SUITE"`.
