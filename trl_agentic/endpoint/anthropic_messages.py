@@ -1,9 +1,11 @@
 """`POST /v1/messages`: Anthropic's Messages API, as an adapter over `service.py`.
 
-What the `anthropic` SDK, LangChain's `ChatAnthropic` and Claude-Code-style harnesses speak. The episode key is
-accepted as `x-api-key` (what the SDK sends) or `Authorization: Bearer`; `anthropic-version` is accepted and ignored.
+What the `anthropic` SDK, LangChain's `ChatAnthropic` and Claude Code speak. The episode key is accepted as
+`x-api-key` (what the SDK sends) or `Authorization: Bearer`; `anthropic-version` and `anthropic-beta` are accepted and
+ignored, and so is a query string (Claude Code posts to `/v1/messages?beta=true`).
 `stream: true` emits Anthropic's events as the tokens are sampled: thinking and text blocks as their text comes,
-tool_use blocks once parsed (what is recorded is identical whether or not it streams); errors come as `{"type": "error", "error": {"type": ..., "message": ...}}` (`app.py`).
+tool_use blocks once parsed (what is recorded is identical whether or not it streams); errors come as
+`{"type": "error", "error": {"type": ..., "message": ...}}` (`app.py`).
 
 Messages → chat messages (so that the blocks we returned, sent back, are exactly the assistant message we recorded
 and the next prompt continues its tokens):
@@ -11,6 +13,7 @@ and the next prompt continues its tokens):
 | Anthropic                                      | chat message                                                  |
 |------------------------------------------------|---------------------------------------------------------------|
 | `system` (string or text blocks)               | a `system` message                                            |
+| a `system` message inside `messages`           | a `system` message at that position                           |
 | user `text` blocks                             | a `user` message (blocks joined by a newline)                 |
 | user `tool_result` (string or text blocks)     | a `tool` message (`is_error` kept in the recorded message)    |
 | assistant `thinking`                           | `reasoning_content` (a thinking model's `<think>` text)       |
@@ -20,7 +23,29 @@ and the next prompt continues its tokens):
 Answer blocks: `thinking` (when the model reasoned), `text` (when it wrote any), one `tool_use` per tool call;
 `stop_reason` `end_turn`, `tool_use`, `max_tokens` or `stop_sequence`. Images, documents and server tools are a 400
 (the policy reads text and calls the agent's own tools); so is a last assistant message (prefill), which this endpoint
-does not continue.
+does not continue, and a conversation without a user message.
+
+System messages inside `messages` (Claude Code's `mid-conversation-system` beta: it keeps one at index 1, after the
+task, for the whole episode) are rendered where they stand, as a `system` message at that position of the chat
+template's messages, the same way on every call: a later turn then extends the earlier one token for token. Moving
+them (to the top-level system, or to the end) would re-render the history and fork the episode at every turn. A
+template that refuses a system message past the first is answered 400 with the template's own message.
+
+Fields accepted and recorded with the turn (`Turn.requested_sampling`), but not applied, because what the policy
+sees and how it samples is the trainer's (DESIGN.md, decision 4) and a prompt the server edits could not continue
+token for token:
+
+- `thinking` (`enabled`, `disabled`, `adaptive`) and `output_config` (`effort`, ...): ignored. The chat template (with
+  the trainer's `chat_template_kwargs`) decides whether the model reasons; its reasoning comes back as `thinking`
+  blocks either way.
+- `context_management` (`edits` that clear old thinking or tool results): not applied. The prompt is the
+  conversation as sent; a harness that compacts its history itself shows as a fork.
+- `metadata` (`user_id`; Claude Code's is a JSON string holding its `session_id`): recorded only, a hint for lineage.
+- `cache_control` on blocks and tools: ignored (continuation is this endpoint's prompt cache).
+- `service_tier`, `container` and any other field: accepted and recorded.
+
+Each of `metadata`, `thinking`, `output_config` and `context_management` must be an object when present (400
+naming the field otherwise).
 """
 
 from __future__ import annotations
@@ -57,8 +82,9 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 
 class MessagesRequest(BaseModel):
-    """The request body of `POST /v1/messages`. Unknown fields (`metadata`, `thinking`, `service_tier`, ...) are
-    accepted and recorded; sampling is the trainer's."""
+    """The request body of `POST /v1/messages`. `metadata`, `thinking`, `output_config`, `context_management` and
+    unknown fields (`service_tier`, ...) are accepted and recorded, not applied (see the module docstring); sampling
+    is the trainer's."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
@@ -72,6 +98,10 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -164,15 +194,27 @@ def _tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) -> tup
 
 def chat_messages(system: str | list[dict] | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic `system` + messages as chat messages (see the module's table); 400 naming the block it cannot
-    take."""
+    take.
+
+    A system message inside `messages` stays where it stands (Claude Code keeps one after the task on every call):
+
+    ```python
+    >>> chat_messages("Brief.", [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Tip"}])
+    [{'role': 'system', 'content': 'Brief.'}, {'role': 'user', 'content': 'Hi'}, {'role': 'system', 'content': 'Tip'}]
+    ```
+    """
     out: list[dict[str, Any]] = []
     if system:
         out.append({"role": "system", "content": _text(system, "system")})
     for i, message in enumerate(messages):
         where = f"messages.{i}"
         role, content = message.get("role"), message.get("content")
-        if role not in ("user", "assistant"):
-            raise APIError(400, f"{where}.role must be 'user' or 'assistant', not {role!r}.", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise APIError(400, f"{where}.role must be 'user', 'assistant' or 'system', not {role!r}.",
+                           param=f"{where}.role")
+        if role == "system":
+            out.append({"role": "system", "content": _text(content, f"{where}.content")})
+            continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
             raise APIError(400, f"{where}.content must be a string or a list of content blocks.",
@@ -181,6 +223,9 @@ def chat_messages(system: str | list[dict] | None, messages: list[dict[str, Any]
             out.append(_assistant_message(blocks, where))
         else:
             out.extend(_user_messages(blocks, where))
+    if not any(message.get("role") == "user" for message in messages):
+        raise APIError(400, "The messages hold no user message: there is nothing to answer. Put the task in a user "
+                            "message (system messages alone are instructions).", param="messages")
     if messages[-1].get("role") == "assistant":
         raise APIError(400, "The last message is an assistant message (a prefill); this endpoint answers user turns "
                             "only: end with a user message.", param=f"messages.{len(messages) - 1}")
