@@ -16,21 +16,34 @@ sent back, are exactly the assistant message we recorded and the next prompt con
 | `function_call` (`call_id`, arguments) | a `tool_calls` entry of that assistant message            |
 | `function_call_output`                 | a `tool` message                                          |
 
-Output items: `reasoning` (a thinking model's `<think>` text, as `reasoning_text` content), `message` with one
+Output items: `reasoning` (a thinking model's `<think>` text, as `reasoning_text` content; with `include:
+["reasoning.encrypted_content"]` also as an opaque `encrypted_content` we can read back), `message` with one
 `output_text` part (always present unless the answer is tool calls only), one `function_call` per tool call.
+
+Tools, as Codex sends them (issue 31; recorded in tests/data/harness_requests/codex/): a `namespace` tool (Codex's
+sub-agent tools, `multi_agent_v1`) is flattened into one function per member, named as Codex itself names them for
+models without namespaces (`multi_agent_v1__spawn_agent`); a call of one is returned with its `namespace` and member
+`name` again, which is how Codex routes it, and an echoed call with a `namespace` is flattened back to the same name
+(so the history renders as sampled). Hosted tools (`web_search`, ...) run on OpenAI's servers: dropped with a warning
+and listed on the turn, or a 400, as `EndpointSettings.hosted_tools` says. `reasoning`, `include`, `store`,
+`prompt_cache_key`, `client_metadata` and other fields are accepted and recorded; sampling is the trainer's.
 
 `previous_response_id` works within an episode: the episode keeps what each stored response (`store` not false) added
 to the conversation, and a request naming one is that conversation + its own `input` (its own `instructions` only, as
-OpenAI does). Only function tools are served; images, files and audio are a 400 (the policy reads text).
+OpenAI does). Only function (and namespace) tools are served; images, files and audio are a 400 (the policy reads
+text).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import Request
@@ -42,6 +55,10 @@ from .sessions import EpisodeSession
 
 
 logger = logging.getLogger(__name__)
+
+# `encrypted_content` of our reasoning items: the text, readable back when a client echoes the item without it.
+ENCRYPTED_REASONING_PREFIX = "trl-agentic.reasoning.v1:"
+_warned_hosted_tools: set[str] = set()  # tool types whose dropping was logged at WARNING (once per process)
 
 
 class ResponsesRequest(BaseModel):
@@ -55,6 +72,7 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -78,8 +96,8 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
     if req.background:
         raise APIError(400, "Background responses are not supported by this endpoint.", param="background",
                        code="unsupported_parameter")
-    tools = chat_tools(req.tools)
-    tool_choice, forced = _tool_choice(req.tool_choice, tools)
+    tools = request_tools(req.tools, service.settings.hosted_tools)
+    tool_choice, forced = _tool_choice(req.tool_choice, tools.chat)
 
     history = _stored_conversation(session, req.previous_response_id)
     added = input_messages(req.input)
@@ -87,16 +105,19 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
     messages = system + history + added
     if not messages:
         raise APIError(400, "The request has no input: send 'input' (a string or a list of items).", param="input")
+    requested = req.model_dump(exclude_none=True, exclude={"input", "tools", "instructions"})
+    if tools.dropped:
+        requested["dropped_tools"] = tools.dropped
     conversation = Conversation(
         messages=messages,
-        tools=tools,
+        tools=tools.chat,
         tool_choice=tool_choice,
         forced_tool_name=forced,
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         top_logprobs=req.top_logprobs or 0,
-        requested=req.model_dump(exclude_none=True, exclude={"input", "tools", "instructions"}),
+        requested=requested,
         wire_format=RESPONSES,
         size=len(raw),
         split_reasoning=True,
@@ -108,9 +129,9 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
         completion = await service.complete(session, conversation, request)
         (choice,) = completion.choices
         _store(session, req, response_id, added, choice)
-        return response_body(req, response_id, created, output_items(choice), completion, choice)
+        return response_body(req, response_id, created, output_items(choice, req, tools), completion, choice)
     call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
-    events = _stream_events(service, call, service.stream(call, request), session, req, response_id, created, added)
+    events = _stream_events(service.stream(call, request), session, req, tools, response_id, created, added)
     return StreamingResponse(_sse(events), media_type="text/event-stream")
 
 
@@ -119,27 +140,104 @@ def _store(session: EpisodeSession, req: ResponsesRequest, response_id: str, add
         session.responses[response_id] = (req.previous_response_id, added + [choice.message])
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools (`{"type": "function", "name", "parameters", ...}`) in the chat-completions shape,
-    keys in the order the chat format sends them (templates render the schema as JSON, key order included)."""
-    if not tools:
-        return None
-    converted = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}] has type {tool.get('type')!r}; this endpoint serves function tools only "
-                                "(hosted tools such as web_search run on OpenAI's servers).", param=f"tools[{i}]",
+@dataclass
+class RequestTools:
+    """A request's `tools` as the model sees them.
+
+    Args:
+        chat: function tools in the chat-completions shape (`None`: no tools).
+        namespaced: flattened name -> (namespace, member name), for the members of `namespace` tools.
+        dropped: the types of the tools left out (hosted tools: `EndpointSettings.hosted_tools`), in request order.
+    """
+
+    chat: list[dict[str, Any]] | None = None
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+
+def namespaced_name(namespace: str, name: str) -> str:
+    """The function name a `namespace` tool's member `name` is shown to the model under: Codex's own flattening for
+    models without namespaces (`code_mode_name_for_tool_name` in codex-rs/tools/src/code_mode.rs).
+
+    Example:
+
+    ```python
+    >>> namespaced_name("multi_agent_v1", "spawn_agent")
+    'multi_agent_v1__spawn_agent'
+    >>> namespaced_name("mcp__docs__", "search")
+    'mcp__docs__search'
+    ```
+    """
+    if namespace.endswith("_") or name.startswith("_"):
+        return namespace + name
+    return f"{namespace}__{name}"
+
+
+def request_tools(tools: list[dict[str, Any]] | None, hosted_tools: str = "drop") -> RequestTools:
+    """Responses tools as chat-completions function tools (keys in the order the chat format sends them: templates
+    render the schema as JSON, key order included). `namespace` tools are flattened into their members; tools of
+    any other type (OpenAI's hosted tools: `web_search`, `file_search`, ...) cannot be served: dropped
+    (`hosted_tools="drop"`, logged and listed in `dropped`) or a 400."""
+    result = RequestTools()
+    converted: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        kind = tool.get("type")
+        if kind == "function":
+            converted.append(_chat_function(tool, where))
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace:
+                raise APIError(400, f"{where} (a namespace) needs a 'name'.", param=f"{where}.name")
+            members = tool.get("tools")
+            if not isinstance(members, list) or not members:
+                raise APIError(400, f"{where} (namespace {namespace!r}) needs 'tools', a list of function tools.",
+                               param=f"{where}.tools")
+            for j, member in enumerate(members):
+                inner = f"{where}.tools[{j}]"
+                if not isinstance(member, dict) or member.get("type") != "function":
+                    kind_j = member.get("type") if isinstance(member, dict) else None
+                    raise APIError(400, f"{inner} has type {kind_j!r}; a namespace holds function tools only.",
+                                   param=inner, code="unsupported_tool")
+                function = _chat_function(member, inner)
+                flat = namespaced_name(namespace, function["function"]["name"])
+                result.namespaced[flat] = (namespace, function["function"]["name"])
+                function["function"]["name"] = flat
+                converted.append(function)
+        elif hosted_tools == "drop" and isinstance(kind, str) and kind:
+            result.dropped.append(kind)
+        else:
+            raise APIError(400, f"{where} has type {kind!r}; this endpoint runs function and namespace tools only "
+                                "(hosted tools such as web_search run on OpenAI's servers: leave them out, or start "
+                                "the endpoint with hosted_tools='drop' to drop them with a warning).", param=where,
                            code="unsupported_tool")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise APIError(400, f"tools[{i}] needs a 'name'.", param=f"tools[{i}].name")
-        function = {"name": tool["name"]}
-        for key in ("description", "parameters", "strict"):
-            if tool.get(key) is not None:
-                function[key] = tool[key]
-        if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise APIError(400, f"tools[{i}].parameters must be a JSON schema object.", param=f"tools[{i}].parameters")
-        converted.append({"type": "function", "function": function})
-    return converted
+    names = [t["function"]["name"] for t in converted]
+    if len(set(names)) < len(names):
+        duplicate = next(name for name in names if names.count(name) > 1)
+        raise APIError(400, f"Two tools are named {duplicate!r} (namespace members are named "
+                            "'<namespace>__<name>'); tool names must be unique.", param="tools")
+    for kind in result.dropped:
+        level = logging.DEBUG if kind in _warned_hosted_tools else logging.WARNING
+        _warned_hosted_tools.add(kind)
+        logger.log(level, "Dropped a tool of type %r from a Responses request: this endpoint runs function and "
+                          "namespace tools only, so the model does not see it (listed on each turn as "
+                          "requested_sampling['dropped_tools']; EndpointSettings(hosted_tools='reject') refuses such "
+                          "requests instead).", kind)
+    result.chat = converted or None
+    return result
+
+
+def _chat_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A Responses function tool (`{"type": "function", "name", "parameters", ...}`) in the chat shape."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(400, f"{where} needs a 'name'.", param=f"{where}.name")
+    function = {"name": tool["name"]}
+    for key in ("description", "parameters", "strict"):
+        if tool.get(key) is not None:
+            function[key] = tool[key]
+    if "parameters" in function and not isinstance(function["parameters"], dict):
+        raise APIError(400, f"{where}.parameters must be a JSON schema object.", param=f"{where}.parameters")
+    return {"type": "function", "function": function}
 
 
 def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[str | None, str | None]:
@@ -200,14 +298,21 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = _text(parts, f"{where}.content", separator="\n\n")
+            if not reasoning:  # a client that sends back only the opaque copy (Codex's own serializer can)
+                reasoning = _decrypted_reasoning(item.get("encrypted_content"), f"{where}.encrypted_content")
             if reasoning:
                 open_assistant("content", "tool_calls", "reasoning_content")["reasoning_content"] = reasoning
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise APIError(400, f"{where} (a function_call) needs '{key}' as a string.", param=f"{where}.{key}")
+            name = item["name"]
+            if item.get("namespace") is not None:
+                if not isinstance(item["namespace"], str) or not item["namespace"]:
+                    raise APIError(400, f"{where}.namespace must be a non-empty string.", param=f"{where}.namespace")
+                name = namespaced_name(item["namespace"], name)  # as the model sampled it
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+                    "function": {"name": name, "arguments": item["arguments"]}}
             open_assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
@@ -223,6 +328,24 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if message["role"] == "assistant" and message["content"] is None and not message.get("tool_calls"):
             message["content"] = ""
     return messages
+
+
+def encrypted_reasoning(text: str) -> str:
+    """The `encrypted_content` of a reasoning item: opaque to the client, the text to us (nothing here is secret: the
+    agent's own history; what matters is that a client which sends back only this gets its reasoning rendered)."""
+    return ENCRYPTED_REASONING_PREFIX + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def _decrypted_reasoning(value: Any, where: str) -> str:
+    """The text of an `encrypted_content` we issued; `""` for anyone else's (OpenAI's: unreadable, left out)."""
+    if not isinstance(value, str) or not value.startswith(ENCRYPTED_REASONING_PREFIX):
+        return ""
+    try:
+        encoded = value[len(ENCRYPTED_REASONING_PREFIX):].encode("ascii")
+        return base64.b64decode(encoded, altchars=b"-_", validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        raise APIError(400, f"{where} is not an encrypted_content this endpoint issued (it was altered).",
+                       param=where) from None
 
 
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
@@ -248,9 +371,11 @@ def _text(content: Any, where: str, separator: str = "") -> str:
     return separator.join(texts)
 
 
-def output_items(choice: Choice, streamed: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """The output items of one answer: reasoning, message (unless only tool calls), function calls. `streamed` are the
-    reasoning / message items a stream already opened, in their order: they keep their ids and places."""
+def output_items(choice: Choice, req: ResponsesRequest, tools: RequestTools,
+                 streamed: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The output items of one answer: reasoning, message (unless only tool calls), function calls (a namespace
+    member's with its `namespace` and member `name`). `streamed` are the reasoning / message items a stream already
+    opened, in their order: they keep their ids and places."""
     message = choice.message
     items: list[dict[str, Any]] = []
     texts = {"reasoning": message.get("reasoning_content"), "message": message.get("content")}
@@ -262,18 +387,26 @@ def output_items(choice: Choice, streamed: list[dict[str, Any]] = ()) -> list[di
     ids = {item["type"]: item["id"] for item in streamed}
     for kind in kinds:
         if kind == "reasoning":
-            items.append({"type": "reasoning", "id": ids.get(kind, f"rs_{uuid.uuid4().hex}"), "summary": [],
-                          "content": [{"type": "reasoning_text", "text": texts["reasoning"] or ""}],
-                          "status": "completed"})
+            items.append(_reasoning_item(ids.get(kind, f"rs_{uuid.uuid4().hex}"), texts["reasoning"] or "", req))
         else:
             items.append({"type": "message", "id": ids.get(kind, f"msg_{uuid.uuid4().hex}"), "status": "completed",
                           "role": "assistant", "content": [{"type": "output_text", "text": texts["message"] or "",
                                                             "annotations": [], "logprobs": []}]})
     for call in calls:
-        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
+        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+        if item["name"] in tools.namespaced:  # how Codex routes it: by namespace and member name
+            item["namespace"], item["name"] = tools.namespaced[item["name"]]
+        items.append(item)
     return items
+
+
+def _reasoning_item(item_id: str, text: str, req: ResponsesRequest) -> dict[str, Any]:
+    item = {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
+    if "reasoning.encrypted_content" in (req.include or ()):
+        item["encrypted_content"] = encrypted_reasoning(text)
+    return item
 
 
 def response_body(req: ResponsesRequest, response_id: str, created: int, output: list[dict],
@@ -290,7 +423,8 @@ def response_body(req: ResponsesRequest, response_id: str, created: int, output:
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
         "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "reasoning": None, "store": req.store is not False,
+        "previous_response_id": req.previous_response_id, "reasoning": (req.model_extra or {}).get("reasoning"),
+        "store": req.store is not False,
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "top_p": req.top_p if req.top_p is not None else 1.0, "text": {"format": {"type": "text"}},
         "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
@@ -298,8 +432,8 @@ def response_body(req: ResponsesRequest, response_id: str, created: int, output:
     }
 
 
-async def _stream_events(service: CompletionService, call, answer: AsyncIterator, session: EpisodeSession,
-                         req: ResponsesRequest, response_id: str, created: int, added: list[dict]):
+async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: ResponsesRequest, tools: RequestTools,
+                         response_id: str, created: int, added: list[dict]):
     """The Responses event sequence, as the answer is sampled: `response.created`, then a reasoning item and a
     message item opened as their text starts (one at a time, in the order the text comes), function calls once
     parsed, `response.completed` (or `.incomplete`) with the same items."""
@@ -325,7 +459,7 @@ async def _stream_events(service: CompletionService, call, answer: AsyncIterator
             done = {**item, "status": "completed", "content": [part]}
         else:
             yield event("response.reasoning_text.done", **ids, content_index=0, text=text)
-            done = {**item, "status": "completed", "content": [{"type": "reasoning_text", "text": text}]}
+            done = _reasoning_item(item["id"], text, req)
         yield event("response.output_item.done", output_index=len(opened) - 1, item=done)
 
     def open_(kind):
@@ -370,7 +504,7 @@ async def _stream_events(service: CompletionService, call, answer: AsyncIterator
         return
     (choice,) = completion.choices
     _store(session, req, response_id, added, choice)
-    output = output_items(choice, opened)
+    output = output_items(choice, req, tools, opened)
     for index, item in enumerate(output):
         if index < len(opened):
             if index == len(opened) - 1:

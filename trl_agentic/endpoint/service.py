@@ -79,6 +79,10 @@ class EndpointSettings:
         max_open_episodes: most episodes open at once; opening one more is answered 429 (`None`: no cap).
         episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
             (`None`: never); its trace stays retrievable through the admin routes for a while.
+        hosted_tools: what the Responses route does with a tool only OpenAI's servers run (`web_search`,
+            `file_search`, ...): `"drop"` it with a logged warning, listed on the turn as
+            `requested_sampling["dropped_tools"]` (the default: harnesses such as Codex send `web_search` unasked),
+            or `"reject"` the request with a 400.
     """
 
     served_model_names: list[str] = field(default_factory=lambda: [SERVED_MODEL_NAME])
@@ -89,8 +93,11 @@ class EndpointSettings:
     default_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     max_open_episodes: int | None = None
     episode_idle_timeout: float | None = None
+    hosted_tools: str = "drop"
 
     def __post_init__(self):
+        if self.hosted_tools not in ("drop", "reject"):
+            raise ValueError(f"hosted_tools must be 'drop' or 'reject', not {self.hosted_tools!r}.")
         # An empty token matched a request that sends none: the admin routes were open to anyone (issue 29, N6).
         if not isinstance(self.admin_token, str) or not self.admin_token.strip():
             raise ValueError(f"admin_token is empty ({self.admin_token!r}): the admin routes would be open to any "
