@@ -42,6 +42,7 @@ from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
+from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
 from .rollout.producer import RolloutProducer
 from .rollout.rows import Row, episode_to_rows
@@ -1010,6 +1011,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         except Exception as error:
+            release_episodes(self.agent, [example["episodes"] for example in inputs])
             # A reward function that raises stops the run, as in TRL: an error in the checker must not pass as a
             # score. The step's episodes are logged first (issue 29, N4): they are what to read to fix it.
             episodes = [example["episodes"] for example in inputs]
@@ -1019,6 +1021,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 logger.error(f"A reward function raised at step {self.state.global_step}; the step's "
                              f"{len(episodes)} episodes are in {self._episode_log_path()} (`reward_error`).")
             raise
+        # Scored: what the agent kept for the reward functions (a harness's workspaces) can go.
+        release_episodes(self.agent, [example["episodes"] for example in inputs])
         # Keep the local slice per episode for the episode log (TRL gathers across processes).
         start = self.accelerator.process_index * len(prompts)
         local = rewards_per_func[start : start + len(prompts)]

@@ -46,6 +46,7 @@ from .endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, buil
 from .generation.engine import derive_seed
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
+from .rollout.harnesses import release_episodes
 from .rollout.runner import run_episode, run_rollout
 from .tasks import TaskSuite, get_task
 from .trace import EPISODE_STATUSES, Episode
@@ -479,7 +480,10 @@ class Evaluator:
         """
         started = time.monotonic()
         episodes = self.run(model, seed)
-        rewards, per_func, logged = self.score(episodes)
+        try:
+            rewards, per_func, logged = self.score(episodes)
+        finally:
+            release_episodes(self.agent, episodes)  # scored: a harness's workspaces can go
         summary = self.summarize(episodes, rewards, per_func)
         if logged:
             summary["logged_metrics"] = {name: _mean(values) for name, values in logged.items()}

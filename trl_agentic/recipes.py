@@ -32,6 +32,7 @@ from trl import ModelConfig, TrlParser
 from .agentic_grpo_config import AgenticGRPOConfig
 from .imports import import_object
 from .rollout.agents import CommandAgent
+from .rollout.harnesses import Harness
 from .tasks import TaskSuite
 from .rewards import cut_off_penalty
 from .tasks.calculator import calculator_correct
@@ -83,7 +84,8 @@ class ScriptArguments:
             `TaskSuite`. It supplies the dataset, the agent and the reward functions.
         agent (`str`, *optional*):
             Import path `"pkg.module:attr"` of an agent callable (`async def agent(client, task)`) that replaces the
-            task's own agent.
+            task's own agent, or `"harness:<preset>"` for a CLI coding agent (`trl_agentic.rollout.harnesses`, e.g.
+            `"harness:mini-swe-agent"`).
         agent_command (`str`, *optional*):
             Shell command run once per episode as the agent (it gets `OPENAI_BASE_URL`, `OPENAI_API_KEY` and the task
             as JSON). Mutually exclusive with `agent`.
@@ -106,7 +108,8 @@ class ScriptArguments:
         metadata={"help": "Task suite: a bundled name ('calculator', 'files') or an import path 'pkg.module:attr'."}
     )
     agent: str | None = field(
-        default=None, metadata={"help": "Import path 'pkg.module:attr' of an agent replacing the task's agent."}
+        default=None, metadata={"help": "Import path 'pkg.module:attr' of an agent replacing the task's agent, or "
+                                        "'harness:<preset>' for a CLI coding agent (e.g. harness:mini-swe-agent)."}
     )
     agent_command: str | None = field(
         default=None, metadata={"help": "Shell command run per episode as the agent (exclusive with --agent)."}
@@ -220,6 +223,8 @@ def agent_from_recipe(script_args: ScriptArguments, task: TaskSuite) -> Any:
     """
     if script_args.agent_command is not None:
         return CommandAgent(script_args.agent_command)
+    if script_args.agent is not None and script_args.agent.startswith("harness:"):
+        return Harness(script_args.agent.removeprefix("harness:"))  # a CLI coding agent's preset
     if script_args.agent is not None:
         agent = import_object(script_args.agent)
         if not callable(agent):

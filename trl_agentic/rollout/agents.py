@@ -254,27 +254,35 @@ class CommandAgent:
             cwd=self.cwd,
             start_new_session=True,  # own process group, so everything it started can be killed
         )
-        stdout, stderr = bytearray(), bytearray()
-        readers = [asyncio.ensure_future(_read_tail(process.stdout, stdout, COMMAND_STDOUT_LIMIT)),
-                   asyncio.ensure_future(_read_tail(process.stderr, stderr, COMMAND_STDERR_LIMIT))]
-        writer = asyncio.ensure_future(_feed(process.stdin, task_json.encode()))
-        try:
-            # The command's own exit ends the episode, not the end of its output: a background child holding stdout
-            # used to hide the result until the timeout (issue #9). What it printed before exiting is in the pipe.
-            await _exited(process)
-            _, held = await asyncio.wait(readers, timeout=COMMAND_OUTPUT_GRACE_S)
-        finally:
-            _kill_group(process)  # what it left running, or everything on a timeout
-            for task_ in (*readers, writer):
-                task_.cancel()
-            await _exited(process)
-        out, err = stdout.decode(errors="replace"), stderr.decode(errors="replace")
-        metadata = {"exit_code": process.returncode, "stderr_tail": err[-2000:]}
+        returncode, out, err, held = await run_process(process, task_json.encode())
+        metadata = {"exit_code": returncode, "stderr_tail": err[-2000:]}
         if held:
             metadata["left_processes_killed"] = True
-        if process.returncode != 0:
-            raise AgentCrash(f"command exited with status {process.returncode}", metadata)
+        if returncode != 0:
+            raise AgentCrash(f"command exited with status {returncode}", metadata)
         return {"result": _last_json_line(out), **metadata}
+
+
+async def run_process(process: asyncio.subprocess.Process, stdin: bytes | None = None) -> tuple[int, str, str, bool]:
+    """Wait for a process started in its own session (`start_new_session=True`) and read its output:
+    `(returncode, stdout tail, stderr tail, whether something it left running held its pipes)`. Its whole process
+    group is killed when it exits, and when this is cancelled (the episode's timeout)."""
+    stdout, stderr = bytearray(), bytearray()
+    readers = [asyncio.ensure_future(_read_tail(process.stdout, stdout, COMMAND_STDOUT_LIMIT))]
+    if process.stderr is not None:
+        readers.append(asyncio.ensure_future(_read_tail(process.stderr, stderr, COMMAND_STDERR_LIMIT)))
+    writers = [asyncio.ensure_future(_feed(process.stdin, stdin))] if process.stdin is not None and stdin else []
+    try:
+        # The command's own exit ends the episode, not the end of its output: a background child holding stdout
+        # used to hide the result until the timeout (issue #9). What it printed before exiting is in the pipe.
+        await _exited(process)
+        _, held = await asyncio.wait(readers, timeout=COMMAND_OUTPUT_GRACE_S)
+    finally:
+        _kill_group(process)  # what it left running, or everything on a timeout
+        for task_ in (*readers, *writers):
+            task_.cancel()
+        await _exited(process)
+    return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), bool(held)
 
 
 async def _exited(process: asyncio.subprocess.Process) -> int:

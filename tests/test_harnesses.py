@@ -1,0 +1,164 @@
+"""CLI coding harnesses as episode agents (issue 31): `Harness(...)` finds the program, gives each episode a workspace
+and home of its own, points the harness at the episode, records its exit and files, and removes the workspace once
+the episode is scored.
+
+The end-to-end tests run the real harness (installed from its registry; `.ci/run` installs them) against the real
+endpoint, driven by a scripted engine that answers with the harness's own tool calls. Without the harness they skip
+and say how to install it.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_agentic.rollout.agents import EpisodeContext
+from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessNotFoundError, HarnessPreset
+from trl_agentic.rollout.runner import run_episodes
+from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.trace import Episode
+
+from conftest import ScriptedEngine
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+def tool_call(name, arguments):
+    """A tool call as the qwen2_5 template writes it (what the endpoint parses back into `tool_calls`)."""
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+def test_an_unknown_preset_or_a_missing_program_says_what_to_do(monkeypatch):
+    with pytest.raises(ValueError, match="presets are.*mini-swe-agent"):
+        Harness("mini-swe")
+    monkeypatch.setenv("TRL_AGENTIC_MINI_SWE_AGENT_BIN", "/nonexistent/mini")
+    with pytest.raises(HarnessNotFoundError, match=r"pip install mini-swe-agent.*TRL_AGENTIC_MINI_SWE_AGENT_BIN"):
+        Harness("mini-swe-agent").find_binary()
+    assert Harness("mini-swe-agent", binary=sys.executable).find_binary() == shutil.which(sys.executable)
+
+
+# A harness of our own, a real program run by the same machinery as the presets: it calls the endpoint with the
+# official `openai` client from the environment the preset gives it, writes what the model said into the workspace,
+# and reports its HOME and environment.
+FAKE_HARNESS = r"""
+import json, os, pathlib, sys, time
+import openai
+task = sys.argv[1]
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task}])
+pathlib.Path("answer.txt").write_text(reply.choices[0].message.content)
+print(json.dumps({"home": os.environ["HOME"], "cwd": os.getcwd(), "secret": os.environ.get("HF_TOKEN"),
+                  "seed_file": pathlib.Path("notes/seed.txt").read_text() if pathlib.Path("notes/seed.txt").exists() else None}))
+if "crash" in task:
+    sys.exit(3)
+if "hang" in task:
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def fake_preset(tmp_path, monkeypatch):
+    script = tmp_path / "fake_harness.py"
+    script.write_text(FAKE_HARNESS)
+
+    def prepare(binary, task, context, work, home):
+        (home / ".fake").write_text("config")
+        return [binary, str(script), task], {"OPENAI_BASE_URL": context.base_url, "OPENAI_API_KEY": context.api_key}
+
+    monkeypatch.setitem(HARNESS_PRESETS, "fake", HarnessPreset(Path(sys.executable).name, "nothing", prepare))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the episodes' directories are made
+    return tmp_path
+
+
+def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_scored(fake_preset, tokenizer,
+                                                                                       start_server):
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: "42"), tokenizer)
+    harness = Harness("fake", binary=sys.executable, files_column="files")
+    tasks = [{"prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "Write 42."}],
+              "files": json.dumps({"notes/seed.txt": "seed"})}]
+    [episode] = asyncio.run(run_episodes(server, harness, tasks, timeout=60))
+    assert episode.status == "ok", episode.error
+    result = episode.result
+    assert result["harness"] == "fake" and result["exit_code"] == 0
+    assert result["files"] == {"answer.txt": "42", "notes/seed.txt": "seed"}
+    report = json.loads(result["output"].strip().splitlines()[-1])
+    work = Path(result["workspace"])
+    assert report == {"home": str(work.parent / "home"), "cwd": str(work), "secret": None, "seed_file": "seed"}
+    assert (work.parent / "home" / ".fake").read_text() == "config"  # its config in its own home
+    # The model saw the task's last user message, nothing of the dataset's system prompt
+    assert [m["content"] for m in episode.messages] == ["Write 42.", "42"]
+    harness.release([episode])
+    assert not work.parent.exists()
+    assert list(fake_preset.glob("trl-agentic-fake-*")) == []
+
+
+def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer,
+                                                                                start_server):
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: "no"), tokenizer)
+    harness = Harness("fake", binary=sys.executable)
+    tasks = [{"prompt": "crash now"}, {"prompt": "hang for ever"}, {"prompt": "fine"}]
+    crashed, hung, fine = asyncio.run(run_episodes(server, harness, tasks, timeout=8))
+    assert crashed.status == "agent_error" and "exited with status 3" in crashed.error
+    assert hung.status == "timeout"
+    assert fine.status == "ok"
+    harness.release([crashed, hung, fine])
+    assert list(fake_preset.glob("trl-agentic-fake-*")) == []  # failed episodes' directories went at once
+
+
+def test_kept_workspaces_stay_after_scoring(fake_preset, tokenizer, start_server):
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: "7"), tokenizer)
+    harness = Harness("fake", binary=sys.executable, keep_workspaces=True)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Write 7."}], timeout=60))
+    harness.release([episode])
+    assert (Path(episode.result["workspace"]) / "answer.txt").read_text() == "7"
+
+
+# The real harnesses
+
+
+def harness_or_skip(name):
+    harness = Harness(name)
+    try:
+        harness.find_binary()
+    except HarnessNotFoundError as error:
+        pytest.skip(str(error))
+    return harness
+
+
+def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
+    harness = harness_or_skip("mini-swe-agent")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    replies = iter([
+        "I will write the file.\n" + tool_call("bash", {"command": "echo 42 > answer.txt"}),
+        "Done.\n" + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+    ])
+    engine = ScriptedEngine(tokenizer, lambda ids: next(replies, "Nothing more."), max_context_length=32768)
+    server = start_server(engine, tokenizer)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
+                                         timeout=120))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert len(episode.turns) == 2 and episode.num_forks == 0
+    assert episode.turns[1].prompt_source == "continued"  # token-in continuation: the second call extends the first
+    assert "Create a file answer.txt containing 42." in episode.messages[1]["content"]
+    assert episode.num_tool_calls == 2
+    harness.release([episode])
+    assert list(tmp_path.glob("trl-agentic-mini-swe-agent-*")) == []
+
+
+def test_a_recipe_names_a_harness_by_its_preset():
+    from trl_agentic.recipes import ScriptArguments, agent_from_recipe
+    from trl_agentic.tasks import get_task
+
+    agent = agent_from_recipe(ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator"))
+    assert isinstance(agent, Harness) and agent.name == "mini-swe-agent"
+    with pytest.raises(ValueError, match="presets are"):
+        agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))

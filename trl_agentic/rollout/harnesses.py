@@ -1,0 +1,248 @@
+"""CLI coding agents, unmodified, as episode agents: `Harness("mini-swe-agent")`.
+
+A harness is a program people run themselves (a coding CLI). For each episode [`Harness`]:
+
+1. makes a fresh directory with a `work/` folder (the workspace, filled from the task's `files_column` if given) and a
+   `home/` folder (the harness's `HOME`: its configuration is written there, never into the user's own);
+2. writes the preset's configuration (telemetry, auto-update and analytics off, headless permissions), points the
+   harness at the episode's endpoint URL and key through its documented settings, and gives it the task on its command
+   line;
+3. runs it in its own process group with a minimal environment (no trainer secrets, as [`CommandAgent`]); when it
+   exits, or its episode times out, the whole group is killed;
+4. returns `{"harness", "exit_code", "output", "workspace", "files"}`: its exit status, the tail of its output, the
+   workspace's path (a checker can run tests in it) and a snapshot of the workspace's small text files (kept in the
+   episode log after the workspace is gone). A non-zero exit ends the episode as `agent_error`.
+
+The workspace is removed once the reward functions have scored the episode (the trainer and the evaluator call
+`release(episodes)`), or at once when the harness failed; `keep_workspaces=True` keeps them all (for the viewer or a
+post-mortem).
+
+Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`. Each says how the harness is found (`binary=`, the
+`TRL_AGENTIC_<NAME>_BIN` environment variable, or its executable on `PATH`) and installed; a harness that is not found
+is a `HarnessNotFoundError` that says how to install it or where to point.
+
+Example:
+
+```python
+>>> trainer = AgenticGRPOTrainer(model, agent=Harness("mini-swe-agent", files_column="files"), reward_funcs=[tests_pass],
+...                              args=AgenticGRPOConfig(agent_columns=["prompt", "files"]), train_dataset=dataset)
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .agents import AgentCrash, EpisodeContext, command_environment, run_process
+
+
+class HarnessNotFoundError(ValueError):
+    """The harness's executable is not installed where it was looked for."""
+
+
+@dataclass(frozen=True)
+class HarnessPreset:
+    """How to run one harness headless against an episode.
+
+    Args:
+        executable: the program's name on `PATH`.
+        install: how a user installs it (said when it is not found).
+        prepare: `prepare(binary, task_text, context, work, home) -> (argv, env)`: writes the harness's configuration
+            under `home` and returns its command line and the environment variables it needs (on top of the minimal
+            environment, with `HOME=home`).
+    """
+
+    executable: str
+    install: str
+    prepare: Callable[[str, str, EpisodeContext, Path, Path], tuple[list[str], dict[str, str]]]
+
+
+def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
+    # mini-swe-agent 2.x: litellm with an `openai/<model>` name reads OPENAI_BASE_URL / OPENAI_API_KEY; its global
+    # config (`.env`) lives in MSWEA_GLOBAL_CONFIG_DIR, and MSWEA_CONFIGURED skips its first-run setup wizard.
+    config_dir = home / ".config" / "mini-swe-agent"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        binary, "--yolo", "--exit-immediately", "--task", task, "--model", f"openai/{context.model}",
+        "--output", str(home / "trajectory.json"),
+        "--config", "mini.yaml", "--config", "agent.cost_limit=0", "--config", "agent.step_limit=0",
+    ]
+    env = {
+        "OPENAI_BASE_URL": context.base_url, "OPENAI_API_BASE": context.base_url, "OPENAI_API_KEY": context.api_key,
+        "MSWEA_GLOBAL_CONFIG_DIR": str(config_dir), "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1",
+        "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no price-list download
+    }
+    return argv, env
+
+
+HARNESS_PRESETS: dict[str, HarnessPreset] = {
+    "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
+}
+
+SNAPSHOT_FILE_LIMIT = 64 << 10  # bytes: larger files are listed with their size, not their text
+SNAPSHOT_TOTAL_LIMIT = 1 << 20
+OUTPUT_TAIL = 4000  # characters of the harness's output kept in the result
+
+
+@dataclass
+class Harness:
+    """A CLI coding agent run headless once per episode, in a workspace and home of its own.
+
+    Args:
+        name: a preset of `HARNESS_PRESETS`, e.g. `"mini-swe-agent"`.
+        binary: the executable to run (default: `$TRL_AGENTIC_<NAME>_BIN`, else the preset's executable on `PATH`).
+        args: extra command-line arguments, appended to the preset's.
+        env: extra environment variables for the harness.
+        task_column: the task column holding its instructions: text, or a conversational prompt (its last user
+            message is the task; the harness brings its own system prompt).
+        files_column: a task column with the workspace's initial files, `{relative path: text}` (or that as JSON).
+            Name it in `AgenticGRPOConfig.agent_columns` too.
+        keep_workspaces: keep every episode's directory instead of removing it after scoring.
+        inherit_env: names of the trainer's environment variables the harness also gets (`True`: all, an opt-in).
+
+    Example:
+
+    ```python
+    >>> Harness("mini-swe-agent", binary="/opt/mini/bin/mini").name
+    'mini-swe-agent'
+    ```
+    """
+
+    name: str
+    binary: str | None = None
+    args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    task_column: str = "prompt"
+    files_column: str | None = None
+    keep_workspaces: bool = False
+    inherit_env: bool | Sequence[str] = ()
+
+    def __post_init__(self):
+        if self.name not in HARNESS_PRESETS:
+            raise ValueError(f"Unknown harness {self.name!r}; the presets are {sorted(HARNESS_PRESETS)}.")
+        self.preset = HARNESS_PRESETS[self.name]
+
+    @property
+    def binary_env_var(self) -> str:
+        return "TRL_AGENTIC_" + self.name.upper().replace("-", "_") + "_BIN"
+
+    def find_binary(self) -> str:
+        """The executable to run, or a `HarnessNotFoundError` saying how to install it or where to point."""
+        candidate = self.binary or os.environ.get(self.binary_env_var) or self.preset.executable
+        found = shutil.which(candidate)
+        if found is None:
+            where = f"{candidate!r} is not an executable" if self.binary or os.environ.get(self.binary_env_var) \
+                else f"{candidate!r} is not on PATH"
+            raise HarnessNotFoundError(
+                f"Harness {self.name!r} not found: {where}. Install it ({self.preset.install}), or point at it with "
+                f"Harness({self.name!r}, binary=...) or ${self.binary_env_var}."
+            )
+        return found
+
+    def task_text(self, task: dict[str, Any]) -> str:
+        if self.task_column not in task:
+            raise ValueError(f"The task has no {self.task_column!r} column (it has {sorted(task)}); set "
+                             "Harness(task_column=...) and list that column in AgenticGRPOConfig.agent_columns.")
+        value = task[self.task_column]
+        if isinstance(value, str):
+            return value
+        users = [m for m in value if m.get("role") == "user"]
+        if not users:
+            raise ValueError(f"The task's {self.task_column!r} holds no user message to give the harness.")
+        content = users[-1]["content"]
+        return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
+
+    async def run(self, context: EpisodeContext, task: dict[str, Any]) -> dict[str, Any]:
+        binary = self.find_binary()
+        root = Path(tempfile.mkdtemp(prefix=f"trl-agentic-{self.name}-"))
+        work, home = root / "work", root / "home"
+        work.mkdir()
+        home.mkdir()
+        try:
+            self._write_files(work, task)
+            argv, preset_env = self.preset.prepare(binary, self.task_text(task), context, work, home)
+            env = {**command_environment(self.inherit_env), **preset_env, **self.env, "HOME": str(home),
+                   "TMPDIR": str(root)}
+            process = await asyncio.create_subprocess_exec(
+                *argv, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, env=env, cwd=work, start_new_session=True,
+            )
+            returncode, output, _, held = await run_process(process)
+        except BaseException:
+            self._remove(root)  # a failed start, a timeout (cancelled) or a crash: nothing will score this episode
+            raise
+        metadata = {"exit_code": returncode, "output_tail": output[-OUTPUT_TAIL:]}
+        if held:
+            metadata["left_processes_killed"] = True
+        if returncode != 0:
+            self._remove(root)
+            raise AgentCrash(f"harness {self.name!r} exited with status {returncode}", metadata)
+        return {"harness": self.name, "exit_code": returncode, "output": output[-OUTPUT_TAIL:],
+                "workspace": str(work), "files": snapshot(work), **({"left_processes_killed": True} if held else {})}
+
+    def release(self, episodes: Sequence[Any]) -> None:
+        """Remove the workspaces of scored episodes (called by the trainer and the evaluator after the reward
+        functions), unless `keep_workspaces`."""
+        if self.keep_workspaces:
+            return
+        for episode in episodes:
+            result = getattr(episode, "result", None)
+            if isinstance(result, dict) and result.get("harness") == self.name and result.get("workspace"):
+                self._remove(Path(result["workspace"]).parent)
+
+    def _write_files(self, work: Path, task: dict[str, Any]) -> None:
+        if self.files_column is None:
+            return
+        files = task.get(self.files_column)
+        if files is None:
+            raise ValueError(f"Harness(files_column={self.files_column!r}): the task has no such column; list it in "
+                             "AgenticGRPOConfig.agent_columns.")
+        if isinstance(files, str):
+            files = json.loads(files)
+        for relative, text in files.items():
+            path = PurePosixPath(relative)
+            if path.is_absolute() or ".." in path.parts:
+                raise ValueError(f"Workspace file {relative!r} must be a relative path inside the workspace.")
+            target = work.joinpath(*path.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+
+    def _remove(self, root: Path) -> None:
+        if not self.keep_workspaces:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def snapshot(work: Path) -> dict[str, Any]:
+    """The workspace's files: `{relative path: text}` for small UTF-8 files, `{"size": n}` for the others."""
+    files: dict[str, Any] = {}
+    total = 0
+    for path in sorted(p for p in work.rglob("*") if p.is_file() and not p.is_symlink()):
+        relative = path.relative_to(work).as_posix()
+        size = path.stat().st_size
+        if size <= SNAPSHOT_FILE_LIMIT and total + size <= SNAPSHOT_TOTAL_LIMIT:
+            try:
+                files[relative] = path.read_text(encoding="utf-8")
+                total += size
+                continue
+            except UnicodeDecodeError:
+                pass
+        files[relative] = {"size": size}
+    return files
+
+
+def release_episodes(agent: Any, episodes: Sequence[Any]) -> None:
+    """Let an agent free what it kept for the reward functions (a harness's workspaces), once they have scored."""
+    release = getattr(agent, "release", None)
+    if callable(release):
+        release(episodes)
+
+
+__all__ = ["HARNESS_PRESETS", "Harness", "HarnessNotFoundError", "HarnessPreset", "release_episodes", "snapshot"]
