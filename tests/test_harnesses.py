@@ -162,3 +162,42 @@ def test_a_recipe_names_a_harness_by_its_preset():
     assert isinstance(agent, Harness) and agent.name == "mini-swe-agent"
     with pytest.raises(ValueError, match="presets are"):
         agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
+
+
+def test_claude_code_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
+    harness = harness_or_skip("claude-code")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    call = {"command": "echo 42 > answer.txt", "description": "Write 42 to answer.txt"}
+
+    def respond(prompt_ids):
+        after_tool = "</tool_response>" in tokenizer.decode(prompt_ids[-40:])  # the prompt ends with a tool result
+        return "Done: answer.txt contains 42." if after_tool else tool_call("Bash", call)
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
+                                         timeout=180))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert "Done: answer.txt contains 42." in episode.result["output"]
+    assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
+    harness.release([episode])
+    assert list(tmp_path.glob("trl-agentic-claude-code-*")) == []
+
+
+def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
+    harness = harness_or_skip("codex")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+    def respond(prompt_ids):
+        after_tool = "</tool_response>" in tokenizer.decode(prompt_ids[-40:])
+        return "Done." if after_tool else tool_call("exec_command", {"cmd": "echo 42 > answer.txt"})
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
+                                         timeout=180))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
+    assert all(turn.requested_sampling["dropped_tools"] == ["web_search"] for turn in episode.turns)
+    harness.release([episode])
+    assert list(tmp_path.glob("trl-agentic-codex-*")) == []

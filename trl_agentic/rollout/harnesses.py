@@ -17,7 +17,7 @@ The workspace is removed once the reward functions have scored the episode (the 
 `release(episodes)`), or at once when the harness failed; `keep_workspaces=True` keeps them all (for the viewer or a
 post-mortem).
 
-Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`. Each says how the harness is found (`binary=`, the
+Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`, `"claude-code"`, `"codex"`. Each says how the harness is found (`binary=`, the
 `TRL_AGENTIC_<NAME>_BIN` environment variable, or its executable on `PATH`) and installed; a harness that is not found
 is a `HarnessNotFoundError` that says how to install it or where to point.
 
@@ -83,8 +83,52 @@ def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path,
     return argv, env
 
 
+def _claude_code(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
+    # Claude Code 2.x headless (`-p`): the Anthropic Messages route, its key as ANTHROPIC_API_KEY; no telemetry, error
+    # reports, auto-update or other non-essential traffic. `--allowedTools` is the headless permission rule for its
+    # file and shell tools (`--dangerously-skip-permissions` refuses to run as root outside a declared sandbox).
+    argv = [binary, "-p", task, "--model", context.model,
+            "--allowedTools", "Bash", "Edit", "Write", "Read", "Glob", "Grep"]
+    env = {
+        "ANTHROPIC_BASE_URL": context.anthropic_base_url, "ANTHROPIC_API_KEY": context.api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    }
+    return argv, env
+
+
+_CODEX_CONFIG = """\
+model = {model}
+model_provider = "trl-agentic"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.trl-agentic]
+name = "trl-agentic"
+base_url = {base_url}
+env_key = "TRL_AGENTIC_API_KEY"
+wire_api = "responses"
+"""
+
+
+def _codex(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
+    # Codex CLI (`codex exec`): a custom model provider on the Responses route in CODEX_HOME/config.toml, update checks
+    # and analytics off; its own sandbox confines the commands it runs to the workspace (`workspace-write`).
+    codex_home = home / ".codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        _CODEX_CONFIG.format(model=json.dumps(context.model), base_url=json.dumps(context.base_url))
+    )
+    argv = [binary, "exec", "--skip-git-repo-check", "--sandbox", "workspace-write", task]
+    return argv, {"CODEX_HOME": str(codex_home), "TRL_AGENTIC_API_KEY": context.api_key}
+
+
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
+    "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
+    "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
 }
 
 SNAPSHOT_FILE_LIMIT = 64 << 10  # bytes: larger files are listed with their size, not their text
