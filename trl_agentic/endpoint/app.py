@@ -1,11 +1,16 @@
-"""The OpenAI- and Anthropic-compatible endpoint that records every token: `create_app(...) -> FastAPI`.
+"""The OpenAI-, Anthropic- and Gemini-compatible endpoint that records every token: `create_app(...) -> FastAPI`.
 
 Routes (each wire format is an adapter over one format-neutral model call, `service.py`):
 - `POST /v1/chat/completions` (`chat_completions.py`), `POST /v1/responses` (`responses.py`), `POST /v1/messages` and
   `POST /v1/messages/count_tokens` (`anthropic_messages.py`), `GET /v1/models`: the episode by its key
   (`Authorization: Bearer <episode key>`, or `x-api-key: <episode key>` as the `anthropic` SDK sends it), and the same
   under `/episodes/{episode_id}/v1/...` (episode by path).
-- `GET /health`.
+- `POST /v1beta/models/{model}:generateContent`, `:streamGenerateContent` (`?alt=sse`) and `:countTokens`, the same
+  under `/v1/models/...` (`gemini.py`): the key as `x-goog-api-key` (what the `google-genai` SDKs and Gemini CLI
+  send) or `?key=`, and the same under `/episodes/{episode_id}/...` (episode by path).
+- `GET /v1/models[/{model}]` and `GET /v1beta/models[/{model}]`: the served model names, in Google's shape on
+  `/v1beta` and to Google's clients (`x-goog-api-key` or `x-goog-api-client`), else in OpenAI's.
+- `GET /health`; `GET /` and `HEAD /` answer 200 (harnesses probe the base URL before their first call).
 - `POST /admin/episodes`, `GET /admin/episodes/{id}`, `POST /admin/episodes/{id}/close`, guarded by the admin token
   (the agent only ever holds its episode key or id).
 
@@ -13,8 +18,9 @@ The path route is a capability URL: the episode id (128 random bits) is the secr
 (`server.RedactEpisodeIds`). A request on it that carries an episode key must carry that episode's key (401
 otherwise); placeholder keys (`EMPTY`, `sk-...`) that agents send when they must send something are ignored.
 
-Errors come in the shape of the route's format: OpenAI's `{"error": {...}}`, or Anthropic's
-`{"type": "error", "error": {...}}` on the `/v1/messages` routes.
+Errors come in the shape of the route's format: OpenAI's `{"error": {...}}`, Anthropic's
+`{"type": "error", "error": {...}}` on the `/v1/messages` routes, or Google's `{"error": {"code", "message", "status"}}`
+on the Gemini routes.
 
 Nothing an agent sends can cost another episode (issue #9): bodies are strict JSON with bounded nesting and sampling
 fields in range (4xx otherwise), a batch survives one failing member (`generation/batching.py`), and a genuine server
@@ -35,7 +41,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..generation.engine import GenerationEngine
 from ..trace import EPISODE_STATUSES, json_text
-from . import anthropic_messages
+from . import anthropic_messages, gemini
 from .chat import ChatRenderer
 from .chat_completions import serve_chat_completions
 from .protocol import CloseEpisodeRequest, OpenEpisodeRequest, error_body
@@ -105,7 +111,8 @@ def create_app(
         key = _episode_key(request)
         if not key:
             raise APIError(401, "Missing API key: send the episode key as 'Authorization: Bearer <key>' (or "
-                                "'x-api-key: <key>').", "authentication_error", "missing_api_key")
+                                "'x-api-key: <key>', or 'x-goog-api-key: <key>').", "authentication_error",
+                           "missing_api_key")
         session = registry.by_key(key)
         if session is None:
             raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
@@ -134,22 +141,42 @@ def create_app(
     async def health():
         return {"status": "ok", "open_episodes": len(registry)}
 
-    def models_body():
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        # Claude Code sends `HEAD /` before its first call; a 404 there reads as an endpoint that is down.
+        return {"status": "ok"}
+
+    def models_body(request: Request, model: str | None):
+        # `/v1/models` is OpenAI's list and the Gemini API's (its SDKs default to v1): a Google client gets Google's.
+        if "/v1beta/" in request.url.path or _is_google_client(request):
+            if model is None:
+                return gemini.models_body(settings.served_model_names, engine.max_context_length)
+            service.check_model(model)
+            return gemini.model_body(model, engine.max_context_length)
         now = int(time.time())
+        if model is not None:
+            service.check_model(model)
+            return {"id": model, "object": "model", "created": now, "owned_by": "trl-agentic"}
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "trl-agentic"}
             for name in settings.served_model_names
         ]}
 
     @app.get("/v1/models")
-    async def models(request: Request):
+    @app.get("/v1/models/{model}")
+    @app.get("/v1beta/models")
+    @app.get("/v1beta/models/{model}")
+    async def models(request: Request, model: str | None = None):
         episode_from_key(request)
-        return models_body()
+        return models_body(request, model)
 
     @app.get("/episodes/{episode_id}/v1/models")
-    async def models_by_path(episode_id: str, request: Request):
+    @app.get("/episodes/{episode_id}/v1/models/{model}")
+    @app.get("/episodes/{episode_id}/v1beta/models")
+    @app.get("/episodes/{episode_id}/v1beta/models/{model}")
+    async def models_by_path(episode_id: str, request: Request, model: str | None = None):
         episode_from_path(episode_id, request)
-        return models_body()
+        return models_body(request, model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -192,6 +219,18 @@ def create_app(
     async def count_tokens_by_path(episode_id: str, request: Request):
         episode_from_path(episode_id, request)
         return await anthropic_messages.count_tokens(service, await service.read_body(request))
+
+    @app.post("/v1beta/models/{target}")
+    @app.post("/v1/models/{target}")
+    async def gemini_call(target: str, request: Request):
+        session = episode_from_key(request)
+        return _answer(await gemini.serve(service, session, target, await service.read_body(request), request))
+
+    @app.post("/episodes/{episode_id}/v1beta/models/{target}")
+    @app.post("/episodes/{episode_id}/v1/models/{target}")
+    async def gemini_call_by_path(episode_id: str, target: str, request: Request):
+        session = episode_from_path(episode_id, request)
+        return _answer(await gemini.serve(service, session, target, await service.read_body(request), request))
 
     @app.post("/admin/episodes")
     async def open_episode(request: Request):
@@ -253,11 +292,20 @@ def _answer(body: dict | Response) -> Response:
 
 
 def _episode_key(request: Request) -> str:
-    """The key a request carries: `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key` (Anthropic's)."""
+    """The key a request carries: `Authorization: Bearer <key>` (OpenAI clients), `x-api-key` (Anthropic's),
+    `x-goog-api-key` (Google's), or the `key` query parameter (Google's REST examples)."""
     header = request.headers.get("authorization", "")
     if header.lower().startswith("bearer ") and header[7:].strip():
         return header[7:].strip()
-    return request.headers.get("x-api-key", "").strip()
+    for name in ("x-api-key", "x-goog-api-key"):
+        if request.headers.get(name, "").strip():
+            return request.headers[name].strip()
+    return request.query_params.get("key", "").strip()
+
+
+def _is_google_client(request: Request) -> bool:
+    """Whether the request comes from a Google client (the `google-genai` SDKs send both headers)."""
+    return "x-goog-api-key" in request.headers or "x-goog-api-client" in request.headers
 
 
 def _is_anthropic_route(path: str) -> bool:
@@ -268,6 +316,8 @@ def _error_response(path: str, error: APIError) -> JSONResponse:
     """`error` in the shape of the route's wire format."""
     if _is_anthropic_route(path):
         body = anthropic_messages.error_body(error.status, error.message)
+    elif gemini.is_gemini_route(path):
+        body = gemini.error_body(error.status, error.message, error.param)
     else:
         body = error_body(error.message, error.type, error.param, error.code)
     return JSONResponse(body, status_code=error.status)
