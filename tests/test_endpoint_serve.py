@@ -110,6 +110,10 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_open_episodes"
         client = openai.OpenAI(base_url=opened["path_base_url"], api_key="EMPTY", max_retries=0, timeout=60)
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}])
+        # The Gemini API takes its key in the query string too: the access log must not print it
+        gemini = httpx.post(f"{url}/v1beta/models/policy:generateContent", params={"key": opened["key"]},
+                            json={"contents": [{"role": "user", "parts": [{"text": "Hello!"}]}]}, timeout=60)
+        assert gemini.status_code == 200, gemini.text
         assert httpx.post(f"{url}/admin/episodes/{opened['id']}/close", headers=admin, timeout=10).status_code == 200
         time.sleep(0.5)  # let the access log reach the file
         printed = log.read_text()
@@ -117,5 +121,6 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
         assert "Authorization: Bearer $TRL_AGENTIC_ADMIN_TOKEN" in printed
         assert token not in printed and opened["id"] not in printed and opened["key"] not in printed
         assert "/episodes/ep-<redacted>/v1/chat/completions" in printed  # the access log is there, redacted
+        assert "generateContent?key=<redacted>" in printed
     finally:
         stop_serve(process)

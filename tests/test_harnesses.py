@@ -201,3 +201,23 @@ def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_
     assert all(turn.requested_sampling["dropped_tools"] == ["web_search"] for turn in episode.turns)
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-codex-*")) == []
+
+
+def test_gemini_cli_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
+    harness = harness_or_skip("gemini-cli")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+
+    def respond(prompt_ids):
+        if "<tool_response>" in tokenizer.decode(prompt_ids[-400:]):
+            return "Created answer.txt containing 42."
+        return tool_call("run_shell_command", {"command": "echo 42 > answer.txt", "description": "Write the file."})
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=65536), tokenizer)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
+                                         timeout=180))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert all(turn.wire_format == "gemini" for turn in episode.turns)
+    assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
+    harness.release([episode])
+    assert list(tmp_path.glob("trl-agentic-gemini-cli-*")) == []

@@ -91,7 +91,7 @@ def test_one_resolve_agent():
 def test_wire_formats_are_adapters_over_the_service():
     """One internal path (DESIGN.md): each wire format's module imports the service, never the app or another format,
     and the service knows no wire format's module."""
-    adapters = ["chat_completions", "responses", "anthropic_messages"]
+    adapters = ["chat_completions", "responses", "anthropic_messages", "gemini"]
 
     def endpoint_modules(path: Path) -> set[str]:  # `trl_agentic.endpoint.x.Name` -> `x`
         return {n.split(".")[2] for n in imported_modules(path) if n.startswith("trl_agentic.endpoint.")}

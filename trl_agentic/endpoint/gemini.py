@@ -46,15 +46,12 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import APIError, Choice, Completion, CompletionService, Conversation, Delta
+from .service import GEMINI, APIError, Choice, Completion, CompletionService, Conversation, Delta
 from .sessions import EpisodeSession
 
 
 logger = logging.getLogger(__name__)
 
-
-# The wire format of turns served here (`Turn.wire_format`).
-GEMINI = "gemini"
 
 # Google's canonical status name for an HTTP status (https://ai.google.dev/gemini-api/docs/troubleshooting).
 STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import re
 import socket
 import threading
 import time
@@ -17,17 +18,36 @@ from fastapi import FastAPI
 from .sessions import EpisodeLimits, EpisodeSession, redact_episode_ids
 
 
-class RedactEpisodeIds(logging.Filter):
-    """Logging filter: episode ids in a record's arguments (paths of uvicorn's access log) become `ep-<redacted>`.
+# A key in a query string (`?key=...`, as the Gemini API accepts it).
+_QUERY_KEY = re.compile(r"([?&]key=)[^&\s\"']+")
 
-    The id in `/episodes/{id}/v1/...` is the secret of the path route (a capability URL): it must not end up in logs.
+
+def redact_secrets(text: str) -> str:
+    """`text` with episode ids and query-string keys redacted.
+
+    Example:
+
+    ```python
+    >>> redact_secrets("POST /v1beta/models/policy:generateContent?alt=sse&key=sk-ep-abc HTTP/1.1")
+    'POST /v1beta/models/policy:generateContent?alt=sse&key=<redacted> HTTP/1.1'
+    ```
+    """
+    return _QUERY_KEY.sub(r"\1<redacted>", redact_episode_ids(text))
+
+
+class RedactEpisodeIds(logging.Filter):
+    """Logging filter: episode ids in a record's arguments (paths of uvicorn's access log) become `ep-<redacted>`, and
+    keys sent in a query string (`?key=`, the Gemini API's way) `key=<redacted>`.
+
+    The id in `/episodes/{id}/v1/...` is the secret of the path route (a capability URL), the key that of the key
+    route: neither must end up in logs.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
-            record.args = tuple(redact_episode_ids(a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(redact_secrets(a) if isinstance(a, str) else a for a in record.args)
         if isinstance(record.msg, str):
-            record.msg = redact_episode_ids(record.msg)
+            record.msg = redact_secrets(record.msg)
         return True
 
 

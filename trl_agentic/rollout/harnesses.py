@@ -17,7 +17,7 @@ The workspace is removed once the reward functions have scored the episode (the 
 `release(episodes)`), or at once when the harness failed; `keep_workspaces=True` keeps them all (for the viewer or a
 post-mortem).
 
-Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`, `"claude-code"`, `"codex"`. Each says how the harness is found (`binary=`, the
+Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`, `"claude-code"`, `"codex"`, `"gemini-cli"`. Each says how the harness is found (`binary=`, the
 `TRL_AGENTIC_<NAME>_BIN` environment variable, or its executable on `PATH`) and installed; a harness that is not found
 is a `HarnessNotFoundError` that says how to install it or where to point.
 
@@ -125,7 +125,27 @@ def _codex(binary: str, task: str, context: EpisodeContext, work: Path, home: Pa
     return argv, {"CODEX_HOME": str(codex_home), "TRL_AGENTIC_API_KEY": context.api_key}
 
 
+_GEMINI_SETTINGS = {
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False},
+    "privacy": {"usageStatisticsEnabled": False},
+    "telemetry": {"enabled": False},
+    "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
+}
+
+
+def _gemini_cli(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
+    # Gemini CLI (`gemini -p`): the Gemini API route (`GOOGLE_GEMINI_BASE_URL`, the root the SDK appends `/v1beta/...`
+    # to), API-key auth; auto-update, usage statistics and telemetry off, folder trust off; `--yolo` approves its tools.
+    (home / ".gemini").mkdir()
+    (home / ".gemini" / "settings.json").write_text(json.dumps(_GEMINI_SETTINGS))
+    argv = [binary, "-m", context.model, "--yolo", "-p", task]
+    env = {"GOOGLE_GEMINI_BASE_URL": context.anthropic_base_url, "GEMINI_API_KEY": context.api_key,
+           "NO_COLOR": "1", "TERM": "dumb", "CI": "1"}
+    return argv, env
+
+
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
+    "gemini-cli": HarnessPreset("gemini", "npm install -g @google/gemini-cli", _gemini_cli),
     "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
     "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
