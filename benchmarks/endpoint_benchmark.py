@@ -70,13 +70,15 @@ TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
-class ZeroCostEngine:
-    """Returns the same tool call, instantly: everything measured is the endpoint's own work."""
+CALCULATOR_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
 
-    def __init__(self, tokenizer):
-        text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+
+class ZeroCostEngine:
+    """Returns the same tool call (`text`), instantly: everything measured is the endpoint's own work."""
+
+    def __init__(self, tokenizer, text: str = CALCULATOR_CALL):
         self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        self.max_context_length = 1 << 20
+        self.max_context_length = 1 << 22
         self.policy_version = 0
 
     async def start(self) -> None:

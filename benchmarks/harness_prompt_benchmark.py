@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 import httpx
+from endpoint_benchmark import ZeroCostEngine
 
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
-from trl_agentic.generation.engine import GenerationOutput, SamplingParams
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
 
@@ -55,23 +55,7 @@ def restore(value):
     return value
 
 
-class ZeroCostBash:
-    """Answers every call at once with Claude Code's `Bash` tool call: the endpoint's own work is what is timed."""
-
-    def __init__(self, tokenizer):
-        text = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", "description": "List files"}}\n</tool_call>'
-        self.ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        self.max_context_length = 1 << 22
-        self.policy_version = 0
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self) -> None:
-        pass
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> GenerationOutput:
-        return GenerationOutput(list(self.ids), [-0.1] * len(self.ids), "stop")
+BASH_CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls", "description": "List files"}}\n</tool_call>'
 
 
 def read_stream(response: httpx.Response) -> dict:
@@ -132,7 +116,7 @@ def main() -> None:
     first = json.loads((RECORDED / "01_first_call.json").read_text())
     first["body"] = restore(first["body"])
     tokenizer = build_tiny_tokenizer("qwen2_5")
-    server = EndpointServer(create_app(ZeroCostBash(tokenizer), ChatRenderer(tokenizer))).start()
+    server = EndpointServer(create_app(ZeroCostEngine(tokenizer, BASH_CALL), ChatRenderer(tokenizer))).start()
     runs, forks = [], 0
     try:
         with httpx.Client(timeout=120) as http:
