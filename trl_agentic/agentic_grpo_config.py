@@ -64,8 +64,12 @@ class AgenticGRPOConfig(GRPOConfig):
             Most rows one episode may produce (a fork starts a row). Turns past the cap are not trained and are
             counted in `episodes/rows_capped`.
         side_calls (`str`, *optional*, defaults to `"train"`):
-            How a call that is not part of the episode's main line (it does not continue the previous call, e.g. a
-            title or summary request) is trained: `"train"` as a row of its own, `"skip"` not at all.
+            How a conversation that is neither the episode's main line nor a sub-agent (e.g. a title or summary
+            request; decided by lineage when the episode closes, `trl_agentic/lineage.py`) is trained: `"train"` as
+            rows of its own, `"skip"` not at all.
+        sub_agents (`str`, *optional*, defaults to `"train"`):
+            How a sub-agent's conversation (one a tool call of the agent handed a task, e.g. Claude Code's `Agent`
+            tool) is trained: `"train"` as rows of its own with the episode's advantage, `"skip"` not at all.
         forks (`str`, *optional*, defaults to `"train"`):
             How the continuation after a history rewrite is trained: `"train"` as a new row, `"skip"` only the main
             line up to the fork is trained.
@@ -181,6 +185,9 @@ class AgenticGRPOConfig(GRPOConfig):
     side_calls: str = field(
         default="train", metadata={"help": "How side calls are trained.", "choices": ["train", "skip"]}
     )
+    sub_agents: str = field(
+        default="train", metadata={"help": "How sub-agent conversations are trained.", "choices": ["train", "skip"]}
+    )
     forks: str = field(
         default="train", metadata={"help": "How continuations after a fork are trained.", "choices": ["train", "skip"]}
     )
@@ -258,7 +265,8 @@ class AgenticGRPOConfig(GRPOConfig):
             raise ValueError(f"episode_timeout must be > 0 seconds, got {self.episode_timeout}.")
         if self.max_rows_per_episode < 1:
             raise ValueError(f"max_rows_per_episode must be >= 1, got {self.max_rows_per_episode}.")
-        for name, allowed in (("side_calls", ("train", "skip")), ("forks", ("train", "skip")),
+        for name, allowed in (("side_calls", ("train", "skip")), ("sub_agents", ("train", "skip")),
+                              ("forks", ("train", "skip")),
                               ("row_weighting", ("auto", "episode", "row"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")

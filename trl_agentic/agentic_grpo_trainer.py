@@ -402,7 +402,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 stats.reset()
         rows_results = [
             episode_to_rows(
-                ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls
+                ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls,
+                sub_agents=self.args.sub_agents,
             )
             for ep in episodes
         ]

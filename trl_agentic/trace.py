@@ -52,6 +52,12 @@ class Turn:
         wall_time: seconds spent serving the call.
         wire_format: the API the call came in: `"chat_completions"`, `"responses"` or `"anthropic_messages"`
             (`request_messages` and `response_message` are in the chat-completions shape whatever it was).
+        forked_from: for a rendered turn, the latest earlier turn whose history (request + answer) shares the longest
+            message prefix with this request (`None`: it shares nothing, or the turn was continued).
+        conversation: the conversation the turn belongs to, named by its first turn's index; `role`: that
+            conversation's role, `"main"`, `"side_call"` or `"sub_agent"`; `spawned_by`: for a sub-agent, the turn
+            whose tool call handed it its task. Decided by lineage when the episode closes (`trl_agentic.lineage`);
+            `None` before, and for cancelled calls.
     """
 
     index: int
@@ -74,6 +80,10 @@ class Turn:
     requested_sampling: dict[str, Any] = field(default_factory=dict)
     wall_time: float = 0.0
     wire_format: str = "chat_completions"
+    forked_from: int | None = None
+    conversation: int | None = None
+    role: str | None = None
+    spawned_by: int | None = None
 
     @property
     def versions(self) -> list[int]:
@@ -102,7 +112,8 @@ class Episode:
         task_index: index of the task (dataset row) in the generation batch.
         group_index: index of the episode inside its GRPO group.
         turns: every model call, in order.
-        messages: the final message list (last request's messages + the last assistant message).
+        messages: the final message list: the messages of the main line's last call + the assistant message it got
+            (the main line is decided when the episode closes, `trl_agentic.lineage`; before, the last call's).
         result: the agent's return value (JSON-serialisable form).
         status: one of `EPISODE_STATUSES`.
         error: a short description of what went wrong, if anything.
@@ -123,7 +134,15 @@ class Episode:
 
     @property
     def num_forks(self) -> int:
+        """Calls after the first that did not continue an earlier call (forks, side calls, sub-agents' first calls)."""
         return sum(1 for turn in self.turns[1:] if turn.prompt_source != "continued")
+
+    @property
+    def num_main_line_forks(self) -> int:
+        """Calls of the main line after its first that did not continue an earlier call (0: the main line is one
+        token-exact sequence); counts only once the episode closed and its conversations are labelled."""
+        main = [turn for turn in self.turns if turn.role == "main"]
+        return sum(1 for turn in main[1:] if turn.prompt_source != "continued")
 
     @property
     def num_sampled_tokens(self) -> int:

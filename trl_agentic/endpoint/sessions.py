@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..generation.engine import derive_seed
+from ..lineage import label_conversations
 from ..trace import Episode, Turn
 from .chat import ChatRenderer, common_prefix_length
 from .protocol import comparable_message, template_message
@@ -44,7 +45,10 @@ def redact_episode_ids(text: str) -> str:
 FORK_HISTORY_REWRITTEN = "history_rewritten"  # shares a message prefix with a turn, but not that turn + its answer
 FORK_TEMPLATE = "template_not_append_only"  # a continuation, but the template re-renders earlier messages
 FORK_TOOLS_CHANGED = "tools_changed"  # a continuation, but with different tools (the system block changes)
-SIDE_CALL = "side_call"  # shares nothing with the episode so far (a title or summary request)
+# Shares nothing with the episode so far: a new conversation (a title request, a sub-agent, or the task's own
+# conversation after a title request). Which conversation is the main line is decided when the episode closes
+# (`trl_agentic.lineage`), not by this.
+SIDE_CALL = "side_call"
 
 
 @dataclass
@@ -226,6 +230,8 @@ class EpisodeSession:
                 return False
             for (turn, *_), history in zip(turns, histories, strict=True):
                 turn.index = len(self.episode.turns)
+                if history.delivered and turn.prompt_source == "rendered":
+                    turn.forked_from = self._shared_turn(history.keys[: len(history.messages)])
                 self.episode.turns.append(turn)
                 self._histories.append(history)
                 if turn.finish_reason != "cancelled":
@@ -237,6 +243,13 @@ class EpisodeSession:
                     for key in history.keys:
                         self._by_prefix[key] = turn.index
             return True
+
+    def _shared_turn(self, keys: list[bytes]) -> int | None:
+        """The latest recorded turn whose history shares the longest message prefix with a request of `keys` (what
+        lineage joins a fork to, `Turn.forked_from`). Looked up when the turn is recorded, not when it was planned: a
+        call that started with the episode's first (concurrent title and task requests) is compared with the turns
+        recorded meanwhile, and a second choice of the same request with the first."""
+        return next((self._by_prefix[key] for key in reversed(keys) if key in self._by_prefix), None)
 
     def _find_parent(self, messages: list[dict]) -> tuple[int | None, bool]:
         """The latest turn whose history (request + answer) is the longest strict prefix of `messages`, and whether
@@ -312,7 +325,10 @@ class EpisodeSession:
         """Close the episode (idempotent: a second close returns the same Episode unchanged).
 
         Choices still being sampled will be dropped when they finish; they are counted now, as
-        `metadata["late_turns"]`, since the trace is handed out before they finish.
+        `metadata["late_turns"]`, since the trace is handed out before they finish. The episode's conversations and
+        its main line are decided now, by lineage (`trl_agentic.lineage.label_conversations`; the task's prompt is
+        taken from `metadata["task_prompt"]` when the episode was opened with one): `episode.messages` becomes the main
+        line's final messages.
         """
         with self._lock:
             if not self.closed:
@@ -328,6 +344,7 @@ class EpisodeSession:
                 self.late_turns = self.in_flight
                 if self.late_turns:
                     episode.metadata["late_turns"] = self.late_turns
+                label_conversations(episode, episode.metadata.get("task_prompt"))
             return self.episode
 
 

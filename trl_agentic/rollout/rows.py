@@ -1,20 +1,22 @@
-"""Turns → training rows: exact-prefix merge, forks, side calls, env_mask. Pure functions over int lists.
+"""Turns → training rows: exact-prefix merge, forks, conversations, env_mask. Pure functions over int lists.
 
 A row is one linear segment of an episode. Consecutive turns merge into one row while each turn's prompt starts with
 the previous turn's prompt + completion ids (guaranteed by the endpoint's token-in continuation); the tokens in
 between (tool output, user turns, template glue) get `env_mask` 0, sampled tokens get 1. A turn that does not extend
-the tail of an existing row (a fork after a history rewrite, a side call, a second choice of `n>1`) starts a row of its
-own. All rows of an episode share the episode's advantage.
+the tail of an existing row starts a row of its own: the first call of another conversation (a side call, a
+sub-agent: `trl_agentic.lineage`), a fork after a history rewrite, a second choice of `n>1`. All rows of an episode
+share the episode's advantage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..lineage import turn_conversations
 from ..trace import Turn
 
 
-ROW_KINDS = ("main", "fork", "side_call", "branch")
+ROW_KINDS = ("main", "fork", "side_call", "sub_agent", "branch")
 
 
 @dataclass
@@ -28,9 +30,12 @@ class Row:
         logprobs: sampling logprob of each sampled token, 0.0 where `env_mask` is 0.
         versions: the policy version that sampled each sampled token (`Turn.versions`), -1 where `env_mask` is 0.
         turns: indices of the turns merged into this row.
-        kind: `"main"` (starts at the episode's first call), `"fork"` (after a history rewrite or a template that is not
-            append-only), `"side_call"` (unrelated to the episode's history), `"branch"` (a second continuation of
-            the same turn, e.g. `n>1` or a retry).
+        kind: what starts the row: the first call of a conversation, named by its role (`"main"`, the episode's main
+            line; `"side_call"`, e.g. a title request; `"sub_agent"`, a conversation a tool call handed a task), or,
+            inside a conversation, `"fork"` (after a history rewrite, a compaction restart or a template that is not
+            append-only) or `"branch"` (a second continuation of the same turn, e.g. `n>1` or a retry).
+        conversation: the conversation the row belongs to (the index of its first turn, `Turn.conversation`).
+        role: that conversation's role: `"main"`, `"side_call"` or `"sub_agent"` (`None` for a placeholder row).
     """
 
     prompt_ids: list[int]
@@ -40,6 +45,8 @@ class Row:
     turns: list[int] = field(default_factory=list)
     kind: str = "main"
     versions: list[int] = field(default_factory=list)
+    conversation: int | None = None
+    role: str | None = None
 
     @property
     def num_sampled_tokens(self) -> int:
@@ -59,34 +66,34 @@ class Row:
             "turns": self.turns,
             "kind": self.kind,
             "versions": self.versions,
+            "conversation": self.conversation,
+            "role": self.role,
         }
 
 
 @dataclass
 class RowsResult:
     rows: list[Row]
-    skipped_turns: list[int]  # turns not trained: `forks="skip"` / `side_calls="skip"`, or cancelled calls
+    skipped_turns: list[int]  # turns not trained: `forks=`, `side_calls=`, `sub_agents="skip"`, or cancelled calls
     capped_turns: list[int]  # turns not trained because of `max_rows`
 
 
-def _turn_kind(turn: Turn, first: bool) -> str:
-    if first:
-        return "main"
-    if turn.prompt_source == "continued":
-        return "branch"
-    return "side_call" if turn.fork_reason == "side_call" else "fork"
-
-
 def episode_to_rows(
-    turns: list[Turn], max_rows: int | None = None, forks: str = "train", side_calls: str = "train"
+    turns: list[Turn],
+    max_rows: int | None = None,
+    forks: str = "train",
+    side_calls: str = "train",
+    sub_agents: str = "train",
 ) -> RowsResult:
-    """Merge an episode's turns into rows.
+    """Merge an episode's turns into rows, the main line's first.
 
     Args:
-        turns: the episode's turns in call order (`Turn.parent_turn` links continuations).
-        max_rows: most rows; turns that would start a further row (and their continuations) are not trained.
+        turns: the episode's turns in call order (`Turn.parent_turn` links continuations; `Turn.conversation` and
+            `Turn.role` say which conversation each belongs to, decided from the turns when they do not).
+        max_rows: most rows; the rows past it (main line first, then the others in call order) are not trained.
         forks: `"train"` or `"skip"` rows that start with a fork or a branch.
-        side_calls: `"train"` or `"skip"` rows that start with a side call.
+        side_calls: `"train"` or `"skip"` the rows of side-call conversations (title and summary requests).
+        sub_agents: `"train"` or `"skip"` the rows of sub-agent conversations.
 
     Example:
 
@@ -101,9 +108,10 @@ def episode_to_rows(
     rows: list[Row] = []
     row_of_turn: dict[int, int | None] = {}  # turn index -> row index (None = not trained)
     tail_of_row: dict[int, int] = {}  # row index -> index of its last turn
-    skipped, capped = [], []
+    skipped = []
     by_index = {turn.index: turn for turn in turns}
-    first_call = next((turn.index for turn in turns if turn.finish_reason != "cancelled"), None)
+    conversations = turn_conversations(turns)
+    untrained_roles = {role for role, how in (("side_call", side_calls), ("sub_agent", sub_agents)) if how == "skip"}
 
     for turn in turns:
         if turn.finish_reason == "cancelled":
@@ -114,9 +122,9 @@ def episode_to_rows(
             continue
         parent_row = row_of_turn.get(turn.parent_turn) if turn.prompt_source == "continued" else None
         if turn.prompt_source == "continued" and turn.parent_turn in row_of_turn and parent_row is None:
-            # The parent was not trained (skipped or capped): its continuation is not trained either.
+            # The parent was not trained (skipped): its continuation is not trained either.
             row_of_turn[turn.index] = None
-            (capped if turn.parent_turn in capped else skipped).append(turn.index)
+            skipped.append(turn.index)
             continue
         if parent_row is not None and tail_of_row[parent_row] == turn.parent_turn:
             row = rows[parent_row]
@@ -133,14 +141,14 @@ def episode_to_rows(
                 tail_of_row[parent_row] = turn.index
                 row_of_turn[turn.index] = parent_row
                 continue
-        kind = _turn_kind(turn, first=turn.index == first_call)
-        if (kind in ("fork", "branch") and forks == "skip") or (kind == "side_call" and side_calls == "skip"):
+        conversation, role = conversations[turn.index]
+        if turn.index == conversation:
+            kind = role
+        else:
+            kind = "branch" if turn.prompt_source == "continued" else "fork"
+        if role in untrained_roles or (kind in ("fork", "branch") and forks == "skip"):
             row_of_turn[turn.index] = None
             skipped.append(turn.index)
-            continue
-        if max_rows is not None and len(rows) >= max_rows:
-            row_of_turn[turn.index] = None
-            capped.append(turn.index)
             continue
         rows.append(
             Row(
@@ -151,8 +159,18 @@ def episode_to_rows(
                 turns=[turn.index],
                 kind=kind,
                 versions=turn.versions,
+                conversation=conversation,
+                role=role,
             )
         )
         tail_of_row[len(rows) - 1] = turn.index
         row_of_turn[turn.index] = len(rows) - 1
-    return RowsResult(rows=rows, skipped_turns=skipped, capped_turns=capped)
+
+    # The main line's rows first (the trainer hands the first row to TRL as the episode's sequence), then the others
+    # in call order; a row's ancestors stay before it, so a cap never keeps a branch whose parent it dropped.
+    rows.sort(key=lambda row: row.role != "main")
+    capped = []
+    if max_rows is not None and len(rows) > max_rows:
+        capped = sorted(index for row in rows[max_rows:] for index in row.turns)
+        rows = rows[:max_rows]
+    return RowsResult(rows=rows, skipped_turns=sorted(skipped), capped_turns=capped)

@@ -31,6 +31,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..lineage import turn_conversations
 from ..rollout.rows import episode_to_rows
 from ..trace import Turn
 
@@ -129,6 +130,11 @@ def _rows_of(record: dict[str, Any]) -> tuple[list[dict], list[int], list[int]]:
     return [row.to_dict() for row in result.rows], result.skipped_turns, result.capped_turns
 
 
+def _row_label(kind: str, role: str | None) -> str:
+    """`main`, `side_call`, `sub_agent`; a fork or branch says whose (`fork of sub_agent`)."""
+    return f"{kind} of {role}" if kind in ("fork", "branch") and role else kind
+
+
 def _short(value: Any, limit: int = 300) -> str | None:
     if value is None:
         return None
@@ -142,6 +148,7 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
     filters on), the interned prompts and the decoded vocabulary; `details[i]` is episode `i`'s messages, turns and
     rows.
 
+    Each row and turn carries its conversation's role (`main`, `side_call`, `sub_agent`: `trl_agentic.lineage`).
     Rows keep their token ids; `mask` is the row's `env_mask` as a string of `0`/`1`, `lp` the logprobs of its sampled
     tokens only (rounded to 4 digits). A row's prompt is stored once per distinct prompt (`prompts`): the episodes of a
     group share it. `conversations` holds, per row, the messages of its last model call and the reply.
@@ -166,8 +173,12 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             group, sample = episode.get("task_index", 0) // size, episode.get("group_index", 0)
         rows, skipped, capped = _rows_of(record)
         messages = episode.get("messages") or (turns[-1]["request_messages"] if turns else [])
-        # The task: the last user message of the first call (later calls may have rewritten the history).
-        first_request = (turns[0].get("request_messages") or messages) if turns else messages
+        # Each turn's conversation and its role (labelled when the episode closed; decided now for an older log).
+        roles = turn_conversations([Turn.from_dict(turn) for turn in turns])
+        main = next((t for t in turns if roles.get(t["index"], (None, None))[1] == "main"), turns[0] if turns else None)
+        # The task: the last user message of the main line's first call (later calls may have rewritten the history;
+        # the episode's first call may be a title request).
+        first_request = (main.get("request_messages") or messages) if main else messages
         prompt_text = next((m.get("content") for m in reversed(first_request) if m.get("role") == "user"
                             and isinstance(m.get("content"), str)), None)
         reward = _episode_reward(record)
@@ -180,6 +191,8 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             "tool_calls": sum(len((t.get("response_message") or {}).get("tool_calls") or []) for t in turns),
             "malformed": sum(bool(t.get("malformed_tool_call")) for t in turns),
             "forks": sum(1 for t in turns[1:] if t.get("prompt_source") != "continued"),
+            "conversations": {role: sum(1 for c, r in set(roles.values()) if r == role)
+                              for role in ("main", "sub_agent", "side_call")},
             "tokens": sum(len(t.get("completion_ids", [])) for t in turns), "rows": len(rows),
             "wall": _round(episode.get("wall_time"), 2), "error": _short(episode.get("error")),
             "result": _short(episode.get("result"), 120), "task": _short(prompt_text, 160),
@@ -201,6 +214,7 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             mask = row["env_mask"]
             detail_rows.append({
                 "kind": row.get("kind", "main"), "turns": row.get("turns", []), "prompt": prompts[prompt_key],
+                "role": row.get("role") or roles.get((row.get("turns") or [None])[0], (None, None))[1],
                 "ids": row["completion_ids"], "mask": "".join("1" if m else "0" for m in mask),
                 "lp": [None if lp is None else round(lp, 4) for lp, m in zip(row["logprobs"], mask, strict=True)
                        if m],
@@ -213,7 +227,7 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
             return [*(turn.get("request_messages") or []), *([turn["response_message"]]
                                                             if turn.get("response_message") else [])]
 
-        conversations = [{"label": f"row {r} · {row.get('kind', 'main')}",
+        conversations = [{"label": f"row {r} · {_row_label(row.get('kind', 'main'), detail_rows[r]['role'])}",
                           "messages": conversation(by_index[row["turns"][-1]])}
                          for r, row in enumerate(rows) if row.get("turns") and row["turns"][-1] in by_index]
         in_rows = {t for row in rows for t in row.get("turns", [])}
@@ -224,15 +238,19 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
                 untrained.append({"turn": turn["index"], "ids": turn["completion_ids"],
                                   "lp": [None if lp is None else round(lp, 4) for lp in turn["logprobs"]],
                                   "why": "capped" if turn["index"] in capped else "skipped"})
-                conversations.append({"label": f"turn {turn['index']} (not trained)", "messages": conversation(turn)})
+                role = roles.get(turn["index"], (None, None))[1]
+                conversations.append({"label": f"turn {turn['index']}{' · ' + role if role else ''} (not trained)",
+                                      "messages": conversation(turn)})
         if not conversations:
             conversations = [{"label": "messages", "messages": messages}]
         details.append({
             "conversations": conversations,
-            "tools": [(tool.get("function") or {}).get("name") for tool in (turns[0].get("request_tools") or [])]
-            if turns else [],
+            "tools": [(tool.get("function") or {}).get("name") for tool in (main.get("request_tools") or [])]
+            if main else [],
             "turns": [{
                 "index": t["index"], "source": t.get("prompt_source"), "parent": t.get("parent_turn"),
+                "conversation": roles.get(t["index"], (None, None))[0], "role": roles.get(t["index"], (None, None))[1],
+                "spawned_by": t.get("spawned_by"), "forked_from": t.get("forked_from"),
                 "fork_reason": t.get("fork_reason"), "drift": t.get("drift", 0), "finish": t.get("finish_reason"),
                 "malformed": bool(t.get("malformed_tool_call")), "forced": t.get("forced_tokens", 0),
                 "prompt_tokens": len(t.get("prompt_ids", [])), "sampled_tokens": len(t.get("completion_ids", [])),

@@ -1,0 +1,383 @@
+"""Lineage (trl_agentic/lineage.py): an episode's main line is the task's conversation, decided when the episode
+closes, never by call order (issue 31). A title request first, a sub-agent handed a task by a tool call, through the
+real endpoint with the official `openai` and `anthropic` clients; rows checked token for token, and trained.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+
+import anthropic
+import openai
+import pytest
+from datasets import Dataset
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.endpoint.chat import ChatRenderer
+from trl_agentic.endpoint.protocol import template_message
+from trl_agentic.lineage import find_conversations
+from trl_agentic.rollout.rows import episode_to_rows
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+from trl_agentic.trace import Turn
+
+from conftest import ScriptedEngine
+
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+TASK = "Create a file answer.txt containing 42."
+TITLE_SYSTEM = "Generate a title of at most five words for the conversation."
+MAIN_SYSTEM = "You are a coding agent. Use the tools."
+SUB_SYSTEM = "You are a sub-agent: search the workspace and report."
+SUB_PROMPT = "List every file of the workspace and say which one holds 42."
+SUB_ANSWER = "No file holds 42 yet."
+SHELL = {"type": "function", "function": {
+    "name": "shell", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+AGENT = {"type": "function", "function": {
+    "name": "agent", "description": "Hand a task to a sub-agent.",
+    "parameters": {"type": "object", "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+                   "required": ["prompt"]}}}
+
+
+def call_text(name, arguments):
+    """A tool call in Qwen2.5's format, as a model trained on its template samples it."""
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def anthropic_tool(tool):
+    function = tool["function"]
+    return {"name": function["name"], "description": function["description"], "input_schema": function["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+def scripted_server(start_server, tokenizer, script):
+    script = iter(script)
+    return start_server(ScriptedEngine(tokenizer, lambda prompt: next(script)), tokenizer)
+
+
+def sampled(tokenizer, text):
+    """The ids the scripted engine samples for `text`: its tokens and the end of turn."""
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def context_between(turn, parent):
+    """What `turn`'s prompt adds to its parent's exact ids (the tool result or user turn, template glue)."""
+    exact = parent.prompt_ids + parent.completion_ids
+    assert (turn.prompt_source, turn.parent_turn) == ("continued", parent.index)
+    assert turn.prompt_ids[: len(exact)] == exact
+    return turn.prompt_ids[len(exact) :]
+
+
+def test_title_call_first_leaves_the_task_conversation_the_main_line(start_server, tokenizer):
+    """opencode and Claude Code ask for a title first: that call is a side call, the task's conversation (asked second)
+    is the main line, one row with 0 forks; `side_calls="skip"` drops only the title."""
+    script = ["Answer file", call_text("shell", {"command": "echo 42 > answer.txt"}), "Done."]
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode()
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    title = [{"role": "system", "content": TITLE_SYSTEM}, {"role": "user", "content": TASK}]
+    assert client.chat.completions.create(model="policy", messages=title).choices[0].message.content == "Answer file"
+    messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": TASK}]
+    message = client.chat.completions.create(model="policy", messages=messages, tools=[SHELL]).choices[0].message
+    messages += [message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": ""}]
+    final = client.chat.completions.create(model="policy", messages=messages, tools=[SHELL]).choices[0].message
+    assert final.content == "Done."
+    episode = server.close_episode(session.episode.id)
+
+    t0, t1, t2 = episode.turns
+    assert [(t.role, t.conversation) for t in episode.turns] == [("side_call", 0), ("main", 1), ("main", 1)]
+    assert (t1.prompt_source, t1.fork_reason, t1.forked_from) == ("rendered", "side_call", None)
+    assert episode.num_main_line_forks == 0
+    assert episode.messages == [*t2.request_messages, t2.response_message]
+    assert episode.messages[1]["content"] == TASK and episode.messages[-1]["content"] == "Done."
+
+    renderer = ChatRenderer(tokenizer)
+    context = context_between(t2, t1)
+    main_row, title_row = episode_to_rows(episode.turns).rows
+    assert (main_row.kind, main_row.role, main_row.turns) == ("main", "main", [1, 2])
+    assert main_row.prompt_ids == renderer.render([template_message(m) for m in messages[:2]], [SHELL])
+    assert main_row.completion_ids == sampled(tokenizer, script[1]) + context + sampled(tokenizer, "Done.")
+    assert main_row.env_mask == [1] * len(sampled(tokenizer, script[1])) + [0] * len(context) + [1] * len(
+        sampled(tokenizer, "Done."))
+    assert (title_row.kind, title_row.role, title_row.turns) == ("side_call", "side_call", [0])
+    assert title_row.prompt_ids == renderer.render(title, None)
+    assert title_row.completion_ids == sampled(tokenizer, "Answer file")
+    assert title_row.env_mask == [1] * len(title_row.completion_ids)
+
+    skipped = episode_to_rows(episode.turns, side_calls="skip")
+    assert skipped.rows == [main_row] and skipped.skipped_turns == [0]
+
+
+def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokenizer):
+    """Claude Code's shape over the Messages API: a title request, the task's conversation, and a sub-agent its
+    `agent` tool call hands a task to (its own system prompt and tools). One main row, one side-call row, one
+    sub-agent row, each token-exact; `sub_agents="skip"` drops only the sub-agent."""
+    script = [
+        "Answer file",  # turn 0: the title
+        call_text("agent", {"description": "Look around", "prompt": SUB_PROMPT}),  # turn 1: main
+        call_text("shell", {"command": "ls"}),  # turn 2: the sub-agent
+        SUB_ANSWER,  # turn 3: the sub-agent's report
+        call_text("shell", {"command": "echo 42 > answer.txt"}),  # turn 4: main, given the report
+        "Done.",  # turn 5: main
+    ]
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode()
+    client = anthropic.Anthropic(base_url=server.url, api_key=session.key, max_retries=0, timeout=30)
+    # Claude Code's session hint rides along; lineage does not need it.
+    metadata = {"user_id": "user_0_account__session_1234"}
+
+    def run(system, messages, tools):
+        """An agent loop: execute tool calls (the `agent` tool runs a sub-agent) until the model answers."""
+        while True:
+            kwargs = {"tools": [anthropic_tool(t) for t in tools]} if tools else {}
+            message = client.messages.create(model="policy", max_tokens=256, system=system, messages=messages,
+                                             metadata=metadata, **kwargs)
+            messages.append({"role": "assistant", "content": message.content})
+            if message.stop_reason != "tool_use":
+                return message.content[-1].text
+            results = []
+            for block in message.content:
+                if block.type == "tool_use":
+                    output = (run(SUB_SYSTEM, [{"role": "user", "content": block.input["prompt"]}], [SHELL])
+                              if block.name == "agent" else "")
+                    results.append({"type": "tool_result", "tool_use_id": block.id, "content": output})
+            messages.append({"role": "user", "content": results})
+
+    assert run(TITLE_SYSTEM, [{"role": "user", "content": TASK}], None) == "Answer file"
+    assert run(MAIN_SYSTEM, [{"role": "user", "content": TASK}], [SHELL, AGENT]) == "Done."
+    episode = server.close_episode(session.episode.id)
+
+    turns = episode.turns
+    assert [t.role for t in turns] == ["side_call", "main", "sub_agent", "sub_agent", "main", "main"]
+    assert [t.conversation for t in turns] == [0, 1, 2, 2, 1, 1]
+    assert [t.spawned_by for t in turns] == [None, None, 1, 1, None, None]  # the main line's `agent` call
+    assert [t.prompt_source for t in turns] == ["rendered", "rendered", "rendered", "continued", "continued",
+                                                "continued"]
+    assert episode.num_main_line_forks == 0
+    assert episode.messages == [*turns[5].request_messages, turns[5].response_message]
+    assert episode.messages[-1]["content"] == "Done."
+
+    result = episode_to_rows(turns)
+    assert [(r.kind, r.role, r.conversation, r.turns) for r in result.rows] == [
+        ("main", "main", 1, [1, 4, 5]), ("side_call", "side_call", 0, [0]), ("sub_agent", "sub_agent", 2, [2, 3])]
+    main_row, title_row, sub_row = result.rows
+    ids = [sampled(tokenizer, text) for text in script]
+    report, after_shell = context_between(turns[4], turns[1]), context_between(turns[5], turns[4])
+    assert SUB_ANSWER in tokenizer.decode(report)  # the main line saw the sub-agent's report as its tool result
+    assert main_row.prompt_ids == turns[1].prompt_ids
+    assert main_row.completion_ids == ids[1] + report + ids[4] + after_shell + ids[5]
+    assert main_row.env_mask == ([1] * len(ids[1]) + [0] * len(report) + [1] * len(ids[4]) + [0] * len(after_shell)
+                                 + [1] * len(ids[5]))
+    assert title_row.prompt_ids == turns[0].prompt_ids and title_row.completion_ids == ids[0]
+    ls_output = context_between(turns[3], turns[2])
+    assert sub_row.prompt_ids == turns[2].prompt_ids
+    assert tokenizer.decode(sub_row.prompt_ids).count(SUB_PROMPT) == 1 and SUB_SYSTEM in tokenizer.decode(
+        sub_row.prompt_ids)
+    assert sub_row.completion_ids == ids[2] + ls_output + ids[3]
+    assert sub_row.env_mask == [1] * len(ids[2]) + [0] * len(ls_output) + [1] * len(ids[3])
+    # Every sampled token is trained once, in exactly one row.
+    in_rows = sorted(tok for r in result.rows for tok, m in zip(r.completion_ids, r.env_mask, strict=True) if m)
+    assert in_rows == sorted(tok for t in turns for tok in t.completion_ids)
+
+    no_sub_agents = episode_to_rows(turns, sub_agents="skip")
+    assert [r.kind for r in no_sub_agents.rows] == ["main", "side_call"] and no_sub_agents.skipped_turns == [2, 3]
+    no_side_calls = episode_to_rows(turns, side_calls="skip")
+    assert [r.kind for r in no_side_calls.rows] == ["main", "sub_agent"] and no_side_calls.skipped_turns == [0]
+    capped = episode_to_rows(turns, max_rows=1)  # the main line is kept first, whatever came first
+    assert [r.turns for r in capped.rows] == [[1, 4, 5]] and capped.capped_turns == [0, 2, 3]
+
+
+def turn(index, prompt, completion, messages=(), tools=None, answer=None, parent=None, forked_from=None,
+         fork_reason=None):
+    return Turn(index, list(prompt), list(completion), [-0.5] * len(completion), "stop",
+                request_messages=list(messages), request_tools=tools, response_message=answer or {},
+                prompt_source="continued" if parent is not None else "rendered", parent_turn=parent,
+                forked_from=forked_from, fork_reason=fork_reason)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def test_rules_on_plain_turns():
+    """Each rule on hand-made turns: a sub-agent is spawned by an open tool call it quotes, a retry joins the request
+    it repeats, a compaction restart joins its conversation, the task's prompt outranks length, a short tool argument
+    spawns nothing."""
+    system = {"role": "system", "content": MAIN_SYSTEM}
+
+    def calls(name, arguments):
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+    turns = [
+        turn(0, [1, 2], [3], [system, user(TASK)], [SHELL], answer=calls("agent", {"prompt": SUB_PROMPT})),
+        turn(1, [4, 5], [6], [user(SUB_PROMPT)], [SHELL]),  # the sub-agent: quotes the open call
+        turn(2, [4, 5], [7], [user(SUB_PROMPT)], [SHELL], forked_from=1),  # a retry of the same request
+        turn(3, [1, 2, 3, 8], [9], [system, user(TASK)], [SHELL], answer={"role": "assistant", "content": "Done."},
+             parent=0),
+        # A compaction restart keeping the system prompt: quotes the sub-agent's task, but that call was answered.
+        turn(4, [1, 10], [11], [system, user("Summary: " + SUB_PROMPT)], [SHELL], forked_from=3,
+             fork_reason="history_rewritten"),
+        turn(5, [12] * 20, [13], [user("Hi.")], [SHELL]),  # unrelated, and the longest
+    ]
+    found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, [user(TASK)])}
+    assert found == {0: ("main", [0, 3, 4], None), 1: ("sub_agent", [1, 2], 0), 5: ("side_call", [5], None)}
+    # Without the task's prompt, the longest conversation with tools is the main line.
+    assert {c.index: c.role for c in find_conversations(turns)} == {0: "side_call", 1: "sub_agent", 5: "main"}
+    # Labelled as the endpoint does at close, rows follow: the restart is a fork of the main line.
+    for c in find_conversations(turns, TASK):
+        for index in c.turns:
+            turns[index].conversation, turns[index].role = c.index, c.role
+    assert [(r.kind, r.role, r.turns) for r in episode_to_rows(turns).rows] == [
+        ("main", "main", [0, 3]), ("fork", "main", [4]), ("sub_agent", "sub_agent", [1]),
+        ("fork", "sub_agent", [2]), ("side_call", "side_call", [5])]
+
+    short = [turn(0, [1], [2], [user(TASK)], [SHELL], answer=calls("shell", {"command": "ls"})),
+             turn(1, [3], [4], [user("ls the folder, then stop.")], [SHELL])]
+    assert [(c.role, c.spawned_by) for c in find_conversations(short)] == [("main", None), ("side_call", None)]
+
+
+def respond_by_role(tokenizer):
+    """The scripted model of a harness-like agent, answering by what the prompt is (episodes run concurrently)."""
+
+    def respond(prompt_ids):
+        prompt = tokenizer.decode(prompt_ids)
+        answered = "<tool_response>" in prompt.rsplit("<|im_start|>assistant", 1)[0].rsplit("<|im_start|>user", 1)[-1]
+        if TITLE_SYSTEM in prompt:
+            return "Answer file"
+        if SUB_SYSTEM in prompt:
+            return SUB_ANSWER if answered else call_text("shell", {"command": "ls"})
+        return "Done." if answered else call_text("agent", {"prompt": SUB_PROMPT})
+
+    return respond
+
+
+async def harness_agent(client, task):
+    """What opencode and Claude Code do: a title request first, then the task, whose `agent` call runs a sub-agent."""
+    task_text = task["prompt"][-1]["content"]
+    await client.chat.completions.create(model="policy", messages=[{"role": "system", "content": TITLE_SYSTEM},
+                                                                   {"role": "user", "content": task_text}])
+
+    async def run(messages, tools):
+        while True:
+            response = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                return message.content
+            for call in message.tool_calls:
+                arguments = json.loads(call.function.arguments)
+                output = (await run([{"role": "system", "content": SUB_SYSTEM},
+                                     {"role": "user", "content": arguments["prompt"]}], [SHELL])
+                          if call.function.name == "agent" else "")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
+
+    return await run([{"role": "system", "content": MAIN_SYSTEM}, *task["prompt"]], [SHELL, AGENT])
+
+
+def test_sub_agent_and_side_call_rows_train_with_the_episodes_advantage(tmp_path, tokenizer):
+    """In training: each episode gives one main, one side-call and one sub-agent row; the extra rows carry the
+    episode's advantage (`loss_type="dapo"`: every row the full advantage), and reward functions see the main line."""
+    seen = []
+
+    def reward(prompts, completions, episodes, **kwargs):
+        seen.extend(completions)
+        return [float(episode.group_index) for episode in episodes]  # advantages of both signs in each group
+
+    args = AgenticGRPOConfig(
+        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 1 task x 2 episodes
+        max_steps=1, max_completion_length=64, loss_type="dapo", use_cpu=True, bf16=False, report_to="none",
+        save_strategy="no", log_episodes=True, episode_timeout=30, seed=0,
+    )
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": TASK}]}])
+    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=harness_agent, reward_funcs=reward, args=args,
+                                 train_dataset=dataset, processing_class=tokenizer,
+                                 engine=ScriptedEngine(tokenizer, respond_by_role(tokenizer)))
+    appended = []
+    append_rows = trainer._append_rows
+
+    def record_rows(output, rows, advantages):  # what the loss gets for the rows after each episode's first
+        appended.append(([row.kind for row in rows], advantages.tolist()))
+        return append_rows(output, rows, advantages)
+
+    trainer._append_rows = record_rows
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+    records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        turns = record["episode"]["turns"]
+        assert [t["role"] for t in turns] == ["side_call", "main", "sub_agent", "sub_agent", "main"]
+        assert [(r["kind"], r["turns"]) for r in record["rows"]] == [
+            ("main", [1, 4]), ("side_call", [0]), ("sub_agent", [2, 3])]
+        assert record["episode"]["messages"][-1]["content"] == "Done."
+    assert [c[-1]["content"] for c in seen] == ["Done.", "Done."]  # the main line's answer, not the title
+    (kinds, advantages), = appended
+    assert kinds == ["side_call", "sub_agent"] * 2
+    expected = [record["advantage"] for record in records for _ in range(2)]
+    assert advantages == pytest.approx(expected) and all(a != 0 for a in expected)
+
+
+def test_sub_agents_setting_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="sub_agents must be one of"):
+        AgenticGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", sub_agents="drop")
+
+
+def claude_code_binary() -> str | None:
+    return os.environ.get("TRL_AGENTIC_CLAUDE_CODE_BIN") or shutil.which("claude")
+
+
+@pytest.mark.skipif(claude_code_binary() is None, reason=(
+    "Claude Code is not installed: `npm install --prefix <dir> @anthropic-ai/claude-code`, then set "
+    "TRL_AGENTIC_CLAUDE_CODE_BIN=<dir>/node_modules/.bin/claude (or put `claude` on PATH)"))
+def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer, tmp_path):
+    """The real `claude -p` with its defaults (title request on) and its `Agent` tool: the scripted model hands a
+    sub-agent a task, then writes the file. One main line with 0 forks, one side-call row, one sub-agent row."""
+    def call(name, arguments):
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+    def respond(prompt_ids):
+        prompt = tokenizer.decode(prompt_ids)
+        if "<tools>" not in prompt:  # the title request
+            return "Answer file"
+        if SUB_PROMPT in prompt.split("<|im_start|>assistant", 1)[0]:  # handed the task before it said anything
+            answered = "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1]
+            return SUB_ANSWER if answered else call("Bash", {"command": "ls", "description": "List files"})
+        return [call("Agent", {"description": "Look around", "prompt": SUB_PROMPT, "subagent_type": "general-purpose"}),
+                call("Bash", {"command": "echo 42 > answer.txt", "description": "Write 42"}),
+                "Done: answer.txt contains 42."][prompt.count("<tool_response>")]
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
+    session = server.open_episode()
+    home, workspace = tmp_path / "home", tmp_path / "workspace"
+    home.mkdir()
+    workspace.mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "ANTHROPIC_BASE_URL": server.url,
+           "ANTHROPIC_API_KEY": session.key, "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+           "DISABLE_ERROR_REPORTING": "1"}  # not CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC: it turns titles off
+    command = [claude_code_binary(), "-p", TASK, "--model", "policy", "--allowedTools", "Bash", "Agent"]
+    done = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=240)
+    episode = server.close_episode(session.episode.id)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    assert (workspace / "answer.txt").read_text() == "42\n"
+
+    turns = episode.turns
+    assert [t.role for t in turns] == ["side_call", "main", "sub_agent", "sub_agent", "main", "main"]
+    assert [t.spawned_by for t in turns] == [None, None, 1, 1, None, None]
+    assert episode.num_main_line_forks == 0 and TASK in turns[0].request_messages[-1]["content"]
+    assert episode.messages[-1]["content"] == "Done: answer.txt contains 42."
+    rows = episode_to_rows(turns).rows
+    assert [(r.kind, r.turns) for r in rows] == [("main", [1, 4, 5]), ("side_call", [0]), ("sub_agent", [2, 3])]
+    assert rows[0].prompt_ids + rows[0].completion_ids == turns[5].prompt_ids + turns[5].completion_ids
+    assert rows[2].prompt_ids + rows[2].completion_ids == turns[3].prompt_ids + turns[3].completion_ids
