@@ -381,3 +381,33 @@ def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer
     assert [(r.kind, r.turns) for r in rows] == [("main", [1, 4, 5]), ("side_call", [0]), ("sub_agent", [2, 3])]
     assert rows[0].prompt_ids + rows[0].completion_ids == turns[5].prompt_ids + turns[5].completion_ids
     assert rows[2].prompt_ids + rows[2].completion_ids == turns[3].prompt_ids + turns[3].completion_ids
+
+
+def test_the_runner_hands_the_task_prompt_so_the_task_conversation_wins_over_a_longer_one(start_server, tokenizer):
+    """Without the task, the longest conversation with tools would be the main line; the runner opens each episode with
+    its task's prompt (trainer-side metadata, dropped at close), so the conversation that holds it is the main line."""
+    import asyncio
+
+    from trl_agentic.rollout.agents import CallableAgent
+    from trl_agentic.rollout.runner import run_episodes
+
+    script = [call_text("shell", {"command": "ls"}), "Nothing here.", "42 it is."]
+    server = scripted_server(start_server, tokenizer, script)
+
+    async def agent(client, task):
+        # A warm-up conversation of its own, with tools and two calls, before the task's (one call, no tools)
+        chat = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": "Look around first."}]
+        reply = (await client.chat.completions.create(model="policy", messages=chat, tools=[SHELL])).choices[0].message
+        chat += [reply.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "answer.txt"}]
+        await client.chat.completions.create(model="policy", messages=chat, tools=[SHELL])
+        answer = await client.chat.completions.create(model="policy", messages=task["prompt"])
+        return answer.choices[0].message.content
+
+    task = {"prompt": [{"role": "user", "content": TASK}]}
+    [episode] = asyncio.run(run_episodes(server, CallableAgent(agent), [task], timeout=30))
+    assert episode.status == "ok", episode.error
+    assert [turn.role for turn in episode.turns] == ["side_call", "side_call", "main"]
+    assert episode.messages == [{"role": "user", "content": TASK}, {"role": "assistant", "content": "42 it is."}]
+    assert "task_prompt" not in episode.metadata
+    assert [row.kind for row in episode_to_rows(episode.turns).rows] == ["main", "side_call"]

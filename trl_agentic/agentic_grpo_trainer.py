@@ -948,6 +948,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "malformed_tool_calls": [ep.num_malformed_tool_calls for ep in episodes],
             "rows": [len(r.rows) for r in rows_results],
             "forks": [ep.num_forks for ep in episodes],
+            "main_line_forks": [ep.num_main_line_forks for ep in episodes],  # rewrites of the task's conversation
             "drift": [ep.total_drift for ep in episodes],
             "wall_time": [ep.wall_time for ep in episodes],
             "sampled_tokens": [ep.num_sampled_tokens for ep in episodes],

@@ -344,7 +344,8 @@ class EpisodeSession:
                 self.late_turns = self.in_flight
                 if self.late_turns:
                     episode.metadata["late_turns"] = self.late_turns
-                label_conversations(episode, episode.metadata.get("task_prompt"))
+                # The task's prompt (given at open) decides the main line; not kept: the episode has its messages
+                label_conversations(episode, episode.metadata.pop("task_prompt", None))
             return self.episode
 
 

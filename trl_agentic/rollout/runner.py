@@ -44,9 +44,11 @@ class EpisodeServer(Protocol):
     @property
     def served_model_name(self) -> str: ...
 
-    def open_episode(self, task_index: int = 0, group_index: int = 0, seed: int | None = None) -> Any:
+    def open_episode(self, task_index: int = 0, group_index: int = 0, metadata: dict[str, Any] | None = None,
+                     seed: int | None = None) -> Any:
         """Returns a session with the episode's `key` and `episode.id`; its calls that bring no seed sample from seeds
-        derived from `seed` and their index in the episode (`None`: the engine draws them)."""
+        derived from `seed` and their index in the episode (`None`: the engine draws them). `metadata` starts the
+        episode's metadata (`task_prompt`: what lineage uses to tell the task's conversation from the others)."""
 
     def close_episode(self, episode_id: str, status: str | None = None, result: Any = None,
                       error: str | None = None) -> Episode: ...
@@ -70,7 +72,10 @@ async def run_episode(
     name handed to the agent (default: the one the server answers to). `seed`: the episode's seed (its calls' seeds
     derive from it, `EpisodeServer.open_episode`).
     """
-    session = server.open_episode(task_index=task_index, group_index=group_index, seed=seed)
+    # The task's prompt, when it has one: the conversation that holds it is the episode's main line (lineage), whatever
+    # a harness sends first (a title request, a sub-agent). Kept trainer-side: the agent never sees the metadata.
+    metadata = {"task_prompt": task["prompt"]} if task.get("prompt") else None
+    session = server.open_episode(task_index=task_index, group_index=group_index, metadata=metadata, seed=seed)
     context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
