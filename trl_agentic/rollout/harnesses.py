@@ -17,7 +17,8 @@ The workspace is removed once the reward functions have scored the episode (the 
 `release(episodes)`), or at once when the harness failed; `keep_workspaces=True` keeps them all (for the viewer or a
 post-mortem).
 
-Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`, `"claude-code"`, `"codex"`, `"gemini-cli"`. Each says how the harness is found (`binary=`, the
+Presets (`HARNESS_PRESETS`): `"mini-swe-agent"`, `"claude-code"`, `"codex"`, `"gemini-cli"`,
+`"opencode"`. Each says how the harness is found (`binary=`, the
 `TRL_AGENTIC_<NAME>_BIN` environment variable, or its executable on `PATH`) and installed; a harness that is not found
 is a `HarnessNotFoundError` that says how to install it or where to point.
 
@@ -144,11 +145,45 @@ def _gemini_cli(binary: str, task: str, context: EpisodeContext, work: Path, hom
     return argv, env
 
 
+def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
+    # opencode (`opencode run`): a custom provider (`@ai-sdk/openai-compatible`, bundled, on the Chat Completions
+    # route) in its global config under XDG_CONFIG_HOME, the key read from the environment; auto-update and sharing
+    # off; edits and shell commands allowed headless, web fetches denied (the endpoint is the only host it needs).
+    # OPENCODE_DISABLE_MODELS_FETCH: no models.dev download at startup; OPENCODE_DISABLE_LSP_DOWNLOAD: no language
+    # servers fetched for the files it touches. It also installs `@opencode-ai/plugin` into each config directory in
+    # the background through npm, with no setting to turn that off: `offline=true` in the home's .npmrc makes it fail
+    # at once without a request (a logged warning, nothing lost: no plugins are configured). It asks for a session
+    # title first (a side call of the episode); the task arrives as opencode quotes a message with spaces ("...").
+    config_home = home / ".config"
+    (config_home / "opencode").mkdir(parents=True)
+    config = {
+        "model": f"trl-agentic/{context.model}",
+        "autoupdate": False,
+        "share": "disabled",
+        "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
+        "provider": {"trl-agentic": {
+            "npm": "@ai-sdk/openai-compatible", "name": "trl-agentic",
+            "options": {"baseURL": context.base_url, "apiKey": "{env:TRL_AGENTIC_API_KEY}"},
+            "models": {context.model: {"name": context.model}},
+        }},
+    }
+    (config_home / "opencode" / "opencode.json").write_text(json.dumps(config, indent=2))
+    (home / ".npmrc").write_text("offline=true\n")
+    env = {
+        "TRL_AGENTIC_API_KEY": context.api_key, "XDG_CONFIG_HOME": str(config_home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"), "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "NO_COLOR": "1",
+    }
+    return [binary, "run", "--model", f"trl-agentic/{context.model}", task], env
+
+
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
     "gemini-cli": HarnessPreset("gemini", "npm install -g @google/gemini-cli", _gemini_cli),
     "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
     "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
+    "opencode": HarnessPreset("opencode", "npm install -g opencode-ai", _opencode),
 }
 
 SNAPSHOT_FILE_LIMIT = 64 << 10  # bytes: larger files are listed with their size, not their text
