@@ -14,7 +14,8 @@
 """Hugging Face Jobs entry point: train a recipe and push the result to the Hub.
 
 Submitted by `trl-agentic jobs submit` (see jobs/README.md), which ships the recipe base64 in
-`TRL_AGENTIC_RECIPE_B64` (and a multi-GPU accelerate config in `TRL_AGENTIC_ACCELERATE_CONFIG_B64`). It also runs on
+`TRL_AGENTIC_RECIPE_B64` (a multi-GPU accelerate config in `TRL_AGENTIC_ACCELERATE_CONFIG_B64`, and the local modules
+the recipe imports in `TRL_AGENTIC_CODE_B64`, unpacked here first on the training's `PYTHONPATH`). It also runs on
 its own, with the recipe as a local file that `hf jobs uv run` uploads:
 
 ```bash
@@ -36,12 +37,15 @@ from pathlib import Path
 
 from trl_agentic.jobs import (
     ACCELERATE_CONFIG_ENV,
+    CODE_ENV,
     JOB_ACCELERATE_CONFIG,
+    JOB_CODE,
     JOB_DIR,
     JOB_RECIPE,
     RECIPE_ENV,
     decode_file,
     launch_command,
+    unpack_code,
 )
 
 
@@ -93,11 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         accelerate_config_path=accelerate_config,
         train_args=train_args,
     )
+    # The recipe's own modules (task, agent, rewards), shipped by the submission: first on the training's path
+    env = dict(os.environ)
+    if CODE_ENV in os.environ:
+        code = unpack_code(os.environ[CODE_ENV], job_dir / JOB_CODE)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")]))
     if args.dry_run:
-        print(json.dumps({"command": command}))
+        print(json.dumps({"command": command, "pythonpath": env.get("PYTHONPATH")}))
         return 0
     print("Running:", " ".join(command), flush=True)
-    return subprocess.call(in_this_environment(command))
+    return subprocess.call(in_this_environment(command), env=env)
 
 
 if __name__ == "__main__":

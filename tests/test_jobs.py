@@ -32,9 +32,15 @@ HF_JOBS_KEYS = {
 }
 
 
+# What the job installs, as a user sets it (`--package` or $TRL_AGENTIC_PACKAGE): trl-agentic is not on PyPI.
+GIT = "git+https://github.com/o/trl-agentic@0123abc"
+PACKAGE = f"trl-agentic @ {GIT}"
+
+
 @pytest.fixture(autouse=True)
 def in_repo_root(monkeypatch):
     monkeypatch.chdir(REPO_ROOT)  # recipe paths as a user types them
+    monkeypatch.setenv("TRL_AGENTIC_PACKAGE", PACKAGE)
 
 
 def dry_run(capsys, *argv) -> dict:
@@ -65,7 +71,7 @@ def test_dry_run_single_gpu(capsys, monkeypatch):
     )
     assert "hf_do_not_print_me" not in json.dumps(submission)
     assert submission["script"] == "trl_agentic/bundled/jobs/train.py"  # package data, not the checkout's copy
-    assert submission["dependencies"] == ["trl-agentic"]
+    assert submission["dependencies"] == [PACKAGE]
     assert submission["flavor"] == "a10g-large"
     assert submission["timeout"] == "2h"  # never HF's default of 30 minutes
     assert submission["secrets"] == ["HF_TOKEN"]  # names only
@@ -92,7 +98,7 @@ def test_dry_run_multi_gpu_full_uses_zero3(capsys):
     assert submission["script_args"][:2] == ["--num_processes", "4"]
     shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
     assert shipped == (REPO_ROOT / "recipes/accelerate_configs/zero3.yaml").read_bytes()
-    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]
+    assert submission["dependencies"] == [f"trl-agentic[deepspeed] @ {GIT}"]
 
 
 def test_dry_run_multi_gpu_lora_uses_ddp(capsys):
@@ -100,7 +106,7 @@ def test_dry_run_multi_gpu_lora_uses_ddp(capsys):
     assert submission["command"][4:6] == ["--num_processes", "8"]
     shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
     assert shipped == (REPO_ROOT / "recipes/accelerate_configs/ddp.yaml").read_bytes()
-    assert submission["dependencies"] == ["trl-agentic"]  # DDP needs no DeepSpeed
+    assert submission["dependencies"] == [PACKAGE]  # DDP needs no DeepSpeed
 
 
 def test_dry_run_accelerate_config_override(capsys):
@@ -109,7 +115,7 @@ def test_dry_run_accelerate_config_override(capsys):
     )
     shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
     assert shipped == (REPO_ROOT / "recipes/accelerate_configs/zero2.yaml").read_bytes()
-    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]
+    assert submission["dependencies"] == [f"trl-agentic[deepspeed] @ {GIT}"]
 
 
 def test_dry_run_vllm_recipe_and_package(capsys):
@@ -319,9 +325,102 @@ def test_submit_dry_run_from_an_installed_wheel(tmp_path):
     script = Path(submission["script"])
     assert script == site / "trl_agentic" / "bundled" / "jobs" / "train.py"  # from the installed wheel
     assert script.read_bytes() == (REPO_ROOT / "jobs" / "train.py").read_bytes()
-    assert submission["dependencies"] == ["trl-agentic[deepspeed]"]  # zero3, the multi-GPU default for full FT
+    assert submission["dependencies"] == [f"trl-agentic[deepspeed] @ {GIT}"]  # zero3: the default for full FT
     assert base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV]) == (
         REPO_ROOT / "recipes" / "accelerate_configs" / "zero3.yaml"
     ).read_bytes()
     job_config = f"{jobs.JOB_DIR}/{jobs.JOB_ACCELERATE_CONFIG}"
     assert submission["command"][:4] == ["accelerate", "launch", "--config_file", job_config]
+
+
+# Custom code (issue 33): what the recipe imports is checked before submitting, and local modules travel with the job
+
+TASK_MODULE = """\
+from helpers import QUESTION
+from trl_agentic.tasks.calculator import make_calculator_suite
+
+TASK = make_calculator_suite(digits=1)
+"""
+
+
+def user_dir(tmp_path, monkeypatch, recipe_text):
+    """A user's working directory: a recipe naming their own task module, which imports a sibling module."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_task.py").write_text(TASK_MODULE)
+    (work / "helpers.py").write_text("QUESTION = 'What is 2 + 2?'\n")
+    (work / "recipe.yaml").write_text(f"model_name_or_path: tiny:qwen2_5\noutput_dir: out/mine\n{recipe_text}")
+    monkeypatch.chdir(work)
+    return work
+
+
+def test_a_local_task_file_travels_with_its_siblings_and_the_job_imports_it(tmp_path, monkeypatch, capsys):
+    user_dir(tmp_path, monkeypatch, "task: my_task.py:TASK\n")
+    submission = dry_run(capsys, "--config", "recipe.yaml", "--hub-model-id", "o/m")
+    assert submission["code"] == ["helpers.py", "my_task.py"]
+    shipped = f"{jobs.JOB_DIR}/{jobs.JOB_CODE}/my_task.py:TASK"
+    assert submission["command"][-2:] == ["--task", shipped] and submission["script_args"][-2:] == ["--task", shipped]
+    # In the job: jobs/train.py unpacks the code first on the training's path, and the task imports from there
+    job_dir = tmp_path / "job"
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "jobs" / "train.py"), *submission["script_args"], "--dry_run"],
+        env={**os.environ, **submission["env"], "TRL_AGENTIC_JOB_DIR": str(job_dir)},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert printed["pythonpath"].split(os.pathsep)[0] == str(job_dir / jobs.JOB_CODE)
+    imported = subprocess.run(
+        [sys.executable, "-c", "from trl_agentic.imports import import_object; "
+         f"print(import_object({str(job_dir / 'code' / 'my_task.py') + ':TASK'!r}).name)"],
+        env={**os.environ, "PYTHONPATH": printed["pythonpath"]}, cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert imported.stdout.strip() == "calculator", imported.stderr[-2000:]
+
+
+def test_a_module_of_the_working_directory_travels_as_it_is(tmp_path, monkeypatch, capsys):
+    user_dir(tmp_path, monkeypatch, "task: my_task:TASK\n")
+    submission = dry_run(capsys, "--config", "recipe.yaml", "--hub-model-id", "o/m")
+    assert submission["code"] == ["my_task.py"]  # its import of `helpers` resolves in the working directory...
+    assert "--task" not in submission["command"]  # ...and the module keeps its name
+
+
+@pytest.mark.parametrize("recipe_text, message", [
+    ("task: no_such_module:TASK\n", "Cannot load 'no_such_module:TASK'"),
+    ("task: my_task.py:NOPE\n", "Cannot load 'my_task.py:NOPE'"),
+    ("task: calculator\nreward_funcs: [yaml:safe_load]\n", "--with PyYAML"),
+])
+def test_what_would_fail_in_the_job_fails_the_submission(tmp_path, monkeypatch, capsys, recipe_text, message):
+    user_dir(tmp_path, monkeypatch, recipe_text)
+    assert jobs.main(["submit", "--config", "recipe.yaml", "--hub-model-id", "o/m", "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_with_adds_what_the_recipe_imports_to_the_job(tmp_path, monkeypatch, capsys):
+    user_dir(tmp_path, monkeypatch, "task: calculator\nreward_funcs: [yaml:safe_load]\n")
+    submission = dry_run(capsys, "--config", "recipe.yaml", "--hub-model-id", "o/m", "--with", "PyYAML>=6")
+    assert submission["dependencies"] == [PACKAGE, "PyYAML>=6"] and submission["code"] == []
+
+
+def git(cwd, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                   capture_output=True)
+
+
+def test_the_default_package_is_this_checkouts_pushed_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRL_AGENTIC_PACKAGE")
+    checkout = tmp_path / "checkout"
+    (checkout / "trl_agentic").mkdir(parents=True)
+    monkeypatch.setattr(jobs, "__file__", str(checkout / "trl_agentic" / "jobs.py"))
+    with pytest.raises(ValueError, match="not a git checkout with an `origin` remote.*--package"):
+        jobs.default_package()
+    git(checkout, "init", "-q")
+    git(checkout, "commit", "-q", "--allow-empty", "-m", "one")
+    git(checkout, "remote", "add", "origin", "git@github.com:my-org/trl-agentic.git")
+    git(checkout, "update-ref", "refs/remotes/origin/main", "HEAD")  # as after a push
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    assert jobs.default_package() == f"trl-agentic @ git+https://github.com/my-org/trl-agentic.git@{commit}"
+    git(checkout, "commit", "-q", "--allow-empty", "-m", "two")  # not pushed
+    with pytest.raises(ValueError, match="on no branch of its remotes.*Push it first"):
+        jobs.default_package()

@@ -141,6 +141,18 @@ def test_get_task_from_a_python_file(tmp_path):
         get_task(f"{tmp_path}/task.py:NOPE")
 
 
+
+def test_a_task_file_imports_the_modules_beside_it(tmp_path):
+    # As when the file runs as a script: `--task tasks/my_task.py:TASK` with `tasks/my_levels.py` next to it.
+    (tmp_path / "my_levels.py").write_text("DIGITS = 3\n")
+    (tmp_path / "my_task.py").write_text(
+        "from my_levels import DIGITS\n"
+        "from trl_agentic.tasks.calculator import make_calculator_suite\n"
+        "TASK = make_calculator_suite(digits=DIGITS)\n"
+    )
+    assert get_task(f"{tmp_path}/my_task.py:TASK").target_difficulty == 3
+
+
 def test_get_reward_func():
     assert get_reward_func("calculator_correct") is calculator_correct
     assert get_reward_func("trl_agentic.tasks.files:files_correct") is files_correct

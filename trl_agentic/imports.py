@@ -42,6 +42,9 @@ def _attribute_of_file(file: Path, attr: str, path: str) -> Any:
     name = f"_trl_agentic_file_{file.stem}_{abs(hash(str(file.resolve())))}"
     module = sys.modules.get(name)
     if module is None:  # loaded once per process, like an imported module
+        folder = str(file.resolve().parent)
+        if folder not in sys.path:  # its sibling modules import as they do when the file runs as a script
+            sys.path.insert(0, folder)
         spec = importlib.util.spec_from_file_location(name, file)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses and pickling look their module up by name

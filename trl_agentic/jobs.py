@@ -13,6 +13,12 @@ What is submitted (`--dry-run` prints it as JSON and submits nothing):
   `deepspeed` extras when the recipe or the accelerate config needs them);
 - the recipe itself, base64 in the environment variable `TRL_AGENTIC_RECIPE_B64` (and, on a multi-GPU flavor, the
   accelerate config in `TRL_AGENTIC_ACCELERATE_CONFIG_B64`): the job does not need this checkout;
+- what the recipe imports (`task`, `agent`, `reward_funcs`), checked by importing it here: a local Python file travels
+  with the `.py` files beside it and a module of the working directory as it is (a `.tar.gz` in
+  `TRL_AGENTIC_CODE_B64`, unpacked first on the job's `PYTHONPATH`); another installed distribution must be named
+  with `--with`, which adds it to what the job installs;
+- the package requirement: `--package`, `$TRL_AGENTIC_PACKAGE`, or this checkout's pushed commit
+  (`trl-agentic @ git+<origin>@<commit>`; trl-agentic is not on PyPI, and a bare name would fail in the job);
 - `HF_TOKEN` as a secret (only names are printed, never values);
 - an explicit timeout, `push_to_hub true` and a `hub_model_id`: the machine is ephemeral, what is not pushed is lost.
 
@@ -47,15 +53,21 @@ DEFAULT_FLAVOR = "a10g-large"
 # HF Jobs stop a job after 30 minutes unless told otherwise. Installing torch (and vLLM), downloading the model and a
 # few hundred GRPO steps take longer, and a job stopped before `push_to_hub` loses everything it trained.
 DEFAULT_TIMEOUT = "2h"
-DEFAULT_PACKAGE = "trl-agentic"
 PACKAGE_NAME = "trl-agentic"
 
 # How the files travel: base64 in the job's environment, decoded by `jobs/train.py` under `JOB_DIR`.
 RECIPE_ENV = "TRL_AGENTIC_RECIPE_B64"
 ACCELERATE_CONFIG_ENV = "TRL_AGENTIC_ACCELERATE_CONFIG_B64"
+CODE_ENV = "TRL_AGENTIC_CODE_B64"  # the user's local modules the recipe names, a .tar.gz
 JOB_DIR = "/tmp/trl-agentic"
 JOB_RECIPE = "recipe.yaml"
 JOB_ACCELERATE_CONFIG = "accelerate_config.yaml"
+JOB_CODE = "code"  # under JOB_DIR, first on the job's PYTHONPATH
+# Environment variables carry the files: local code past this size belongs in a package the job installs (--with).
+MAX_CODE_BYTES = 512 * 1024
+# Recipe values that name something to import, and the prefixes that name something else.
+_IMPORT_KEYS = ("task", "agent", "reward_funcs")
+_NOT_IMPORT_PATHS = ("harness:", "verifiers:")
 
 # Training flags the submission sets itself.
 _RESERVED_TRAIN_FLAGS = ("--push_to_hub", "--hub_model_id", "--config")
@@ -119,8 +131,9 @@ def script_dependencies(script_text: str) -> list[str]:
     return re.findall(r'"([^"]+)"', block.group(0))
 
 
-def render_script(script_text: str, package: str) -> str:
-    """The uv script with its `trl-agentic` dependency replaced by `package` (a PEP 508 requirement, with extras).
+def render_script(script_text: str, package: str, extra: list[str] | tuple[str, ...] = ()) -> str:
+    """The uv script with its `trl-agentic` dependency replaced by `package` (a PEP 508 requirement, with extras), and
+    the requirements in `extra` added (what the recipe's own imports need, `--with`).
 
     The header is what `uv run` installs before anything runs, so this is where a git URL or extras must go.
     """
@@ -130,6 +143,7 @@ def render_script(script_text: str, package: str) -> str:
     dependencies = [
         package if Requirement(dep).name == PACKAGE_NAME else dep for dep in script_dependencies(script_text)
     ]
+    dependencies += [dep for dep in extra if dep not in dependencies]
     if package not in dependencies:
         raise ValueError(f"The uv script's PEP 723 header does not depend on {PACKAGE_NAME!r}: cannot set {package!r}.")
     lines = "".join(f'#     "{dep}",\n' for dep in dependencies)
@@ -160,6 +174,149 @@ def package_requirement(package: str, extras: set[str]) -> str:
         raise ValueError(f"--package must be a requirement for {PACKAGE_NAME!r}, got {package!r}.")
     requirement.extras |= extras
     return str(requirement)
+
+
+def default_package() -> str:
+    """The requirement a job installs when `--package` is not given: `$TRL_AGENTIC_PACKAGE`, else this checkout's
+    commit on its `origin` remote (`trl-agentic @ git+<url>@<commit>`). `trl-agentic` is not on PyPI: a bare name
+    would fail in the job, after its machine started.
+    """
+    if os.environ.get("TRL_AGENTIC_PACKAGE"):
+        return os.environ["TRL_AGENTIC_PACKAGE"]
+    import subprocess
+
+    source = Path(__file__).resolve().parents[1]
+    fix = ("Pass --package with a requirement the job can install, e.g. 'trl-agentic @ "
+           "git+https://github.com/<org>/trl-agentic@<commit>' (or set $TRL_AGENTIC_PACKAGE).")
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    if not (source / ".git").exists() or not (url := git("remote", "get-url", "origin")):
+        raise ValueError(f"trl-agentic is not published on PyPI, and {source} is not a git checkout with an `origin` "
+                         f"remote to install it from. {fix}")
+    commit = git("rev-parse", "HEAD")
+    if not git("branch", "-r", "--contains", commit):
+        raise ValueError(f"Commit {commit[:12]} of {source} is on no branch of its remotes: the job could not fetch "
+                         f"it. Push it first, or: {fix}")
+    if url.startswith("git@"):  # git@github.com:org/repo.git -> https://github.com/org/repo.git
+        url = "https://" + url[len("git@"):].replace(":", "/", 1)
+    return f"{PACKAGE_NAME} @ git+{url}@{commit}"
+
+
+def _import_names(effective: dict[str, Any]) -> list[tuple[str, str]]:
+    """(recipe key, import path) of every value the job will import that is not bundled with the package."""
+    from trl_agentic.recipes import REWARD_FUNCS
+    from trl_agentic.tasks import BUNDLED_TASKS
+
+    names = []
+    for key in _IMPORT_KEYS:
+        values = effective.get(key)
+        for value in values if isinstance(values, list) else [values]:
+            if not isinstance(value, str) or value.startswith(_NOT_IMPORT_PATHS):
+                continue
+            if value in BUNDLED_TASKS or value in REWARD_FUNCS:
+                continue
+            names.append((key, value))
+    return names
+
+
+def local_code(effective: dict[str, Any], with_requirements: list[str] | tuple[str, ...] = ()) -> tuple[
+        dict[str, Path], dict[str, str]]:
+    """What the job must carry for the recipe's imports to work there, checked here first.
+
+    Each import path the recipe names (`task`, `agent`, `reward_funcs`) is imported now: one that fails here would
+    fail in the job. A Python file (`path/file.py:NAME`) travels with the `.py` files beside it (it may import them),
+    and the recipe value is pointed at the shipped copy; a module in the working directory (`my_tasks:SUITE`, or a
+    package folder) travels as it is; a module of the package itself is installed with it; a module of another
+    installed distribution must be installed in the job too (`--with <requirement>`).
+
+    Returns `({archive name: local file}, {recipe key: value pointing at the shipped copy})`.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    from packaging.requirements import Requirement
+
+    from trl_agentic.imports import import_object
+
+    files: dict[str, Path] = {}
+    overrides: dict[str, Any] = {}
+    cwd = Path.cwd().resolve()
+    package_root = Path(__file__).resolve().parent
+    installed_with = {Requirement(req).name.lower().replace("_", "-") for req in with_requirements}
+
+    def ship(name: str, path: Path) -> None:
+        if files.get(name, path) != path:
+            raise ValueError(f"Two different local files would be shipped as {name!r} ({files[name]} and {path}): "
+                             "rename one.")
+        files[name] = path
+
+    for key, value in _import_names(effective):
+        module_name, sep, attr = value.partition(":")
+        if not sep:
+            module_name, _, attr = value.rpartition(".")
+        import_object(value)  # a ValueError that says what failed, before anything is submitted
+        if module_name.endswith(".py"):
+            file = Path(module_name).resolve()
+            for sibling in sorted(file.parent.glob("*.py")):
+                ship(sibling.name, sibling)
+            shipped = f"{JOB_DIR}/{JOB_CODE}/{file.name}:{attr}"
+            if key == "reward_funcs":
+                overrides.setdefault(key, list(effective[key]))
+                overrides[key] = [shipped if v == value else v for v in overrides[key]]
+            else:
+                overrides[key] = shipped
+            continue
+        top = module_name.split(".")[0]
+        spec = importlib.util.find_spec(top)
+        origin = Path(spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin)
+        origin = origin.resolve()
+        if origin == package_root or package_root in origin.parents:
+            continue  # installed with the package
+        if cwd in origin.parents:
+            paths = sorted(origin.rglob("*.py")) if origin.is_dir() else [origin]
+            for path in paths:
+                ship(path.relative_to(origin.parent).as_posix(), path)
+            continue
+        distributions = importlib.metadata.packages_distributions().get(top, [])
+        if not {d.lower().replace("_", "-") for d in distributions} & installed_with:
+            raise ValueError(
+                f"{key} {value!r} imports {top!r}, installed here from {', '.join(distributions) or origin} but not "
+                f"in the job: add `--with <requirement>` (e.g. --with {distributions[0] if distributions else top}), "
+                "or put the module in the working directory so that it travels with the job."
+            )
+    return files, overrides
+
+
+def pack_code(files: dict[str, Path]) -> str:
+    """The files as a base64 `.tar.gz` (archive name -> file), for the job's environment."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for name, path in sorted(files.items()):
+            archive.add(path, arcname=name, recursive=False)
+    data = buffer.getvalue()
+    if len(data) > MAX_CODE_BYTES:
+        raise ValueError(f"The local modules the recipe imports are {len(data) // 1024} KiB compressed, more than a "
+                         f"job's environment carries ({MAX_CODE_BYTES // 1024} KiB): make them a package the job "
+                         "installs (--with <requirement>).")
+    return base64.b64encode(data).decode("ascii")
+
+
+def unpack_code(encoded: str, folder: str | Path) -> Path:
+    """Extract what `pack_code` packed into `folder` (inside the job)."""
+    import io
+    import tarfile
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(encoded)), mode="r:gz") as archive:
+        archive.extractall(folder, filter="data")
+    return folder
 
 
 def _parse_train_args(train_args: list[str]) -> dict[str, Any]:
@@ -221,10 +378,11 @@ def build_submission(
     hub_model_id: str | None = None,
     namespace: str | None = None,
     accelerate_config: str | None = None,
-    package: str = DEFAULT_PACKAGE,
+    package: str | None = None,
     network_group: str | None = None,
     script: str | Path = DEFAULT_SCRIPT,
     train_args: list[str] | tuple[str, ...] = (),
+    with_requirements: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Everything a submission sends to `huggingface_hub.run_uv_job`, plus the `command` the job will run.
 
@@ -276,15 +434,23 @@ def build_submission(
         job_accelerate_config = f"{JOB_DIR}/{JOB_ACCELERATE_CONFIG}"
     elif accelerate_config is not None:
         raise ValueError(f"--accelerate-config is for multi-GPU flavors; {flavor!r} has one GPU.")
+    # What the recipe imports: checked here, local modules shipped, values pointed at the shipped copies.
+    files, code_overrides = local_code(effective, with_requirements)
+    if files:
+        env[CODE_ENV] = pack_code(files)
+    for key, value in code_overrides.items():
+        train_args += [f"--{key}", *(value if isinstance(value, list) else [value])]
     script_args = ["--num_processes", str(num_processes), "--push_to_hub", "true", "--hub_model_id", hub_model_id]
     script_args += train_args
 
     script = Path(script)
-    rendered = render_script(script.read_text(encoding="utf-8"), package_requirement(package, extras))
+    package = package_requirement(package or default_package(), extras)
+    rendered = render_script(script.read_text(encoding="utf-8"), package, with_requirements)
     secret_names = list(dict.fromkeys(["HF_TOKEN", *secrets]))  # pushing needs the token
     return {
         "script": _display_path(script),
         "dependencies": script_dependencies(rendered),
+        "code": sorted(files),
         "script_args": script_args,
         "flavor": flavor,
         "timeout": timeout,
@@ -315,10 +481,11 @@ def submit(submission: dict[str, Any], *, script: str | Path = DEFAULT_SCRIPT, d
         secrets[name] = value
 
     package = next(dep for dep in submission["dependencies"] if Requirement(dep).name == PACKAGE_NAME)
+    extra = [dep for dep in submission["dependencies"] if Requirement(dep).name != PACKAGE_NAME]
     with tempfile.TemporaryDirectory(prefix="trl-agentic-job-") as tmp:
         # The rendered copy is what uv installs from; run_uv_job uploads it with the job.
         rendered = Path(tmp) / "train.py"
-        rendered.write_text(render_script(Path(script).read_text(encoding="utf-8"), package), encoding="utf-8")
+        rendered.write_text(render_script(Path(script).read_text(encoding="utf-8"), package, extra), encoding="utf-8")
         job = run_uv_job(
             str(rendered),
             script_args=submission["script_args"],
@@ -374,9 +541,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument(
         "--package",
-        default=os.environ.get("TRL_AGENTIC_PACKAGE", DEFAULT_PACKAGE),
         help="Requirement the job installs, e.g. 'trl-agentic @ git+https://github.com/<org>/trl-agentic@main' "
-        "(default: $TRL_AGENTIC_PACKAGE or trl-agentic).",
+        "(default: $TRL_AGENTIC_PACKAGE, else this checkout's commit on its origin remote).",
+    )
+    sub.add_argument(
+        "--with", dest="with_requirements", action="append", default=[], metavar="REQUIREMENT",
+        help="A requirement the job installs too (repeatable): what the recipe's own task, agent or rewards import.",
     )
     sub.add_argument("--network-group", help="Join a network group (e.g. with a `trl vllm-serve` job).")
     sub.add_argument("--script", default=str(DEFAULT_SCRIPT),
@@ -405,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             network_group=args.network_group,
             script=args.script,
             train_args=train_args,
+            with_requirements=args.with_requirements,
         )
     except ValueError as error:
         print(f"trl-agentic jobs: {error}", file=sys.stderr)
