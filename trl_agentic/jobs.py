@@ -42,8 +42,9 @@ from typing import Any
 import yaml
 
 
-# Package data (copies of the repository's `jobs/train.py` and `recipes/accelerate_configs/`, kept equal by
-# tests/test_jobs.py): what a submission ships must not depend on a git checkout being around.
+# Package data (the job script, which the repository's `jobs/train.py` links to, and copies of
+# `recipes/accelerate_configs/`, kept equal by tests/test_jobs.py): what a submission ships must not depend on a git
+# checkout being around.
 BUNDLED_DIR = Path(resources.files("trl_agentic")) / "bundled"
 DEFAULT_SCRIPT = BUNDLED_DIR / "jobs" / "train.py"
 ACCELERATE_CONFIGS_DIR = BUNDLED_DIR / "accelerate_configs"

@@ -11,7 +11,8 @@
 # timeout = "2h"
 # secrets = ["HF_TOKEN"]
 # ///
-"""Hugging Face Jobs entry point: train a recipe and push the result to the Hub.
+"""Hugging Face Jobs entry point: train a recipe and push the result to the Hub (`jobs/train.py` in the repository links
+here: the package carries this one copy).
 
 Submitted by `trl-agentic jobs submit` (see jobs/README.md), which ships the recipe base64 in
 `TRL_AGENTIC_RECIPE_B64` (a multi-GPU accelerate config in `TRL_AGENTIC_ACCELERATE_CONFIG_B64`, and the local modules
