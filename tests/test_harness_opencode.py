@@ -229,3 +229,45 @@ def test_opencode_completes_a_task_through_its_preset(start_server, tokenizers, 
     assert list(tmp_path.glob("trl-agentic-opencode-*")) == []
     print(f"opencode run: first prompt {len(turns[1].prompt_ids)} tokens (tiny {family} tokenizer), title call "
           f"{len(turns[0].prompt_ids)} tokens, {len(turns)} calls, {episode.num_main_line_forks} forks in the main line")
+
+
+HANDOFF = "Create a file answer.txt containing 42 in the working directory."
+
+
+def test_opencode_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, monkeypatch):
+    """opencode's `task` tool hands a prompt to its `general` sub-agent, which runs in a conversation of its own (its
+    own system prompt and 7 tools): the scripted sub-agent runs `bash` and reports, the main line answers. One main
+    line (0 forks), one side-call row (the title) and one sub-agent row, spawned by the main line's `task` call."""
+    harness = harness_or_skip("opencode")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    tokenizer = tokenizers["qwen2_5"]
+
+    def respond(prompt_ids):
+        prompt = tokenizer.decode(prompt_ids)
+        if "You are a title generator" in prompt:
+            return TITLE
+        last_user = prompt.rsplit("<|im_start|>user", 1)[-1]  # tool results are user turns in Qwen's template
+        if "<tool_response>" in last_user:  # the sub-agent's bash result, or its report back in the main line
+            return DONE if "Wrote answer.txt." in last_user else "Wrote answer.txt."
+        if HANDOFF in last_user:  # the sub-agent's first call
+            return call_text(*BASH)
+        return call_text("task", {"description": "Write the answer file", "prompt": HANDOFF,
+                                  "subagent_type": "general"})
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=CONTEXT), tokenizer)
+    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": TASK}], timeout=180))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["files"] == {"answer.txt": "42\n"} and DONE in episode.result["output"]
+
+    turns = episode.turns
+    assert [(t.role, t.conversation, t.spawned_by) for t in turns] == [
+        ("side_call", 0, None), ("main", 1, None), ("sub_agent", 2, 1), ("sub_agent", 2, 1), ("main", 1, None)]
+    assert_continues(turns[3], turns[2], tokenizer, "qwen2_5")
+    assert_continues(turns[4], turns[1], tokenizer, "qwen2_5")
+    assert episode.num_main_line_forks == 0
+    assert turns[2].request_messages[1]["content"] == HANDOFF and len(turns[2].request_tools) == 7
+    assert episode.messages[-1]["content"] == DONE
+    rows = episode_to_rows(turns).rows
+    assert [(row.kind, row.role, row.turns) for row in rows] == [
+        ("main", "main", [1, 4]), ("side_call", "side_call", [0]), ("sub_agent", "sub_agent", [2, 3])]
+    harness.release([episode])
