@@ -2,10 +2,15 @@
 
 __version__ = "0.1.0"
 
-from .agentic_grpo_config import AgenticGRPOConfig
-from .agentic_grpo_trainer import AgenticGRPOTrainer
-from .rollout.agents import CommandAgent
-from .rollout.rows import Row, episode_to_rows
-from .trace import Episode, Turn
+from .console import quiet_known_warnings
+
+
+quiet_known_warnings()  # before the config: TRL's defaults trip transformers 5 deprecations a user cannot act on
+
+from .agentic_grpo_config import AgenticGRPOConfig  # noqa: E402
+from .agentic_grpo_trainer import AgenticGRPOTrainer  # noqa: E402
+from .rollout.agents import CommandAgent  # noqa: E402
+from .rollout.rows import Row, episode_to_rows  # noqa: E402
+from .trace import Episode, Turn  # noqa: E402
 
 __all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "Turn", "episode_to_rows"]

@@ -35,6 +35,7 @@ from trl.trainer.utils import shuffle_sequence_dict
 
 from .agentic_grpo_config import AgenticGRPOConfig
 from .alarms import attach_alarms
+from .console import install_step_lines, quiet_known_warnings
 from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
 from .endpoint.launch import build_engine, launch_endpoint
 from .generation.engine import GenerationEngine
@@ -236,6 +237,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms.py)
         self.alarms_callback = attach_alarms(self) if args.alarms else None
         self.alarms = self.alarms_callback.alarms if self.alarms_callback else []  # also in output_dir/alarms.json
+        # The console: one line per step (after the alarms, so it shows those that fire), warnings a user can act on
+        install_step_lines(self)
+        quiet_known_warnings()
 
     def _default_engine(self, args: AgenticGRPOConfig) -> GenerationEngine:
         context = args.vllm_max_model_length or self.accelerator.unwrap_model(self.model).config.max_position_embeddings
