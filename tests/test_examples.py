@@ -30,7 +30,7 @@ def test_the_answer_file_checker_reads_the_workspace_the_harness_left():
 
 
 @pytest.mark.parametrize("example, preset", [("mini_swe_agent", "mini-swe-agent"), ("claude_code", "claude-code"),
-                                             ("codex", "codex"), ("gemini_cli", "gemini-cli")])
+                                             ("codex", "codex"), ("gemini_cli", "gemini-cli"), ("opencode", "opencode")])
 def test_each_harness_example_names_its_preset(example, preset):
     assert f'train(Harness("{preset}"))' in (EXAMPLES / "harnesses" / f"{example}.py").read_text()
 
