@@ -1,0 +1,29 @@
+"""Environments users already have, run as episodes over the endpoint: MCP tool servers (`MCPAgent`), ...
+
+Each adapter lives in a module of its own and needs its package's extra (`pip install 'trl-agentic[mcp]'`); names are
+imported lazily, so `import trl_agentic.envs` imports none of those packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+# Public name -> the module of this package that defines it.
+_EXPORTS = {
+    "MCPAgent": "mcp",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trl_agentic.envs' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_EXPORTS))
+
+
+__all__ = sorted(_EXPORTS)
