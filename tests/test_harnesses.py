@@ -150,6 +150,7 @@ def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_ser
     assert episode.turns[1].prompt_source == "continued"  # token-in continuation: the second call extends the first
     assert "Create a file answer.txt containing 42." in episode.messages[1]["content"]
     assert episode.num_tool_calls == 2
+    assert {turn.role for turn in episode.turns} == {"main"} and episode.num_main_line_forks == 0  # the task's line
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-mini-swe-agent-*")) == []
 
@@ -180,6 +181,7 @@ def test_claude_code_completes_a_task_through_its_preset(tokenizer, start_server
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert "Done: answer.txt contains 42." in episode.result["output"]
     assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
+    assert {turn.role for turn in episode.turns} == {"main"} and episode.num_main_line_forks == 0  # the task's line
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-claude-code-*")) == []
 
@@ -199,6 +201,7 @@ def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
     assert all(turn.requested_sampling["dropped_tools"] == ["web_search"] for turn in episode.turns)
+    assert {turn.role for turn in episode.turns} == {"main"} and episode.num_main_line_forks == 0  # the task's line
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-codex-*")) == []
 
@@ -219,5 +222,41 @@ def test_gemini_cli_completes_a_task_through_its_preset(tokenizer, start_server,
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert all(turn.wire_format == "gemini" for turn in episode.turns)
     assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
+    assert {turn.role for turn in episode.turns} == {"main"} and episode.num_main_line_forks == 0  # the task's line
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-gemini-cli-*")) == []
+
+
+# mini-swe-agent's requests as recorded (tests/data/harness_requests/mini_swe_agent/): the shape it sends, and that
+# its follow-up continues the first call token for token
+
+RECORDED = Path(__file__).parent / "data" / "harness_requests" / "mini_swe_agent"
+
+
+def test_mini_swe_agents_recorded_requests_continue_token_for_token(tokenizer, start_server):
+    import httpx
+
+    first, second = (json.loads((RECORDED / name).read_text()) for name in ("01_first_call.json",
+                                                                            "02_after_tool_result.json"))
+    assert set(first["body"]) == {"model", "messages", "tools"} and first["body"]["model"] == "policy"
+    assert [m["role"] for m in second["body"]["messages"]] == ["system", "user", "assistant", "tool"]
+    assert [t["function"]["name"] for t in first["body"]["tools"]] == ["bash"]
+    assert first["headers"]["user-agent"].startswith("OpenAI/Python")
+    recorded_call = second["body"]["messages"][2]
+    arguments = json.loads(recorded_call["tool_calls"][0]["function"]["arguments"])
+    reply = recorded_call["content"] + "\n" + tool_call("bash", arguments)
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: reply), tokenizer)
+    session = server.open_episode()
+    headers = {**{k: v for k, v in first["headers"].items() if k != "authorization"},
+               "authorization": f"Bearer {session.key}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
+        answer = http.post("/v1/chat/completions", json=first["body"])
+        assert answer.status_code == 200, answer.text
+        message = answer.json()["choices"][0]["message"]
+        assert message["content"] == recorded_call["content"]
+        # mini-swe-agent sends back what it got: the recorded follow-up with this call's id in place of the recorder's
+        follow_up = json.loads(json.dumps(second["body"]).replace("call_1", message["tool_calls"][0]["id"]))
+        assert http.post("/v1/chat/completions", json=follow_up).status_code == 200
+    episode = server.close_episode(session.episode.id)
+    assert [turn.prompt_source for turn in episode.turns][1:] == ["continued"] and episode.num_forks == 0
+    assert episode.turns[1].prompt_ids[: len(episode.turns[0].prompt_ids)] == episode.turns[0].prompt_ids

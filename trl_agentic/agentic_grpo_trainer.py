@@ -38,6 +38,7 @@ from .alarms import attach_alarms
 from .console import install_step_lines, quiet_known_warnings
 from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
 from .endpoint.launch import build_engine, launch_endpoint
+from .envs.environment_factory import environment_factory_agent
 from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
@@ -119,6 +120,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             returns another count than episodes, or a reward beyond float32 (inf, 1e39), raises a `ValueError`.
         args: an `AgenticGRPOConfig`.
         engine: a `GenerationEngine`; defaults to the embedded `TransformersEngine` over the live policy.
+        environment_factory: instead of `agent`, TRL's `environment_factory` (a class or zero-argument callable whose
+            public methods are the tools, with `reset(**row)` and optionally `get_reward()`; or a dict of them
+            selected by an `environment` column), run by a built-in agent over the endpoint: see
+            `trl_agentic.envs.environment_factory` and docs/envs_environment_factory.md.
 
     Example:
 
@@ -153,8 +158,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        agent,
-        reward_funcs,
+        agent=None,
+        reward_funcs=None,
         args: AgenticGRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -163,6 +168,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         optimizers=(None, None),
         peft_config=None,
         engine: GenerationEngine | None = None,
+        environment_factory=None,
     ):
         # Args
         if args is None:
@@ -173,7 +179,18 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "AgenticGRPOConfig(**grpo_config.to_dict()) to keep your GRPO settings."
             )
 
+        # Environments (TRL's `environment_factory`, issue 32): a built-in agent plays TRL's tool loop over the
+        # endpoint, and the environments' `get_reward` join the reward sources (trl_agentic/envs/environment_factory.py)
+        if environment_factory is not None:
+            agent, reward_funcs = environment_factory_agent(environment_factory, agent, reward_funcs, args,
+                                                            train_dataset)
+
         # Agent
+        if agent is None:
+            raise ValueError("Pass `agent=` (an async function (client, task), a CommandAgent, ...) or "
+                             "`environment_factory=` (TRL's environment contract).")
+        if reward_funcs is None:
+            raise ValueError("No reward source provided. Pass `reward_funcs=` (TRL reward functions).")
         self.agent = resolve_agent(agent)
 
         # Reward functions: failed episodes are unscorable (NaN-excluded from the group baseline), never zero

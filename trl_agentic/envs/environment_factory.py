@@ -1,0 +1,532 @@
+"""TRL's `environment_factory` contract, run as a built-in agent over the endpoint.
+
+An environment written for `trl.GRPOTrainer(environment_factory=...)` (TRL 1.16) trains unchanged under
+[`AgenticGRPOTrainer`]: `AgenticGRPOTrainer(..., environment_factory=MyEnv)` builds an [`EnvironmentAgent`] that
+plays TRL's tool loop as an ordinary agent, through the official `openai` client against the episode's endpoint (so
+forks, side calls, alarms, the viewer and asynchronous rollouts apply as to any agent), plus the reward sources TRL
+derives from the environment. The contract, as TRL implements it in `GRPOTrainer.__init__`,
+`_generate_and_score_completions` and `_tool_call_loop`:
+
+- The factory is a zero-argument callable returning an instance (a class, a `functools.partial`); or a dict
+  `{name: factory}`, each row then naming its environment in an `environment` column.
+- The tools are the instance's public functions, listed on its class (`inspect.getmembers(type(env),
+  inspect.isfunction)`, so properties are never evaluated), except `reset` and `get_reward`; their schemas are
+  `transformers.utils.get_json_schema` of the bound methods, which is what `apply_chat_template(tools=[method])`
+  renders in TRL.
+- One instance per episode. `reset(**row)` gets the row's columns (without `environment` in the dict form); text it
+  returns is appended to the content of the last prompt message.
+- A tool call runs the method with the call's arguments; its result becomes a `{"role": "tool", "name": ...,
+  "content": str(result)}` message, an exception (or an unknown tool) the text of `{"error": str(exception)}`, as in
+  TRL. Sync results come first, then async ones, as in TRL. At most `max_tool_calling_iterations` rounds of tool calls
+  (`None`: no limit; the endpoint's `max_turns` still applies).
+- `get_reward()` (sync or async), where the class defines it, is a reward source named after the class, weight 1,
+  scoring only the episodes of exactly that class (TRL's `type(env) is cls`).
+- Reward functions receive the live instances as `environments=`, aligned with `completions`.
+
+Example:
+
+```python
+>>> class Counter:
+...     def reset(self, **row):
+...         self.calls = 0
+...     def increment(self, step: int) -> int:
+...         \"\"\"Add `step` to the counter.
+...
+...         Args:
+...             step: How much to add.
+...         \"\"\"
+...         self.calls += step
+...         return self.calls
+...     def get_reward(self) -> float:
+...         return float(self.calls == 3)
+>>> agent = EnvironmentAgent(Counter)
+>>> [tool["function"]["name"] for tool in agent.tool_schemas[None]]
+['increment']
+>>> [f.__name__ for f in agent.environment_reward_funcs()]
+['Counter']
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+from ..endpoint import SERVED_MODEL_NAME
+from ..rollout.agents import AgentCrash
+
+
+# A zero-argument callable returning an environment instance: public methods = tools, `reset(**row)` -> str | None,
+# optionally `get_reward() -> float` (sync or async). TRL's `trl.trainer.grpo_trainer.EnvironmentFactory`.
+EnvironmentFactory = Callable[[], Any]
+
+# The column that selects an environment in the dict form, as in TRL.
+ENVIRONMENT_COLUMN = "environment"
+
+# Members of an environment that are not tools (TRL's rule, plus anything starting with "_").
+_NOT_TOOLS = ("reset", "get_reward")
+
+
+def environment_methods(environment: Any) -> list[Callable]:
+    """The bound tool methods of `environment`, in TRL's order and by TRL's rule: the public functions of its class,
+    except `reset` and `get_reward`.
+
+    Example:
+
+    ```python
+    >>> class Env:
+    ...     def reset(self, **row): ...
+    ...     def look(self) -> str: ...
+    ...     def _private(self): ...
+    >>> [m.__name__ for m in environment_methods(Env())]
+    ['look']
+    ```
+    """
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in _NOT_TOOLS and not name.startswith("_")
+    ]
+
+
+def _check_environment(environment: Any, name: str | None) -> None:
+    members = dict(inspect.getmembers(type(environment), predicate=inspect.isfunction))
+    if "reset" not in members:
+        where = "" if name is None else f" ({name!r})"
+        raise ValueError(
+            f"The environment{where} built by `environment_factory`, a {type(environment).__name__}, has no `reset` "
+            "method. Define `def reset(self, **row) -> str | None` on its class: it starts an episode from the "
+            "dataset row and may return text to append to the prompt."
+        )
+
+
+class EnvironmentResult(dict):
+    """What an [`EnvironmentAgent`] episode returns (`episode.result`): a summary dict for the episode log, with the
+    live environment instance as the attribute `environment` (never written to the log)."""
+
+    environment: Any = None
+
+
+def environment_of(episode: Any) -> Any:
+    """The live environment instance of an episode run by an [`EnvironmentAgent`], or `None` when there is none (the
+    episode timed out before its agent returned, or another agent ran it)."""
+    result = getattr(episode, "result", None)
+    if isinstance(result, EnvironmentResult):
+        return result.environment
+    return getattr(episode, "metadata", {}).get("environment_instance")
+
+
+class EnvironmentAgent:
+    """An agent that runs TRL's `environment_factory` tool loop over the episode's endpoint.
+
+    Args:
+        environment_factory: a zero-argument callable returning an environment instance, or a dict of them by name
+            (each row then selects one in its `environment` column).
+        max_tool_calling_iterations: most rounds of tool calls per episode, TRL's `GRPOConfig` field (`None`: no
+            limit beyond the endpoint's `max_turns`).
+        model: the model name sent with every request.
+
+    One instance of each environment is built at once, to derive its tools (as TRL probes one); it serves the first
+    episode of that environment, and every other episode gets a fresh instance. The agent's `task` must hold the
+    columns `reset` reads: [`AgenticGRPOTrainer`] hands it every column of the dataset (see `agent_columns`).
+
+    Example:
+
+    ```python
+    >>> agent = EnvironmentAgent({"counter": Counter, "maze": Maze}, max_tool_calling_iterations=8)
+    >>> trainer = AgenticGRPOTrainer(model, agent=agent, reward_funcs=agent.reward_funcs(my_reward), args=args,
+    ...                              train_dataset=dataset)  # what `environment_factory=` builds for you
+    ```
+    """
+
+    def __init__(
+        self,
+        environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory],
+        max_tool_calling_iterations: int | None = None,
+        model: str = SERVED_MODEL_NAME,
+    ):
+        # Normalize to {name: factory}, `None` naming the single environment, as TRL does.
+        self.multi_environment = isinstance(environment_factory, Mapping)
+        if self.multi_environment:
+            if not environment_factory:
+                raise ValueError("`environment_factory` is an empty dict; give at least one {name: factory}.")
+            self.factories = dict(environment_factory)
+        elif callable(environment_factory):
+            self.factories = {None: environment_factory}
+        else:
+            raise TypeError(
+                f"`environment_factory` must be a zero-argument callable (e.g. the environment class) or a dict of "
+                f"them by name, got {type(environment_factory).__name__}."
+            )
+        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {max_tool_calling_iterations}.")
+        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.model = model
+
+        # Probe one instance of each environment: validate it, derive its tool schemas, keep it for a first episode.
+        self.tool_schemas: dict[str | None, list[dict[str, Any]]] = {}
+        self.reward_classes: list[type] = []  # classes with `get_reward`, deduplicated (two names, one class)
+        self._spare: dict[str | None, list[Any]] = {}
+        for name, factory in self.factories.items():
+            instance = factory()
+            _check_environment(instance, name)
+            self.tool_schemas[name] = [get_json_schema(method) for method in environment_methods(instance)]
+            self._spare[name] = [instance]
+            members = dict(inspect.getmembers(type(instance), predicate=inspect.isfunction))
+            if "get_reward" in members and type(instance) not in self.reward_classes:
+                self.reward_classes.append(type(instance))
+
+    # Episode
+
+    def environment_name(self, task: Mapping[str, Any]) -> str | None:
+        """The environment a row selects: `None` for a single factory, else the row's `environment` column."""
+        if not self.multi_environment:
+            return None
+        if ENVIRONMENT_COLUMN not in task:
+            raise ValueError(
+                f"A dict `environment_factory` selects each row's environment by its `{ENVIRONMENT_COLUMN}` column, "
+                f"which this row lacks (its columns: {sorted(task)}). Add the column, naming one of "
+                f"{list(self.factories)}."
+            )
+        name = task[ENVIRONMENT_COLUMN]
+        if name not in self.factories:
+            raise ValueError(
+                f"Example has `environment={name!r}`, which is not among the environments passed to "
+                f"`environment_factory`. Expected one of: {list(self.factories)}."
+            )
+        return name
+
+    def new_environment(self, name: str | None) -> Any:
+        """A fresh instance of environment `name` (the probe instance first)."""
+        spare = self._spare.get(name)
+        if spare:
+            return spare.pop()
+        return self.factories[name]()
+
+    async def __call__(self, client: Any, task: dict[str, Any]) -> EnvironmentResult:
+        name = self.environment_name(task)
+        environment = self.new_environment(name)
+        try:
+            return await self._run(client, task, name, environment)
+        except Exception as error:  # a crash of the environment or of a model call: the episode's, with its instance
+            message = "".join(traceback.format_exception_only(type(error), error)).strip()
+            raise AgentCrash(message, {"traceback": traceback.format_exc()[-4000:],
+                                       "environment_instance": environment}) from error
+
+    async def _run(self, client: Any, task: dict[str, Any], name: str | None, environment: Any) -> EnvironmentResult:
+        # `reset(**row)`: every column the agent holds, without the routing column in the dict form (TRL).
+        reset_kwargs = {k: v for k, v in task.items() if k != ENVIRONMENT_COLUMN} if self.multi_environment else task
+        observation = await _call(environment.reset, reset_kwargs)
+        messages = [dict(message) for message in task.get("prompt") or [{"role": "user", "content": ""}]]
+        if observation is not None:
+            messages[-1] = {**messages[-1], "content": _append(messages[-1]["content"], observation)}
+        tools = self.tool_schemas[name]
+        methods = {method.__name__: method for method in environment_methods(environment)}
+        request = {"model": self.model}
+        if tools:  # TRL renders `tools or None`: no tool boilerplate for an environment without tools
+            request["tools"] = tools
+
+        tool_calls = tool_failures = 0
+        iteration = 0
+        while True:
+            response = await client.chat.completions.create(messages=messages, **request)
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_unset=True))
+            if not message.tool_calls or (
+                self.max_tool_calling_iterations is not None and iteration >= self.max_tool_calling_iterations
+            ):
+                break
+            results, failures = await run_tool_calls(methods, message.tool_calls)
+            tool_calls += len(message.tool_calls)
+            tool_failures += failures
+            messages += results
+            iteration += 1
+
+        result = EnvironmentResult(
+            environment_name=name, answer=message.content or "", tool_calls=tool_calls, tool_failures=tool_failures,
+            observation=observation if isinstance(observation, str | None) else str(observation),
+        )
+        result.environment = environment
+        return result
+
+    # Reward sources
+
+    def environment_reward_funcs(self) -> list[Callable]:
+        """One reward function per environment class defining `get_reward`, named after the class (TRL logs it so),
+        scoring the episodes of exactly that class and `None` for the others."""
+        return [environment_reward(cls) for cls in self.reward_classes]
+
+    def reward_funcs(self, reward_funcs: Callable | Sequence[Callable] | None = None) -> list[Callable]:
+        """`reward_funcs` given `environments=` (the episodes' live instances), followed by the environments'
+        `get_reward` sources: what `AgenticGRPOTrainer(environment_factory=...)` trains with.
+
+        Raises a `ValueError` when there is no reward source at all (TRL's rule)."""
+        if reward_funcs is None:
+            reward_funcs = []
+        elif not isinstance(reward_funcs, list | tuple):
+            reward_funcs = [reward_funcs]
+        funcs = [with_environments(f) for f in reward_funcs] + self.environment_reward_funcs()
+        if not funcs:
+            raise ValueError(
+                "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment "
+                "defines a `get_reward` method."
+            )
+        return funcs
+
+
+async def _call(function: Callable, kwargs: Mapping[str, Any]) -> Any:
+    """Run a sync environment method in a thread (the episodes share one event loop), or await an async one."""
+    if inspect.iscoroutinefunction(function):
+        return await function(**kwargs)
+    return await asyncio.to_thread(function, **kwargs)
+
+
+def _append(content: Any, observation: Any) -> Any:
+    # TRL's `reset` rule: text to text; a list observation turns text content into a text part, and vice versa.
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return content + observation
+
+
+def _arguments(raw: Any) -> Any:
+    """The call's arguments as TRL hands them to the method: the decoded JSON (the endpoint sends it as text)."""
+    if isinstance(raw, str):
+        return json.loads(raw) if raw.strip() else {}
+    return raw
+
+
+async def run_tool_calls(methods: Mapping[str, Callable], tool_calls: Sequence[Any]) -> tuple[list[dict], int]:
+    """Run one assistant message's tool calls the way TRL's `_tool_call_loop` does; return the tool messages, in
+    TRL's order (sync results and errors in call order, then async results), and the number of failures.
+
+    A failure (the method raised, the tool is unknown, the arguments are not a JSON object) becomes the text of
+    `{"error": str(exception)}`, TRL's message; a result becomes `str(result)` (a list of content parts is kept).
+
+    Example:
+
+    ```python
+    >>> messages, failures = await run_tool_calls({"add": add}, response.choices[0].message.tool_calls)
+    ```
+    """
+    results: list[tuple[Any, str, Any]] = []  # (call id, name, result)
+    pending: list[tuple[Any, str, Any]] = []  # (call id, name, coroutine)
+    failures = 0
+    for call in tool_calls:
+        if call.type != "function":
+            failures += 1
+            name = getattr(call, "name", None) or "unknown"
+            results.append((call.id, name, {"error": f"Unsupported tool call type: {call.type}"}))
+            continue
+        name = call.function.name
+        try:
+            arguments = _arguments(call.function.arguments)
+            if name not in methods:
+                raise ValueError(f"Tool {name} not found.")
+            method = methods[name]
+            if inspect.iscoroutinefunction(method):
+                pending.append((call.id, name, method(**arguments)))
+            else:
+                results.append((call.id, name, await asyncio.to_thread(method, **arguments)))
+        except Exception as error:  # noqa: BLE001 - the model reads the failure, as in TRL
+            failures += 1
+            results.append((call.id, name, {"error": str(error)}))
+    if pending:
+        outcomes = await asyncio.gather(*(coroutine for _, _, coroutine in pending), return_exceptions=True)
+        for (call_id, name, _), outcome in zip(pending, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                failures += 1
+                outcome = {"error": str(outcome)}
+            results.append((call_id, name, outcome))
+    messages = [
+        {"role": "tool", "tool_call_id": call_id, "name": name,
+         "content": result if isinstance(result, list) else str(result)}
+        for call_id, name, result in results
+    ]
+    return messages, failures
+
+
+# Reward functions
+
+
+def environment_reward(environment_class: type) -> Callable:
+    """TRL's reward source for an environment class with `get_reward`: `get_reward()` of each episode's instance when
+    it is exactly of that class, `None` otherwise; named after the class, so logged as `rewards/<ClassName>/mean`."""
+    if inspect.iscoroutinefunction(environment_class.get_reward):
+
+        async def reward(prompts=None, completions=None, environments=None, **kwargs):
+            return [await e.get_reward() if type(e) is environment_class else None for e in environments]
+
+    else:
+
+        def reward(prompts=None, completions=None, environments=None, **kwargs):
+            return [e.get_reward() if type(e) is environment_class else None for e in environments]
+
+    reward.__name__ = reward.__qualname__ = environment_class.__name__
+    return with_environments(reward)
+
+
+def with_environments(reward_func: Callable) -> Callable:
+    """Wrap a TRL reward function so it receives `environments=`, the live instances of its episodes (from
+    `episodes=`), aligned with `completions`, and `prompts` as the model saw them (with `reset`'s text), as in TRL.
+
+    An episode without an instance (it timed out before its agent returned) is left out of the call and gets `None`
+    (unscorable): the function only ever sees real instances, as in TRL.
+
+    Example:
+
+    ```python
+    >>> def solved(prompts, completions, environments, **kwargs):
+    ...     return [float(env.solved) for env in environments]
+    >>> reward_funcs = [with_environments(solved)]
+    ```
+    """
+    if getattr(reward_func, "_with_environments", False):
+        return reward_func
+
+    def split(kwargs):
+        episodes = kwargs.get("episodes")
+        if episodes is None:  # called outside the trainer/evaluator: nothing to add
+            return None, kwargs
+        environments = [environment_of(episode) for episode in episodes]
+        kept = [i for i, env in enumerate(environments) if env is not None]
+        n = len(episodes)
+        if isinstance(kwargs.get("prompts"), list) and len(kwargs["prompts"]) == n:
+            # The prompts the model saw, `reset`'s text included, as TRL passes them.
+            kwargs = {**kwargs, "prompts": [
+                episode.messages[: len(prompt)] if isinstance(episode.result, EnvironmentResult) and isinstance(
+                    prompt, list) and len(episode.messages) >= len(prompt) else prompt
+                for episode, prompt in zip(episodes, kwargs["prompts"], strict=True)
+            ]}
+        if len(kept) == n:
+            return None, {**kwargs, "environments": environments}
+        subset = {k: [v[i] for i in kept] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
+        subset["environments"] = [environments[i] for i in kept]
+        return (kept, n), subset
+
+    def scatter(layout, rewards):
+        if layout is None:
+            return rewards
+        kept, n = layout
+        out: list[Any] = [None] * n
+        for i, reward in zip(kept, list(rewards), strict=True):
+            out[i] = reward
+        return out
+
+    if inspect.iscoroutinefunction(reward_func):
+
+        @functools.wraps(reward_func)
+        async def wrapped(**kwargs):
+            layout, kwargs = split(kwargs)
+            if layout is not None and not layout[0]:
+                return [None] * layout[1]
+            return scatter(layout, await reward_func(**kwargs))
+
+    else:
+
+        @functools.wraps(reward_func)
+        def wrapped(**kwargs):
+            layout, kwargs = split(kwargs)
+            if layout is not None and not layout[0]:
+                return [None] * layout[1]
+            return scatter(layout, reward_func(**kwargs))
+
+    wrapped._with_environments = True
+    return wrapped
+
+
+def environment_suite(
+    environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory],
+    dataset: Any,
+    reward_funcs: Callable | Sequence[Callable] | None = None,
+    *,
+    name: str = "environment",
+    max_tool_calling_iterations: int | None = None,
+):
+    """A [`TaskSuite`] running `environment_factory` on `dataset`, for `trl-agentic eval` and [`Evaluator`]: the same
+    agent and reward sources `AgenticGRPOTrainer(environment_factory=...)` trains with. Its agent sees every column
+    (they reach `reset`), and `build_dataset` returns `dataset` (its first `size` rows) whatever the split.
+
+    Example:
+
+    ```python
+    >>> from trl_agentic.evaluation import Evaluator
+    >>> suite = environment_suite(MyEnv, dataset, reward_funcs=[my_reward])
+    >>> summary = Evaluator(model, tokenizer, suite, dataset, num_samples=4).evaluate(seed=0)
+    ```
+    """
+    from ..tasks import TaskSuite
+
+    agent = EnvironmentAgent(environment_factory, max_tool_calling_iterations)
+    tools = [schema for schemas in agent.tool_schemas.values() for schema in schemas]
+    return TaskSuite(
+        name=name,
+        tools=tools,
+        system_prompt="",
+        build_dataset=lambda split="train", size=None, seed=0, **knobs: (
+            dataset if size is None or size >= len(dataset) else dataset.select(range(size))),
+        agent=agent,
+        reward_funcs=agent.reward_funcs(reward_funcs),
+        demonstrations=lambda n, seed=0: [],
+        agent_columns=tuple(dataset.column_names),
+    )
+
+
+__all__ = [
+    "ENVIRONMENT_COLUMN",
+    "EnvironmentAgent",
+    "EnvironmentFactory",
+    "EnvironmentResult",
+    "environment_methods",
+    "environment_of",
+    "environment_reward",
+    "environment_suite",
+    "with_environments",
+]
+
+
+def environment_factory_agent(
+    environment_factory: EnvironmentFactory | Mapping[str, EnvironmentFactory],
+    agent: Any,
+    reward_funcs: Callable | Sequence[Callable] | None,
+    args: Any,
+    train_dataset: Any,
+) -> tuple[EnvironmentAgent, list[Callable]]:
+    """What `AgenticGRPOTrainer(environment_factory=...)` trains with: the [`EnvironmentAgent`] and the reward
+    functions (`reward_funcs` given `environments=`, then each environment's `get_reward`).
+
+    Adjusts `args` as TRL's trainer does internally: `reward_weights` given for `reward_funcs` alone get weight 1 for
+    each `get_reward` source; and `agent_columns` left at `["prompt"]` become every column of `train_dataset`, since
+    TRL passes the whole row to `reset` (the environment sees every column: docs/envs_environment_factory.md).
+    """
+    if agent is not None:
+        raise ValueError("Pass either `agent=` or `environment_factory=`, not both: `environment_factory` builds the "
+                         "agent (TRL's tool loop over the endpoint).")
+    environment_agent = EnvironmentAgent(environment_factory, args.max_tool_calling_iterations)
+    num_user_funcs = 0 if reward_funcs is None else len(reward_funcs) if isinstance(reward_funcs, list | tuple) else 1
+    funcs = environment_agent.reward_funcs(reward_funcs)
+    if args.reward_weights is not None and len(args.reward_weights) == num_user_funcs < len(funcs):
+        args.reward_weights = [*args.reward_weights, *[1.0] * (len(funcs) - num_user_funcs)]
+    if train_dataset is None:
+        raise ValueError("`environment_factory` needs a `train_dataset` (at least a `prompt` column, and an "
+                         "`environment` column for a dict of factories); rows generated by `reset` alone are not "
+                         "supported yet.")
+    columns = getattr(train_dataset, "column_names", None)
+    if columns is not None:
+        if "prompt" not in columns:
+            raise ValueError(f"The dataset has no `prompt` column (columns: {columns}). Add one, e.g. "
+                             "`[{'role': 'user', 'content': ''}]` when `reset` returns the task's text.")
+        if environment_agent.multi_environment and ENVIRONMENT_COLUMN not in columns:
+            raise ValueError(f"A dict `environment_factory` needs an `{ENVIRONMENT_COLUMN}` column naming each row's "
+                             f"environment (one of {list(environment_agent.factories)}); the dataset has {columns}.")
+        if list(args.agent_columns) == ["prompt"]:
+            args.agent_columns = list(columns)
+    return environment_agent, funcs
