@@ -588,3 +588,22 @@ def test_a_crashing_reset_costs_only_its_episode(tmp_path, tiny_policy):
     assert seen == [0, 0, 1, 1]  # the failed episodes' instances still reach the reward functions...
     assert [ep.metadata["rewards"] for ep in episodes] == [{"recorder": None, "FragileEnv": None}] * 2 + [
         {"recorder": 0.0, "FragileEnv": 1.0}] * 2  # ... which are unscorable there
+
+
+def test_asynchronous_rollouts_run_environments_too(tmp_path, tiny_policy):
+    path, tokenizer = tiny_policy
+    trainer = AgenticGRPOTrainer(
+        path, environment_factory={"adder": AdderEnv, "echo": EchoEnv}, train_dataset=router_dataset(),
+        engine=ScriptedEngine(tokenizer, scripted_policy(tokenizer)),
+        args=AgenticGRPOConfig(output_dir=str(tmp_path), async_rollouts=True, max_staleness=1, max_steps=2,
+                               max_completion_length=128, max_tool_calling_iterations=1, log_episodes=True,
+                               logging_steps=1, **dict(KNOBS, per_device_train_batch_size=4)),
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").open()]
+    assert len(records) == 8 and all(r["episode"]["status"] == "ok" for r in records)
+    by_environment = {r["episode"]["result"]["environment_name"]: r["episode"]["metadata"]["rewards"] for r in records}
+    assert by_environment == {"adder": {"AdderEnv": 1.0}, "echo": {"AdderEnv": None}}
