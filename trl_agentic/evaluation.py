@@ -334,7 +334,8 @@ class Evaluator:
         top_p, top_k: nucleus / top-k sampling; `None` = what the agent asks (default 1.0 / off).
         agent: replaces the suite's agent (a function `(client, task)` or a `CommandAgent`).
         reward_funcs: replace the suite's checkers (TRL signature).
-        reward_weights: one weight per reward function (default 1.0 each).
+        reward_weights: one weight per reward function (default: the suite's `reward_weights` for its own checkers,
+            else 1.0 each).
         success_threshold: an episode succeeds when its reward is `>=` this.
         concurrency: most episodes running at once.
         max_turns, max_episode_tokens: per-episode limits, as in [`AgenticGRPOConfig`].
@@ -392,7 +393,9 @@ class Evaluator:
         self.reward_funcs = list(reward_funcs if reward_funcs is not None else self.suite.reward_funcs)
         if not self.reward_funcs:
             raise ValueError("No reward functions: the suite has none and none were given.")
-        self.reward_weights = reward_weights
+        # The suite's own checkers come with its weights (a verifiers rubric's); checkers given here, with those given.
+        self.reward_weights = reward_weights if reward_weights is not None or reward_funcs is not None else \
+            self.suite.reward_weights
         self.success_threshold = success_threshold
 
         # Tasks, task-major: the num_samples episodes of a task are consecutive (one group)

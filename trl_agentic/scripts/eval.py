@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     agent = agent_from_recipe(script_args, suite)
     reward_funcs = resolve_reward_funcs(script_args, suite)
     reward_weights = recipe.get("reward_weights") if args.reward_funcs is None else None
+    if reward_weights is None and script_args.reward_funcs is None:
+        reward_weights = suite.reward_weights  # the task's own checkers, with its weights (a verifiers rubric's)
     size = script_args.eval_size or 64  # a recipe without an eval split (eval_size: 0) is still evaluated
 
     # Model

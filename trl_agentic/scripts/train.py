@@ -72,6 +72,8 @@ def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_ar
     task = get_task(script_args.task)
     agent = agent_from_recipe(script_args, task)
     reward_funcs = resolve_reward_funcs(script_args, task)
+    if script_args.reward_funcs is None and training_args.reward_weights is None:
+        training_args.reward_weights = task.reward_weights  # the task's own checkers, with its weights
     # The agent's task: the columns the recipe names plus those the task suite declares its agent needs.
     training_args.agent_columns = list(dict.fromkeys([*training_args.agent_columns, *task.agent_columns]))
 

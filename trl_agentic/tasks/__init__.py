@@ -51,6 +51,8 @@ class TaskSuite:
             `{1: {"digits": 1}, 2: {"digits": 2}, 3: {"digits": 3}}`; `build_difficulty_dataset` mixes them for
             adaptive task sampling (`AgenticGRPOConfig.task_sampling="adaptive"`).
         target_difficulty: the level `build_dataset` draws (the difficulty the suite is for).
+        reward_weights: one weight per `reward_funcs` (`None`: 1.0 each); `trl-agentic train`/`eval` use them when
+            the recipe sets neither `reward_funcs` nor `reward_weights` (a verifiers rubric's weights, for one).
     """
 
     name: str
@@ -63,6 +65,7 @@ class TaskSuite:
     agent_columns: tuple[str, ...] = ("prompt",)
     difficulty_levels: dict[float, dict[str, Any]] = field(default_factory=dict)
     target_difficulty: float | None = None
+    reward_weights: list[float] | None = None
 
 
 def build_difficulty_dataset(
