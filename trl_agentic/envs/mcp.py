@@ -185,6 +185,7 @@ class _Connection:
         self.task: asyncio.Task | None = None
         self.ready: asyncio.Future | None = None
         self.closing: asyncio.Event | None = None
+        self.scope: Any = None  # the anyio cancel scope around the connection
         self.stderr: Any = None  # the server's stderr: a temporary file, appended to by the server
         self.last_stderr = ""  # its tail, kept when the file is gone
         self.broken = False  # a call found the connection gone: a shared server is started again for the next episode
@@ -198,7 +199,7 @@ class _Connection:
         try:
             await asyncio.wait_for(asyncio.shield(self.ready), self.agent.startup_timeout)
         except asyncio.TimeoutError:
-            self.task.cancel()  # stuck starting: the SDK's shutdown stops what it started
+            self._stop_starting()
             raise AgentCrash(f"MCP server {self.config.name!r} did not start and list its tools within "
                              f"{self.agent.startup_timeout:.0f}s (MCPAgent(startup_timeout=...)).",
                              self.metadata()) from None
@@ -213,8 +214,12 @@ class _Connection:
             return
         self.closing.set()
         if not self.ready.done():
-            self.task.cancel()  # still starting (the episode ended first): stop it there
+            self._stop_starting()  # the episode ended first
         await asyncio.wait({self.task}, timeout=CLOSE_TIMEOUT_S)
+
+    def _stop_starting(self) -> None:
+        if self.scope is not None:
+            self.scope.cancel()
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:
         return await self.client.call_tool(name, arguments, read_timeout_seconds=self.agent.tool_timeout)
@@ -234,24 +239,29 @@ class _Connection:
         return self.last_stderr
 
     async def _serve(self) -> None:
+        import anyio
         from mcp import Client
 
         try:
-            async with AsyncExitStack() as stack:
-                self.stderr = stack.enter_context(_stderr_file())
-                stack.callback(self._stderr_tail)  # kept once the server has exited, before the file goes
-                if self.config.transport == "stdio":
-                    self.client = await stack.enter_async_context(Client(self._stdio_transport()))
-                else:
-                    self.client = await self._connect_http(stack)
-                self.tools = await _list_tools(self.client)
-                self.ready.set_result(None)
-                await self.closing.wait()
-        except BaseException as error:
+            # An anyio scope, not `task.cancel()`, stops a server stuck starting: the SDK's shutdown of what it started
+            # is shielded from the first, not from the second.
+            with anyio.CancelScope() as self.scope:
+                async with AsyncExitStack() as stack:
+                    self.stderr = stack.enter_context(_stderr_file())
+                    stack.callback(self._stderr_tail)  # kept once the server has exited, before the file goes
+                    if self.config.transport == "stdio":
+                        self.client = await stack.enter_async_context(Client(self._stdio_transport()))
+                    else:
+                        self.client = await self._connect_http(stack)
+                    self.tools = await _list_tools(self.client)
+                    self.ready.set_result(None)
+                    await self.closing.wait()
+        except Exception as error:
             if not self.ready.done():
-                self.ready.set_exception(error if isinstance(error, Exception) else AgentCrash(repr(error)))
-            if not isinstance(error, Exception):
-                raise
+                self.ready.set_exception(error)
+        finally:
+            if not self.ready.done():
+                self.ready.set_exception(AgentCrash(f"MCP server {self.config.name!r} was stopped while starting"))
 
     def _environment(self) -> dict[str, str]:
         return {**command_environment(self.agent.inherit_env), **self.config.env}
