@@ -15,6 +15,8 @@ _EXPORTS = {
     "MCPAgent": "mcp",
     "EnvironmentAgent": "environment_factory",
     "environment_suite": "environment_factory",
+    "VerifiersAgent": "verifiers",
+    "from_verifiers": "verifiers",
 }
 
 

@@ -119,10 +119,12 @@ BUNDLED_TASKS: dict[str, str] = {
 
 
 def get_task(name: str) -> TaskSuite:
-    """Resolve a task suite by bundled name (`"calculator"`, `"files"`, `"latency"`) or import path `"pkg.module:attr"`.
+    """Resolve a task suite by bundled name (`"calculator"`, `"files"`, `"latency"`), import path `"pkg.module:attr"`,
+    or installed verifiers environment `"verifiers:<env-id>"`.
 
     Args:
-        name: a bundled name, or the import path of a module-level [`TaskSuite`], e.g. `"my_tasks:SQL_SUITE"`.
+        name: a bundled name, or the import path of a module-level [`TaskSuite`], e.g. `"my_tasks:SQL_SUITE"`, or
+            `"verifiers:<env-id>"` (`trl_agentic.envs.verifiers.load_verifiers_suite`).
             For other difficulty settings of a bundled task, point at your own suite, e.g. one built with
             `trl_agentic.tasks.calculator.make_calculator_suite(digits=3)`.
 
@@ -135,6 +137,10 @@ def get_task(name: str) -> TaskSuite:
     'calculator'
     ```
     """
+    if name.startswith("verifiers:"):  # an installed verifiers environment, by id (needs the `verifiers` extra)
+        from ..envs.verifiers import load_verifiers_suite
+
+        return load_verifiers_suite(name.removeprefix("verifiers:"))
     path = BUNDLED_TASKS.get(name, name)
     if ":" not in path:
         raise ValueError(
