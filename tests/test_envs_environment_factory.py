@@ -154,11 +154,11 @@ def loss_and_gradients(trainer, chunk):
     return loss.detach(), captured[0].grad.clone(), grads
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta):
+@pytest.mark.parametrize("beta,max_length", [(0.0, 160), (0.1, 160), (0.0, 56), (0.0, 32)])
+def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta, max_length):
     steps_per_generation = 2  # two micro-batches per generation: TRL computes old logps
     settings = dict(KNOBS, beta=beta, loss_type="grpo", steps_per_generation=steps_per_generation,
-                    gradient_accumulation_steps=1, temperature=TEMPERATURE, max_completion_length=MAX_LENGTH,
+                    gradient_accumulation_steps=1, temperature=TEMPERATURE, max_completion_length=max_length,
                     max_tool_calling_iterations=2)
     train = calculator_dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]  # RepeatSampler order: each task num_generations times
@@ -176,8 +176,9 @@ def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta):
     episodes = [x["episodes"] for x in batch]
     # What the episodes hold, so the comparison is not vacuous: tool calls run (one episode calls twice), one reply
     # whose tool call did not parse, the tool-result tokens masked in the rows.
-    assert sorted(ep.result["tool_calls"] for ep in episodes) == [0, 1, 1, 2]
-    assert all(ep.status == "ok" for ep in episodes) and (ours["tool_mask"] == 0).any()
+    finishes = sorted(tuple(t.finish_reason for t in ep.turns) + (ep.result["cut_at_budget"],) for ep in episodes)
+    assert finishes == EXPECTED_EPISODES[max_length]
+    assert all(ep.status == "ok" for ep in episodes) and (ours["tool_mask"] == 0).any() == (max_length > 32)
     assert ours["advantages"].abs().sum() > 0, "the groups did not split: the comparison would be vacuous"
 
     vanilla = GRPOTrainer(tool_policy, reward_funcs=reward_funcs, train_dataset=train, environment_factory=CalculatorEnv,
@@ -214,9 +215,16 @@ def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta):
 
 
 # The tool model reproduces its transcripts at temperature 1 with some variety (seed 0: one malformed call, one wrong
-# expression, one second round); the budget holds every episode whole, so TRL truncates nothing.
+# expression, one second round). TRL's completion budget, tool results included: 160 holds every episode whole; at
+# 56 the last reply of the two-round episode is cut ("length"); at 32 the tool results of every episode that called a
+# tool would overflow it and are dropped, ending the episode (`cut_at_budget`), as TRL drops them.
 TEMPERATURE = 1.0
-MAX_LENGTH = 160
+EXPECTED_EPISODES = {
+    160: [("stop", False), ("tool_calls", "stop", False), ("tool_calls", "stop", False),
+          ("tool_calls", "tool_calls", "stop", False)],
+    56: [("stop", False), ("tool_calls", "length", False), ("tool_calls", "stop", False), ("tool_calls", "stop", False)],
+    32: [("stop", False), ("tool_calls", True), ("tool_calls", True), ("tool_calls", True)],
+}
 
 
 # --- The dict form, `reset` text, tool errors and the iteration limit, against TRL's loop with a scripted policy ---
@@ -308,7 +316,7 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
     path, tokenizer = tiny_policy
     respond = scripted_policy(tokenizer)
     factories = {"adder": AdderEnv, "echo": EchoEnv}
-    # A budget that holds every episode whole: TRL counts tool-result tokens in `max_completion_length`, we do not.
+    # A budget that holds every episode whole (the parity test checks the cuts TRL's budget makes).
     settings = dict(KNOBS, max_completion_length=512, max_tool_calling_iterations=1, steps_per_generation=2)
     train = router_dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]

@@ -212,6 +212,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # TRL's hook for custom rollouts; set after __init__ so TRL's "experimental" warning does not fire for a
         # use the package owns.
         self.rollout_func = self._rollout_episodes
+        if environment_factory is not None:  # TRL's completion budget counts tool results: the agent measures them
+            agent.use_tokenizer(self._tokenizer, args.max_completion_length, self.chat_template_kwargs)
 
         # Endpoint serving the live policy
         self.engine = engine or self._default_engine(args)

@@ -19,6 +19,9 @@ derives from the environment. The contract, as TRL implements it in `GRPOTrainer
   "content": str(result)}` message, an exception (or an unknown tool) the text of `{"error": str(exception)}`, as in
   TRL. Sync results come first, then async ones, as in TRL. At most `max_tool_calling_iterations` rounds of tool calls
   (`None`: no limit; the endpoint's `max_turns` still applies).
+- `max_completion_length` bounds the episode after its first prompt, tool results included: results that would
+  overflow it are dropped and end the episode, the next reply gets what is left (once `use_tokenizer` was called, as
+  the trainer does).
 - `get_reward()` (sync or async), where the class defines it, is a reward source named after the class, weight 1,
   scoring only the episodes of exactly that class (TRL's `type(env) is cls`).
 - Reward functions receive the live instances as `environments=`, aligned with `completions`.
@@ -169,6 +172,8 @@ class EnvironmentAgent:
             raise ValueError(f"max_tool_calling_iterations must be >= 0 or None, got {max_tool_calling_iterations}.")
         self.max_tool_calling_iterations = max_tool_calling_iterations
         self.model = model
+        # TRL's completion budget, kept once `use_tokenizer` is called (the trainer does)
+        self.tokenizer, self.max_completion_length, self.chat_template_kwargs = None, None, {}
 
         # Probe one instance of each environment: validate it, derive its tool schemas, keep it for a first episode.
         self.tool_schemas: dict[str | None, list[dict[str, Any]]] = {}
@@ -235,6 +240,8 @@ class EnvironmentAgent:
 
         tool_calls = tool_failures = 0
         iteration = 0
+        first_prompt = None  # tokens of the first prompt: TRL's completion budget counts everything after it
+        cut_at_budget = False
         while True:
             response = await client.chat.completions.create(messages=messages, **request)
             message = response.choices[0].message
@@ -246,15 +253,57 @@ class EnvironmentAgent:
             results, failures = await run_tool_calls(methods, message.tool_calls)
             tool_calls += len(message.tool_calls)
             tool_failures += failures
-            messages += results
             iteration += 1
+            remaining = self._remaining_budget(response, results, first_prompt)
+            if remaining is not None:
+                first_prompt = first_prompt if first_prompt is not None else response.usage.prompt_tokens
+                if remaining <= 0:
+                    # TRL drops tool results that would overflow `max_completion_length` and ends the rollout (the
+                    # tools ran: their side effects stay).
+                    cut_at_budget = True
+                    break
+                request["max_tokens"] = remaining  # TRL cuts the next reply to what is left of the budget
+            messages += results
 
         result = EnvironmentResult(
             environment_name=name, answer=message.content or "", tool_calls=tool_calls, tool_failures=tool_failures,
             observation=observation if isinstance(observation, str | None) else str(observation),
+            cut_at_budget=cut_at_budget,
         )
         result.environment = environment
         return result
+
+    # TRL's completion budget
+
+    def use_tokenizer(self, tokenizer: Any, max_completion_length: int | None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        """Hold episodes to TRL's budget: `max_completion_length` tokens after the first prompt, tool results
+        included. The tool results' tokens are counted as TRL counts them (`GRPOTrainer._get_tool_suffix_ids`), with
+        the chat template the endpoint renders with. Without it, each model call is capped on its own."""
+        self.tokenizer, self.max_completion_length = tokenizer, max_completion_length
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    def tool_suffix_length(self, tool_messages: list[dict[str, Any]]) -> int:
+        """Tokens TRL appends for `tool_messages` after an assistant turn (`GRPOTrainer._get_tool_suffix_ids`): the
+        tool turns and the next generation prompt."""
+        calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        tool_turns = [{"role": "tool", "name": m["name"], "content": m["content"]} for m in tool_messages]
+        kwargs = dict(tokenize=True, return_dict=False, **self.chat_template_kwargs)
+        prefix = self.tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **kwargs)
+        full = self.tokenizer.apply_chat_template(dummy + tool_turns, add_generation_prompt=True, **kwargs)
+        ends = [i for i, token in enumerate(prefix) if token == self.tokenizer.eos_token_id]
+        if ends:  # aligned on the end-of-turn token, not the newline some templates write after it (TRL)
+            prefix = prefix[: ends[-1] + 1]
+        return len(full) - len(prefix)
+
+    def _remaining_budget(self, response: Any, tool_messages: list[dict[str, Any]], first_prompt: int | None):
+        """Tokens left for the next reply under TRL's budget, or `None` when no budget is kept."""
+        if self.tokenizer is None or self.max_completion_length is None or response.usage is None:
+            return None
+        first = first_prompt if first_prompt is not None else response.usage.prompt_tokens
+        used = response.usage.prompt_tokens + response.usage.completion_tokens - first
+        return self.max_completion_length - used - self.tool_suffix_length(tool_messages)
 
     # Reward sources
 
