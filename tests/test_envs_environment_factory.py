@@ -615,3 +615,28 @@ def test_asynchronous_rollouts_run_environments_too(tmp_path, tiny_policy):
     assert len(records) == 8 and all(r["episode"]["status"] == "ok" for r in records)
     by_environment = {r["episode"]["result"]["environment_name"]: r["episode"]["metadata"]["rewards"] for r in records}
     assert by_environment == {"adder": {"AdderEnv": 1.0}, "echo": {"AdderEnv": None}}
+
+
+def test_reward_functions_never_see_an_episode_without_an_instance():
+    """An episode that timed out before its agent returned has no instance: reward functions are called without it
+    (it gets None, unscorable), so `env.attribute` never meets a None."""
+    from trl_agentic.envs.environment_factory import EnvironmentResult, with_environments
+    from trl_agentic.trace import Episode
+
+    def result_of(environment):
+        result = EnvironmentResult(answer="")
+        result.environment = environment
+        return result
+
+    env_a, env_b = AdderEnv(), AdderEnv()
+    env_a.reset(a=1, b=2), env_b.reset(a=2, b=2)
+    episodes = [Episode(id="a", status="ok", result=result_of(env_a)), Episode(id="t", status="timeout"),
+                Episode(id="b", status="ok", result=result_of(env_b))]
+
+    def numbers(prompts, completions, environments, answer, **kwargs):
+        assert len(prompts) == len(completions) == len(answer) == 2
+        return [float(sum(env.numbers)) + a for env, a in zip(environments, answer, strict=True)]
+
+    rewards = with_environments(numbers)(prompts=[[], [], []], completions=[[], [], []], answer=[10, 20, 30],
+                                         episodes=episodes, trainer_state=None)
+    assert rewards == [13.0, None, 34.0]
