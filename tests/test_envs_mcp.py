@@ -71,6 +71,12 @@ KV_SERVER = textwrap.dedent('''
         time.sleep(seconds)
         return "slept"
 
+    @server.tool()
+    def crash() -> str:
+        """Exit at once, as a server that dies does."""
+        print("the server died", file=sys.stderr, flush=True)
+        os._exit(1)
+
     if __name__ == "__main__":
         if sys.argv[1:2] == ["--http"]:
             server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
@@ -197,14 +203,14 @@ def test_tools_are_offered_called_and_their_results_and_errors_read_by_the_model
         ("get", "kv", {"key": "zz"}, "Error executing tool get: no key 'zz'", True),
     ]
     assert calls[4][:2] == ("get", "kv") and calls[4][4] and "Field required" in calls[4][3]
-    assert calls[5] == ("drop", None, '{}', "Error: unknown tool 'drop'. Available tools: count, env_names, get, pid, "
-                        "put, sleep.", True)
+    assert calls[5] == ("drop", None, '{}', "Error: unknown tool 'drop'. Available tools: count, crash, env_names, get, "
+                        "pid, put, sleep.", True)
     assert calls[6] == ("count", "kv", {}, "2", False) and result["tool_calls"][6]["structured_content"] == {
         "result": 2}
 
     # What the model was offered: the server's tools as OpenAI functions, their MCP input schemas as parameters.
     tools = {t["function"]["name"]: t["function"] for t in episode.turns[0].request_tools}
-    assert list(tools) == ["put", "get", "count", "pid", "env_names", "sleep"]
+    assert list(tools) == ["put", "get", "count", "pid", "env_names", "sleep", "crash"]
     assert tools["get"]["description"] == "Read the value stored under a key."
     assert tools["get"]["parameters"]["properties"] == {"key": {"title": "Key", "type": "string"}}
     assert tools["get"]["parameters"]["required"] == ["key"]
@@ -262,7 +268,7 @@ def test_streamable_http_server_by_url_and_colliding_tool_names(endpoint, kv_ser
     assert [e.status for e in episodes] == ["ok", "ok"], episodes[0].error
     names = [t["function"]["name"] for t in episodes[0].turns[0].request_tools]
     assert names == [f"{server}__{tool}" for server in ("local", "remote")
-                     for tool in ("put", "get", "count", "pid", "env_names", "sleep")]
+                     for tool in ("put", "get", "count", "pid", "env_names", "sleep", "crash")]
     for episode in episodes:
         log = episode.result["tool_calls"]
         assert [(c["server"], c["mcp_tool"], c["content"]) for c in log] == [
@@ -315,6 +321,18 @@ def test_an_episode_timeout_kills_its_stdio_server(endpoint, kv_server):
     messages = episode.turns[-1].request_messages
     pid = int(next(m["content"] for m in messages if m["role"] == "tool"))
     assert wait_gone(pid)
+
+
+def test_a_server_that_dies_during_a_call_fails_its_episode_and_a_shared_one_starts_again(endpoint, kv_server):
+    agent = MCPAgent(servers={"kv": kv_server}, shared=True)
+    try:
+        (died,) = run(endpoint, agent, [plan_prompt([["put", {"key": "a", "value": "1"}]], [["crash", {}]])])
+        assert died.status == "agent_error" and "MCP server 'kv'" in died.error and "'crash'" in died.error
+        assert "the server died" in died.metadata["stderr_tail"]
+        (after,) = run(endpoint, agent, [plan_prompt([["count", {}]])])  # a new server, empty
+        assert after.status == "ok" and after.result["tool_calls"][0]["content"] == "0"
+    finally:
+        agent.close()
 
 
 def test_a_server_that_cannot_start_fails_its_episode_only_with_its_stderr(endpoint, tmp_path):
