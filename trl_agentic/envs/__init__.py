@@ -17,6 +17,9 @@ _EXPORTS = {
     "environment_suite": "environment_factory",
     "VerifiersAgent": "verifiers",
     "from_verifiers": "verifiers",
+    "OpenEnvAgent": "openenv",
+    "from_openenv": "openenv",
+    "openenv_reward": "openenv",
 }
 
 
