@@ -33,7 +33,7 @@ pytest.importorskip("openenv.core.env_server", reason="needs OpenEnv: pip instal
 
 ENVS = textwrap.dedent('''
     """Two OpenEnv environments: guess a number (an integer action: tool format), repeat a word (a text action)."""
-    import os, random
+    import os, random, time
     from uuid import uuid4
 
     from openenv.core.env_server.http_server import create_app
@@ -66,6 +66,8 @@ ENVS = textwrap.dedent('''
 
         def step(self, action):
             self._state.step_count += 1
+            if action.guess < 0:  # a slow step, for the tests of timeouts and capacity
+                time.sleep(-action.guess)
             if action.guess == self._secret:
                 return GuessObservation(feedback="Correct!", done=True, reward=1.0)
             hint = "Higher." if action.guess < self._secret else "Lower."
@@ -112,6 +114,7 @@ ENVS = textwrap.dedent('''
     app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=16)
     repeat_app = create_app(RepeatEnvironment, RepeatAction, RepeatObservation, env_name="repeat",
                             max_concurrent_envs=16)
+    single_app = create_app(GuessEnvironment, GuessAction, GuessObservation, env_name="guess", max_concurrent_envs=1)
 
 
     @app.get("/probe")
@@ -342,6 +345,50 @@ def test_a_shared_local_server_serves_every_episode_with_a_minimal_environment_a
     assert not {n for n in names if "OPENAI" in n or "TRL_AGENTIC" in n}  # nor the episode's key
 
 
+def test_a_session_refused_for_capacity_fails_its_episode_saying_how_to_serve_more(endpoint, env_dir):
+    agent = from_openenv("toy_envs:single_app", app_dir=env_dir)  # one session at a time
+    try:
+        agent.start()
+        # The first episode to connect holds the only session for 2 s (its slow guess); the other is refused.
+        episodes = run(endpoint, agent, [{"prompt": plan_prompt({"guess": -2}, {"guess": 1}), "secret": 1}] * 2)
+    finally:
+        agent.close()
+    assert sorted(e.status for e in episodes) == ["agent_error", "ok"]
+    (refused,) = [e for e in episodes if e.status == "agent_error"]
+    # OpenEnv's error frame says CAPACITY_REACHED; openenv-core 0.3.0's client often sees only the socket closing.
+    assert "CAPACITY_REACHED" in refused.error or "ConnectionClosed" in refused.error
+    assert "max_concurrent_envs=N" in refused.error and "per_episode=True" in refused.error
+
+
+def test_an_episode_timeout_stops_its_own_server_even_while_it_starts(endpoint, tmp_path):
+    (tmp_path / "toy_envs.py").write_text(ENVS)  # a directory of its own: no other test's server serves from it
+    env_dir = str(tmp_path)
+    agent = from_openenv("toy_envs:app", app_dir=env_dir, per_episode=True)
+    (episode,) = run(endpoint, agent, [{"prompt": plan_prompt({"guess": 1}), "secret": 1}], timeout=1.0)
+    assert episode.status == "timeout"
+    # No server of this test's directory is left: the one starting for the episode was killed with it.
+    deadline = time.monotonic() + 10
+    while servers_of(env_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not servers_of(env_dir)
+
+
+def servers_of(app_dir: str) -> list[int]:
+    """The pids of the uvicorn processes serving from `app_dir` (not zombies)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as stat:
+                state = stat.read().split(")")[-1].split()[0]
+        except (OSError, ValueError):
+            continue
+        if b"uvicorn" in args and app_dir.encode() in args and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
 def test_environment_failures_fail_their_episode_with_the_reason(endpoint, env_dir, tmp_path):
     (unreachable,) = run(endpoint, from_openenv("http://127.0.0.1:9", action_format="text",
                                                 reply_to_action=lambda m: {"message": m.get("content")}),
@@ -449,7 +496,7 @@ def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     for record in records:
         result = record["episode"]["result"]
         assert record["episode"]["status"] == "ok" and result["done"] and result["steps"] == len(result["rewards"])
-        assert result["observations"][0] == {"feedback": "I have a number from 1 to 20. Your guess?"}
+        assert result["observations"][0]["feedback"] == "I have a number from 1 to 20. Your guess?"
 
 
 def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):

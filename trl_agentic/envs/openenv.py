@@ -673,10 +673,13 @@ def _error_code(error: Exception) -> str | None:
 
 def _environment_error(what: str, url: str, error: Exception) -> AgentCrash:
     message = f"the OpenEnv environment at {url} failed on {what}: {type(error).__name__}: {error}"
-    if _error_code(error) == "CAPACITY_REACHED":
-        message += (". The server runs fewer sessions at once than there are episodes: serve it with "
-                    "create_app(..., max_concurrent_envs=N) for N >= the episodes run at once (an environment with "
-                    "SUPPORTS_CONCURRENT_SESSIONS = True), or start a server per episode (per_episode=True).")
+    # A session refused for capacity is an error frame, then the server closes the socket; OpenEnv's client before
+    # 0.4 often sees only the close (ConnectionClosedOK) when it comes before the frame is read.
+    closed_at_once = what == "reset" and type(error).__name__.startswith("ConnectionClosed")
+    if _error_code(error) == "CAPACITY_REACHED" or closed_at_once:
+        message += (". OpenEnv refuses a session when its server already runs max_concurrent_envs of them: serve "
+                    "it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at once (an environment "
+                    "with SUPPORTS_CONCURRENT_SESSIONS = True), or start a server per episode (per_episode=True).")
     return AgentCrash(message, {"environment_error": str(error)})
 
 
