@@ -18,8 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import verifiers as vf
-from conftest import ScriptedEngine
+
+
+vf = pytest.importorskip("verifiers", reason="needs verifiers: pip install --no-deps verifiers==0.3.1 (README)")
+
+from conftest import ScriptedEngine  # noqa: E402
 from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
