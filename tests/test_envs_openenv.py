@@ -504,9 +504,12 @@ def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):
 
     output = tmp_path / "eval.json"
     example = EXAMPLE
-    code = main(["--task", f"{example}:SUITE", "--model", "tiny:qwen2_5:64x2", "--size", "2", "--num-samples", "2",
-                 "--max-tokens", "8", "--max-turns", "5",  # the example's 5 guesses
-                 "--output", str(output), "--no-progress"])
+    try:
+        code = main(["--task", f"{example}:SUITE", "--model", "tiny:qwen2_5:64x2", "--size", "2", "--num-samples", "2",
+                     "--max-tokens", "8", "--max-turns", "5",  # the example's 5 guesses
+                     "--output", str(output), "--no-progress"])
+    finally:
+        import_object(f"{example}:SUITE").agent.close()  # the example's shared server (else stopped at exit)
     assert code == 0
     written = json.loads(output.read_text())
     assert written["episodes"] == 4 and written["status"]["ok"] == 4
