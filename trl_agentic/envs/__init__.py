@@ -12,9 +12,9 @@ from typing import Any
 
 # Public name -> the module of this package that defines it.
 _EXPORTS = {
-    "MCPAgent": "mcp",
     "EnvironmentAgent": "environment_factory",
     "environment_suite": "environment_factory",
+    "MCPAgent": "mcp",
     "VerifiersAgent": "verifiers",
     "from_verifiers": "verifiers",
     "OpenEnvAgent": "openenv",
