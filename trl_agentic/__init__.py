@@ -11,6 +11,8 @@ from .agentic_grpo_config import AgenticGRPOConfig  # noqa: E402
 from .agentic_grpo_trainer import AgenticGRPOTrainer  # noqa: E402
 from .rollout.agents import CommandAgent  # noqa: E402
 from .rollout.rows import Row, episode_to_rows  # noqa: E402
+from .tasks.agent_loop import ToolAgent  # noqa: E402
 from .trace import Episode, Turn  # noqa: E402
 
-__all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "Turn", "episode_to_rows"]
+__all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "ToolAgent", "Turn",
+           "episode_to_rows"]

@@ -16,8 +16,9 @@ from typing import Any
 from ..endpoint import SERVED_MODEL_NAME
 
 
-# A tool: keyword arguments from the model's JSON, returns the text of the tool message. Expected failures (bad path,
-# bad expression) are raised as exceptions and turned into `"Error: ..."` text by `call_tool`.
+# A tool: keyword arguments from the model's JSON, returns the text of the tool message (or, an async function, an
+# awaitable of it). Expected failures (bad path, bad expression) are raised as exceptions and turned into
+# `"Error: ..."` text by `call_tool`.
 ToolFunction = Callable[..., str]
 
 
@@ -59,9 +60,10 @@ def call_tool(tools: Mapping[str, ToolFunction], name: str, arguments: str | dic
         expected = ", ".join(signature.parameters)
         return f"Error: bad arguments for tool {name!r}: {error}. Expected arguments: ({expected})."
     try:
-        return str(function(**arguments))
+        result = function(**arguments)
     except Exception as error:  # the model must see any tool failure as text and get a chance to recover
         return f"Error: {error}"
+    return result if inspect.isawaitable(result) else str(result)  # an async tool's result: awaited by the loop
 
 
 async def run_tool_loop(
@@ -111,5 +113,76 @@ async def run_tool_loop(
                 content = f"Error: unsupported tool call type {tool_call.type!r}; call one of the provided functions."
             else:
                 content = call_tool(tools, tool_call.function.name, tool_call.function.arguments)
+                if inspect.isawaitable(content):
+                    try:
+                        content = str(await content)
+                    except Exception as error:  # noqa: BLE001 - as for a sync tool: text the model reads
+                        content = f"Error: {error}"
             messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
     return text
+
+
+class ToolAgent:
+    """A reference tool-calling agent: tools are plain Python functions, their schemas built from signature and
+    docstring as TRL builds them (`transformers.utils.get_json_schema`, what `GRPOTrainer(tools=[fn])` renders), the
+    call-tool-append loop of `run_tool_loop`, tool errors returned to the model as text. Usable as `agent=` anywhere
+    (the trainer, `Evaluator`, a `TaskSuite`).
+
+    Args:
+        tools: the functions (sync or async), each with a Google-style docstring describing its arguments.
+        max_rounds: most model calls per episode.
+        system_prompt: prepended to the task's prompt when it has no system message.
+        model: the model name sent (default: the task's `model` column, else `SERVED_MODEL_NAME`).
+
+    Example:
+
+    ```python
+    >>> def convert(value: float, from_unit: str, to_unit: str) -> str:
+    ...     \"\"\"Convert a length between units.
+    ...
+    ...     Args:
+    ...         value: The number to convert.
+    ...         from_unit: The unit it is in, e.g. "km".
+    ...         to_unit: The unit to convert to, e.g. "mi".
+    ...     \"\"\"
+    ...     return str(value * RATIOS[from_unit] / RATIOS[to_unit])
+    >>> agent = ToolAgent([convert])
+    >>> agent.tool_schemas[0]["function"]["name"]
+    'convert'
+    >>> trainer = AgenticGRPOTrainer(model, agent=agent, reward_funcs=[within_one_percent], ...)
+    ```
+    """
+
+    def __init__(self, tools: list[Callable], *, max_rounds: int = 10, system_prompt: str | None = None,
+                 model: str | None = None):
+        from transformers.utils import get_json_schema
+
+        if not tools:
+            raise ValueError("ToolAgent needs at least one tool function.")
+        self.tools: dict[str, ToolFunction] = {}
+        self.tool_schemas: list[dict[str, Any]] = []
+        for function in tools:
+            name = getattr(function, "__name__", None)
+            if not callable(function) or not name or name == "<lambda>":
+                raise ValueError(f"Each tool must be a named function (def ...), got {function!r}.")
+            if name in self.tools:
+                raise ValueError(f"Two tools are named {name!r}; tool names must be unique.")
+            try:
+                schema = get_json_schema(function)
+            except Exception as error:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ValueError(
+                    f"Cannot build the schema of tool {name!r}: {error}. Give it type hints and a Google-style "
+                    "docstring with an `Args:` section describing every argument."
+                ) from error
+            self.tools[name] = function
+            self.tool_schemas.append(schema)
+        self.max_rounds, self.system_prompt, self.model = max_rounds, system_prompt, model
+
+    async def __call__(self, client: Any, task: dict[str, Any]) -> str:
+        prompt = task["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return await run_tool_loop(client, messages, tools=self.tools, tool_schemas=self.tool_schemas,
+                                   model=self.model or task.get("model") or SERVED_MODEL_NAME,
+                                   max_rounds=self.max_rounds)
