@@ -648,3 +648,13 @@ def test_resuming_into_a_dir_with_another_runs_episode_log_leaves_that_log_whole
             resumed.close()
     assert other.read_text().startswith(own)
     assert any("not the log" in r.getMessage() for r in caplog.records)
+
+
+def test_tiny_model_names_work_in_python_as_on_the_command_line(tmp_path):
+    trainer = AgenticGRPOTrainer("tiny:qwen2_5:32x1", agent=tool_agent, reward_funcs=length_reward,
+                                 args=config(tmp_path), train_dataset=dataset(2))
+    try:
+        assert trainer.model.config.hidden_size == 32 and trainer.model.config.num_hidden_layers == 1
+        assert trainer.processing_class.chat_template  # its tokenizer, with a real chat template
+    finally:
+        trainer.close()

@@ -51,6 +51,7 @@ from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
 from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
 from .task_sampling import AdaptiveTaskSampler, TaskSlots, group_split_rate
+from .tiny_models import load_model_and_tokenizer
 from .trace import EPISODE_STATUSES, Episode, json_text
 
 
@@ -109,7 +110,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
     """GRPO on episodes of a black-box agent that talks to the policy through an OpenAI-compatible endpoint.
 
     Args:
-        model: model id/path or a `PreTrainedModel` (as for `trl.GRPOTrainer`).
+        model: model id/path or a `PreTrainedModel` (as for `trl.GRPOTrainer`), or `"tiny:<family>[:<hidden>x<layers>]"`
+            for a tiny randomly initialised model built locally (`trl_agentic.tiny_models`; its tokenizer comes with it).
         agent: `async def agent(client, task)`, a plain `def agent(client, task)`, or a `CommandAgent`. `client` is an
             `openai` client already pointed at the episode (model name `"policy"`); `task` is the dataset row.
         reward_funcs: TRL reward functions. They receive `completions` (each episode's messages after the prompt),
@@ -197,6 +199,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if not isinstance(reward_funcs, list):
             reward_funcs = [reward_funcs]
         reward_funcs = [unscorable_unless_ok(f) for f in reward_funcs]
+
+        # `tiny:<family>[:<hidden>x<layers>]`: the locally built test models the CLI takes (no Hub download), with
+        # their tokenizer unless one is given
+        if isinstance(model, str) and model.startswith("tiny:"):
+            model, tiny_tokenizer = load_model_and_tokenizer(model)
+            processing_class = tiny_tokenizer if processing_class is None else processing_class
 
         super().__init__(
             model=model,
