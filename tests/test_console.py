@@ -59,4 +59,3 @@ def test_trls_whole_episode_warning_becomes_one_line(caplog):
     first, second = caplog.records
     assert "episodes/unscorable" in first.getMessage() and len(first.getMessage()) < 400
     assert len(second.getMessage()) < 500 and "more characters" in second.getMessage()
-
