@@ -13,7 +13,7 @@ from datasets import Dataset
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.cli import main as cli_main
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-from trl_agentic.viewer import build_viewer_data, load_records, render_html
+from trl_agentic.viewer import build_viewer_data, find_episode_files, load_records, render_html
 
 
 TOOLS = [{"type": "function", "function": {
@@ -141,3 +141,18 @@ def test_inspect_renders_an_episode_in_a_real_browser(run_dir, tmp_path):
     shot = tmp_path / "viewer.png"
     chromium(f"--screenshot={shot}", url)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_inspect_takes_the_demos_output_folder_and_finds_its_tokenizer(tmp_path):
+    # `trl-agentic demo` prints outputs/demo: its run is outputs/demo/grpo, its tokenizer outputs/demo/model
+    from trl_agentic.tiny_models import build_tiny_tokenizer
+    from trl_agentic.viewer import find_tokenizer
+
+    demo = tmp_path / "demo"
+    (demo / "grpo" / "episodes").mkdir(parents=True)
+    (demo / "grpo" / "episodes" / "episodes-rank0.jsonl").write_text("{}\n")
+    (demo / "plots").mkdir()
+    build_tiny_tokenizer("qwen2_5").save_pretrained(demo / "model")
+    files, output_dir = find_episode_files(demo)
+    assert files == [demo / "grpo" / "episodes" / "episodes-rank0.jsonl"] and output_dir == demo / "grpo"
+    assert find_tokenizer(output_dir).chat_template  # the sibling model/ folder's

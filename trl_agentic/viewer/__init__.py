@@ -43,7 +43,8 @@ from ..trace import Turn
 def find_episode_files(path: str | Path) -> tuple[list[Path], Path | None]:
     """The JSONL files to read and the run's output directory (where a tokenizer and `alarms.json` may be).
 
-    `path` is a JSONL file, an `episodes/` folder, or an output directory holding `episodes/`.
+    `path` is a JSONL file, an `episodes/` folder, an output directory holding `episodes/`, or a folder with one such
+    output directory (`trl-agentic demo`'s `outputs/demo`, whose run is `outputs/demo/grpo`).
     """
     path = Path(path)
     if path.is_file():
@@ -51,6 +52,9 @@ def find_episode_files(path: str | Path) -> tuple[list[Path], Path | None]:
         return [path], output_dir
     if not path.is_dir():
         raise FileNotFoundError(f"No episode log at {path}: pass an output directory or an episodes .jsonl file.")
+    runs = sorted(p.parent for p in path.glob("*/episodes") if p.is_dir())
+    if not (path / "episodes").is_dir() and not list(path.glob("*.jsonl")) and len(runs) == 1:
+        path = runs[0]  # the run inside, e.g. outputs/demo/grpo
     folder = path / "episodes" if (path / "episodes").is_dir() else path
     files = sorted(folder.glob("*.jsonl"))
     if not files:
