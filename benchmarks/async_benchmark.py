@@ -36,9 +36,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from trainer_benchmark import StepTimer
 from transformers import PrinterCallback
 
+from trainer_benchmark import StepTimer
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.tasks import get_task
 from trl_agentic.tasks.latency import make_latency_suite

@@ -27,16 +27,14 @@ from pathlib import Path
 
 import httpx
 
+# The same zero-cost engine and tool as the endpoint benchmark: what is measured is the endpoint, runner and agents.
+from endpoint_benchmark import TOOL, ZeroCostEngine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-
-# The same zero-cost engine and tool as the endpoint benchmark: what is measured is the endpoint, runner and agents.
-from endpoint_benchmark import TOOL, ZeroCostEngine  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 async def three_turn_agent(client, task):

@@ -54,7 +54,6 @@ import anthropic
 import httpx
 import openai
 import torch
-
 from fastapi import FastAPI, Request
 
 from trl_agentic.endpoint.app import EndpointSettings, SamplingOverrides, create_app

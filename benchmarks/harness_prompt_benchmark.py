@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
-from endpoint_benchmark import ZeroCostEngine
 
+from endpoint_benchmark import ZeroCostEngine
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer

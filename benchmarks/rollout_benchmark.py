@@ -23,8 +23,8 @@ import time
 
 import httpx
 import torch
-from endpoint_benchmark import TOOL, ZeroCostEngine
 
+from endpoint_benchmark import TOOL, ZeroCostEngine
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer

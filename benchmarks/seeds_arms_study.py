@@ -51,7 +51,6 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from demo_control import train_trl_control
-
     from trl_agentic.scripts import demo
     from trl_agentic.tasks.calculator import make_calculator_suite
 

@@ -12,11 +12,10 @@ import time
 import anthropic
 import pytest
 
+from conftest import ScriptedEngine
 from trl_agentic.rollout.agents import CallableAgent, CommandAgent, resolve_agent
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import ScriptedEngine
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ model, agents using the official `openai` client.
 """
 
 import asyncio
-import copy
 import json
 import threading
 import time
@@ -15,6 +14,16 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import ScriptedEngine
+from test_agentic_grpo_trainer import (
+    StopAfter,
+    config,
+    dataset,
+    length_reward,
+    read_episode_log,
+    tool_agent,
+    train_and_read_log,
+)
 from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.generation.engine import SamplingParams
 from trl_agentic.generation.transformers_engine import TransformersEngine
@@ -24,11 +33,6 @@ from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Turn
 from trl_agentic.viewer import build_viewer_data, find_episode_files, load_records
-
-from conftest import ScriptedEngine
-from test_agentic_grpo_trainer import (
-    StopAfter, config, dataset, length_reward, read_episode_log, tool_agent, train_and_read_log,
-)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 from trl.chat_template_utils import add_response_schema
 
+from conftest import CALCULATOR_TOOL
 from trl_agentic.endpoint.chat import ChatRenderer, RenderedContext, common_prefix_length
 from trl_agentic.endpoint.protocol import comparable_message, template_message
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import CALCULATOR_TOOL
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,10 @@ import logging
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent
 from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.console import StepLinePrinter, StepLines, quiet_known_warnings, step_line
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent
 
 
 def test_a_step_line_shows_what_matters_and_the_alarms_that_fire():

@@ -250,8 +250,13 @@ def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_targe
 
 
 def test_warm_start_checks_use_the_target_difficulty_alone_by_default():
-    from trl_agentic.scripts.demo import (DemoSettings, parse_args, settings_from_args, validation_tasks,
-                                          warm_start_demonstrations)
+    from trl_agentic.scripts.demo import (
+        DemoSettings,
+        parse_args,
+        settings_from_args,
+        validation_tasks,
+        warm_start_demonstrations,
+    )
     from trl_agentic.tasks.calculator import make_calculator_suite
 
     assert DemoSettings().level_list(DemoSettings().warm_start_check_levels) == (2,)

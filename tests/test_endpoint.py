@@ -11,12 +11,11 @@ import openai
 import pytest
 import torch
 
+from conftest import CALCULATOR_TOOL, ScriptedEngine
 from trl_agentic.endpoint.app import SamplingOverrides
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.generation.engine import derive_seed
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from conftest import CALCULATOR_TOOL, ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -18,12 +18,11 @@ from agents import (
 from agents.models import openai_provider
 from openai import AsyncOpenAI
 
+from conftest import CALCULATOR_TOOL_AGENTS_SDK, TOOL_SYSTEM_PROMPT, ScriptedEngine
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import CALCULATOR_TOOL_AGENTS_SDK, TOOL_SYSTEM_PROMPT, ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

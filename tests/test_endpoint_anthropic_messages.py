@@ -12,12 +12,11 @@ import anthropic
 import httpx
 import pytest
 
-from trl_agentic.trace import Episode
-
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, tool_call_text
 from test_endpoint_fuzz import SEED
 from test_endpoint_responses import assert_token_exact, fuzz_cases, scripted_server, tokenizers  # noqa: F401
+from trl_agentic.trace import Episode
 
 
 # The calculator as an Anthropic tool.

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import ScriptedEngine
 from trl_agentic.endpoint.app import EndpointSettings, create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
@@ -19,8 +20,6 @@ from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Episode, Turn
-
-from conftest import ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

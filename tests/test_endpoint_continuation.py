@@ -11,11 +11,10 @@ import json
 import openai
 import pytest
 
+from conftest import ScriptedEngine
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.protocol import template_message
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from conftest import ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -8,10 +8,9 @@ import httpx
 import openai
 import pytest
 
+from conftest import CALCULATOR_TOOL, ScriptedEngine
 from trl_agentic.endpoint.sessions import EpisodeLimits
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import CALCULATOR_TOOL, ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

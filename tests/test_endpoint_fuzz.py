@@ -12,10 +12,9 @@ import random
 import httpx
 import pytest
 
+from conftest import CALCULATOR_TOOL, ScriptedEngine
 from trl_agentic.tiny_models import build_tiny_tokenizer
 from trl_agentic.trace import Episode
-
-from conftest import CALCULATOR_TOOL, ScriptedEngine
 
 
 NUM_CASES = 300

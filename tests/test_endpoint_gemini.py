@@ -16,12 +16,11 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from trl_agentic.trace import Episode
-
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, tool_call_text
 from test_endpoint_fuzz import SEED
 from test_endpoint_responses import assert_token_exact, fuzz_cases, scripted_server, tokenizers  # noqa: F401
+from trl_agentic.trace import Episode
 
 
 RECORDED = Path(__file__).parent / "data" / "harness_requests" / "gemini_cli"

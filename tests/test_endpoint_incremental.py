@@ -12,14 +12,13 @@ import re
 import openai
 import pytest
 
+from conftest import ScriptedEngine
+from test_endpoint_continuation import TOOL, echo, tool_call_text
 from trl_agentic.endpoint.app import create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import ScriptedEngine
-from test_endpoint_continuation import TOOL, echo, tool_call_text
 
 
 FAMILIES = ["qwen2_5", "llama3_2", "qwen3"]

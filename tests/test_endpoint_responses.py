@@ -13,13 +13,12 @@ import httpx
 import openai
 import pytest
 
-from trl_agentic.rollout.rows import episode_to_rows
-from trl_agentic.tiny_models import build_tiny_tokenizer
-from trl_agentic.trace import Episode
-
 from conftest import ScriptedEngine
 from test_endpoint_continuation import TOOL, assert_continues, tool_call_text
 from test_endpoint_fuzz import SEED, encode, hostile_value
+from trl_agentic.rollout.rows import episode_to_rows
+from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.trace import Episode
 
 
 # The calculator as a Responses function tool (the chat-completions `TOOL`, flattened).

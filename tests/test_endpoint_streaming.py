@@ -16,12 +16,11 @@ import httpx
 import openai
 import pytest
 
+from conftest import CALCULATOR_TOOL, TOOL_SYSTEM_PROMPT, ScriptedEngine
 from trl_agentic.endpoint.app import SamplingOverrides
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.streaming import AnswerStream
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from conftest import CALCULATOR_TOOL, TOOL_SYSTEM_PROMPT, ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOOL_SYSTEM_PROMPT, ScriptedEngine
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+from conftest import TOOL_SYSTEM_PROMPT, ScriptedEngine
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs.environment_factory import (
     EnvironmentAgent,
@@ -443,8 +443,8 @@ def make_harbor_tasks(root: Path) -> None:
 def local_harbor_env():
     """A Harbor harness whose sandbox is a local directory (what the Docker sandbox is to `HarborBashEnv`)."""
     import tempfile
-    import tomllib
 
+    import tomllib
     from trl.experimental.harbor import HarborBashEnv
 
     class LocalBashEnv(HarborBashEnv):

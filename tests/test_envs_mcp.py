@@ -17,13 +17,12 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import ScriptedEngine
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs import MCPAgent
 from trl_agentic.envs.mcp import openai_tool_names
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from conftest import ScriptedEngine
 
 
 pytest.importorskip("mcp.server.mcpserver", reason="needs the mcp SDK 2.x: pip install 'trl-agentic[mcp]'")

@@ -16,17 +16,19 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import ScriptedEngine
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.envs import from_openenv
 from trl_agentic.envs.openenv import (
-    _environment_error, _protocol_from_schema, default_observation_to_message, openenv_reward,
+    _environment_error,
+    _protocol_from_schema,
+    default_observation_to_message,
+    openenv_reward,
 )
 from trl_agentic.imports import import_object
 from trl_agentic.rollout.runner import run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Episode
-
-from conftest import ScriptedEngine
 
 
 pytest.importorskip("openenv.core.env_server", reason="needs OpenEnv: pip install 'trl-agentic[openenv]'")

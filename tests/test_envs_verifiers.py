@@ -22,12 +22,12 @@ import torch
 
 vf = pytest.importorskip("verifiers", reason="needs verifiers: pip install --no-deps verifiers==0.3.1 (README)")
 
-from conftest import ScriptedEngine  # noqa: E402
 from datasets import Dataset
 
+from conftest import ScriptedEngine  # noqa: E402
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.envs import from_verifiers
 from trl_agentic.endpoint.sessions import EpisodeLimits
+from trl_agentic.envs import from_verifiers
 from trl_agentic.envs.verifiers import VerifiersResult, rubric_reward_funcs, verifiers_state
 from trl_agentic.evaluation import Evaluator, score_episodes
 from trl_agentic.rollout.agents import resolve_agent

@@ -19,10 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trl_agentic.endpoint.protocol import template_message
-
 from conftest import ScriptedEngine
 from test_endpoint_responses import assert_token_exact, tokenizers  # noqa: F401
+from trl_agentic.endpoint.protocol import template_message
 
 
 RECORDED = Path(__file__).parent / "data" / "harness_requests" / "claude_code"

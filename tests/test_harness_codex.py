@@ -20,12 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import ScriptedEngine
+from test_endpoint_continuation import assert_continues
 from trl_agentic.endpoint import responses
 from trl_agentic.endpoint.app import EndpointSettings
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import ScriptedEngine
-from test_endpoint_continuation import assert_continues
 
 
 RECORDED = Path(__file__).parent / "data" / "harness_requests" / "codex"

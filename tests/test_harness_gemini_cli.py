@@ -18,9 +18,8 @@ import subprocess
 
 import pytest
 
-from trl_agentic.tiny_models import build_tiny_tokenizer
-
 from conftest import ScriptedEngine
+from trl_agentic.tiny_models import build_tiny_tokenizer
 
 
 TASK = "Create a file answer.txt containing 42."

@@ -21,15 +21,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import ScriptedEngine
+from test_endpoint_continuation import assert_continues
+from test_harnesses import harness_or_skip
 from trl_agentic.rollout.agents import EpisodeContext
 from trl_agentic.rollout.harnesses import HARNESS_PRESETS
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.rollout.runner import run_episodes
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import ScriptedEngine
-from test_endpoint_continuation import assert_continues
-from test_harnesses import harness_or_skip
 
 
 RECORDED = Path(__file__).parent / "data" / "harness_requests" / "opencode"

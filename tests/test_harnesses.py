@@ -9,20 +9,16 @@ and say how to install it.
 
 import asyncio
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from trl_agentic.rollout.agents import EpisodeContext
+from conftest import ScriptedEngine
 from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessNotFoundError, HarnessPreset
 from trl_agentic.rollout.runner import run_episodes
 from trl_agentic.tiny_models import build_tiny_tokenizer
-from trl_agentic.trace import Episode
-
-from conftest import ScriptedEngine
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import openai
 import pytest
 from datasets import Dataset
 
+from conftest import ScriptedEngine
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.protocol import template_message
@@ -20,8 +21,6 @@ from trl_agentic.lineage import find_conversations
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Turn
-
-from conftest import ScriptedEngine
 
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

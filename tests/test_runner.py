@@ -12,12 +12,11 @@ import time
 
 import pytest
 
+from conftest import ScriptedEngine
 from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.runner import CANCEL_GRACE_S, run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-
-from conftest import ScriptedEngine
 
 
 TIMEOUT = 1.0  # seconds per episode: short, the agents below misbehave on purpose

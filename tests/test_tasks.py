@@ -14,7 +14,6 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from trl_agentic.recipes import get_reward_func
-from trl_agentic.trace import Episode, Turn
 from trl_agentic.tasks import BUNDLED_TASKS, TaskSuite, get_task
 from trl_agentic.tasks.agent_loop import call_tool
 from trl_agentic.tasks.calculator import (
@@ -36,6 +35,7 @@ from trl_agentic.tasks.files import (
 from trl_agentic.tasks.latency import build_latency_dataset, make_latency_suite
 from trl_agentic.tasks.splits import sample_split, split_of
 from trl_agentic.tiny_models import build_tiny_tokenizer
+from trl_agentic.trace import Episode, Turn
 
 
 # ---------------------------------------------------------------------------------------------------------------------

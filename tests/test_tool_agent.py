@@ -7,12 +7,11 @@ import json
 import pytest
 from transformers.utils import get_json_schema
 
+from conftest import ScriptedEngine
 from trl_agentic import ToolAgent
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.runner import run_episodes
 from trl_agentic.tiny_models import build_tiny_tokenizer
-
-from conftest import ScriptedEngine
 
 
 RATIOS = {"km": 1000.0, "mi": 1609.344, "m": 1.0}

@@ -14,5 +14,6 @@ from .rollout.rows import Row, episode_to_rows  # noqa: E402
 from .tasks.agent_loop import ToolAgent  # noqa: E402
 from .trace import Episode, Turn  # noqa: E402
 
+
 __all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "ToolAgent", "Turn",
            "episode_to_rows"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+
 # subcommand -> (module, one-line help). The module exposes `main(argv: list[str]) -> int | None`.
 COMMANDS = {
     "serve": ("trl_agentic.endpoint.serve", "Serve a model behind the OpenAI-compatible, token-recording endpoint."),

@@ -31,10 +31,10 @@ from trl import ModelConfig, TrlParser
 
 from .agentic_grpo_config import AgenticGRPOConfig
 from .imports import import_object
+from .rewards import cut_off_penalty
 from .rollout.agents import CommandAgent
 from .rollout.harnesses import Harness
 from .tasks import TaskSuite
-from .rewards import cut_off_penalty
 from .tasks.calculator import calculator_correct
 from .tasks.files import files_correct
 
