@@ -162,11 +162,15 @@ def benchmark(workload: str, args) -> float:
             results[name].append(run_block(model, tokenizer, suite, dataset, arms[name], args, folder))
             print(f"  round {round_index} {name}: {results[name][-1]['seconds_per_step']:.3f} s/step")
 
-    print(f"\n{workload}-bound: {description}; tiny:qwen2_5:{args.model_size}, {args.batch_size} episodes/step "
-          f"({args.batch_size // args.num_generations} tasks x {args.num_generations}), max_tokens {args.max_tokens}, "
-          f"{args.rounds} rounds x {args.steps} steps per arm, torch threads {args.threads}")
-    header = f"{'arm':<28}{'s/step':>8}{'steps/s':>9}{'waits on rollout':>18}{'rest of step':>14}{'turns/ep':>10}" \
-             f"{'in flight':>11}{'staleness max':>15}{'dropped':>9}"
+    print(
+        f"\n{workload}-bound: {description}; tiny:qwen2_5:{args.model_size}, {args.batch_size} episodes/step "
+        f"({args.batch_size // args.num_generations} tasks x {args.num_generations}), max_tokens {args.max_tokens}, "
+        f"{args.rounds} rounds x {args.steps} steps per arm, torch threads {args.threads}"
+    )
+    header = (
+        f"{'arm':<28}{'s/step':>8}{'steps/s':>9}{'waits on rollout':>18}{'rest of step':>14}{'turns/ep':>10}"
+        f"{'in flight':>11}{'staleness max':>15}{'dropped':>9}"
+    )
     print(header)
     print("-" * len(header))
     rates = {}
@@ -176,15 +180,19 @@ def benchmark(workload: str, args) -> float:
         staleness = [s for b in blocks for s in b["staleness"]]
         dropped = int(sum(b["dropped_groups"] for b in blocks))
         rates[name] = 1 / seconds
-        print(f"{name:<28}{seconds:>8.3f}{1 / seconds:>9.3f}{wait:>18.3f}{seconds - wait:>14.3f}"
-              f"{statistics.mean(b['turns'] for b in blocks):>10.2f}{statistics.mean(b['in_flight'] for b in blocks):>11.1f}"
-              f"{max(staleness):>15}{dropped:>9}")
+        print(
+            f"{name:<28}{seconds:>8.3f}{1 / seconds:>9.3f}{wait:>18.3f}{seconds - wait:>14.3f}"
+            f"{statistics.mean(b['turns'] for b in blocks):>10.2f}{statistics.mean(b['in_flight'] for b in blocks):>11.1f}"
+            f"{max(staleness):>15}{dropped:>9}"
+        )
         bound = args.max_staleness if blocks is not results["sync"] else 0
         assert max(staleness) <= bound, f"{name}: a trained token {max(staleness)} versions old (bound {bound})"
         assert dropped == 0, f"{name}: {dropped} groups dropped"
-    print("(s/step: wall time per optimizer step after the first; waits on rollout: the trainer waiting for its batch's "
-          "episodes (sync: the whole rollout, async: the wait on the producer); staleness: per episode, the step that "
-          "trained it minus its oldest trained token's version, from the episode log)")
+    print(
+        "(s/step: wall time per optimizer step after the first; waits on rollout: the trainer waiting for its batch's "
+        "episodes (sync: the whole rollout, async: the wait on the producer); staleness: per episode, the step that "
+        "trained it minus its oldest trained token's version, from the episode log)"
+    )
     sync_name, async_name = arms
     ratio = rates[async_name] / rates[sync_name]
     paired = statistics.median(
@@ -218,8 +226,10 @@ def main() -> None:
     print()
     for workload, ratio in ratios.items():
         goal = GOALS[workload]
-        print(f"{workload}-bound: async / sync steps/s {ratio:.2f}x (goal >= {goal}x: "
-              f"{'met' if ratio >= goal else 'NOT met'})")
+        print(
+            f"{workload}-bound: async / sync steps/s {ratio:.2f}x (goal >= {goal}x: "
+            f"{'met' if ratio >= goal else 'NOT met'})"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def rss_mib() -> float:
 def load_round(server, tokenizer, num_episodes: int, concurrency: int, start: int) -> dict:
     tasks = [{"marker": f"m{start + i:07d}"} for i in range(num_episodes)]
     began = time.perf_counter()
-    episodes = run_rollout(run_episodes(server, resolve_agent(three_turn_agent), tasks, max_concurrent=concurrency,
-                                        timeout=120))
+    episodes = run_rollout(
+        run_episodes(server, resolve_agent(three_turn_agent), tasks, max_concurrent=concurrency, timeout=120)
+    )
     seconds = time.perf_counter() - began
     mixed = 0
     for task, episode in zip(tasks, episodes, strict=True):
@@ -89,16 +90,20 @@ def fuzz(server, num_requests: int) -> dict:
         seed += 1
         session = server.open_episode()
         opened.clear()
-        routes = [("/v1/chat/completions", {"Authorization": f"Bearer {session.key}"}),
-                  (f"/episodes/{session.episode.id}/v1/chat/completions", {}), ("/admin/episodes", admin)]
+        routes = [
+            ("/v1/chat/completions", {"Authorization": f"Bearer {session.key}"}),
+            (f"/episodes/{session.episode.id}/v1/chat/completions", {}),
+            ("/admin/episodes", admin),
+        ]
         with httpx.Client(base_url=server.url, timeout=30) as client:
             for case in range(min(300, num_requests - counts["requests"])):
                 path, headers = routes[0] if case % 10 < 7 else routes[1] if case % 10 < 9 else routes[2]
                 content = generator.encode(rng, generator.mutate(rng, rng.choice(generator.base_bodies())))
                 counts["requests"] += 1
                 try:
-                    response = client.post(path, content=content,
-                                           headers={**headers, "Content-Type": "application/json"})
+                    response = client.post(
+                        path, content=content, headers={**headers, "Content-Type": "application/json"}
+                    )
                 except httpx.HTTPError:
                     counts["connection_errors"] += 1
                     continue
@@ -129,26 +134,39 @@ def main() -> None:
     server = EndpointServer(create_app(ZeroCostEngine(tokenizer), ChatRenderer(tokenizer))).start()
     try:
         first = load_round(server, tokenizer, args.concurrency, args.concurrency, 0)
-        print(f"(a) load: {first['episodes']} episodes x 3 turns, {args.concurrency} at once: {first['seconds']:.1f} s "
-              f"({first['turns'] / first['seconds']:.0f} calls/s); ok {first['ok']}/{first['episodes']}, "
-              f"continued {first['continued']}/{first['later_turns']} later turns, mixed up {first['mixed_up']}")
+        print(
+            f"(a) load: {first['episodes']} episodes x 3 turns, {args.concurrency} at once: {first['seconds']:.1f} s "
+            f"({first['turns'] / first['seconds']:.0f} calls/s); ok {first['ok']}/{first['episodes']}, "
+            f"continued {first['continued']}/{first['later_turns']} later turns, mixed up {first['mixed_up']}"
+        )
         gc.collect()
         before, done, rounds = rss_mib(), 0, []
         while done < args.episodes:
-            rounds.append(load_round(server, tokenizer, min(args.concurrency, args.episodes - done), args.concurrency,
-                                     args.concurrency + done))
+            rounds.append(
+                load_round(
+                    server,
+                    tokenizer,
+                    min(args.concurrency, args.episodes - done),
+                    args.concurrency,
+                    args.concurrency + done,
+                )
+            )
             done += rounds[-1]["episodes"]
         gc.collect()
         after = rss_mib()
-        print(f"(b) memory: RSS {before:.1f} MiB after the warm-up round -> {after:.1f} MiB after {done} more episodes "
-              f"({after - before:+.1f} MiB, {100 * (after - before) / before:+.1f}%); ok "
-              f"{sum(r['ok'] for r in rounds)}/{done}, mixed up {sum(r['mixed_up'] for r in rounds)}, "
-              f"open episodes at the end {len(server.registry)}")
+        print(
+            f"(b) memory: RSS {before:.1f} MiB after the warm-up round -> {after:.1f} MiB after {done} more episodes "
+            f"({after - before:+.1f} MiB, {100 * (after - before) / before:+.1f}%); ok "
+            f"{sum(r['ok'] for r in rounds)}/{done}, mixed up {sum(r['mixed_up'] for r in rounds)}, "
+            f"open episodes at the end {len(server.registry)}"
+        )
         if args.fuzz:
             counts = fuzz(server, args.fuzz)
-            print(f"(c) fuzz: {counts['requests']} requests ({counts['sessions']} episodes): {counts['5xx']} 5xx, "
-                  f"{counts['connection_errors']} connection errors, {counts['2xx']} 2xx, {counts['4xx']} 4xx; "
-                  f"traces unreadable at close: {counts['traces_unreadable']}")
+            print(
+                f"(c) fuzz: {counts['requests']} requests ({counts['sessions']} episodes): {counts['5xx']} 5xx, "
+                f"{counts['connection_errors']} connection errors, {counts['2xx']} 2xx, {counts['4xx']} 4xx; "
+                f"traces unreadable at close: {counts['traces_unreadable']}"
+            )
     finally:
         server.stop()
 

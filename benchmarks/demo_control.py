@@ -87,8 +87,12 @@ def train_trl_control(model, tokenizer, suite, settings, output_dir: Path, progr
         disable_tqdm=False,
     )
     trainer = GRPOTrainer(
-        model, reward_funcs=[calculator_correct], args=config, train_dataset=train_dataset,
-        processing_class=tokenizer, tools=[calculator],
+        model,
+        reward_funcs=[calculator_correct],
+        args=config,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        tools=[calculator],
     )
     if progress_class is not None:
         trainer.remove_callback(PrinterCallback)
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     demo_args = demo.parse_args(
         # Both arms on the target difficulty alone, in TRL's order: this compares the loops, not the task sampler.
-        [f"--seed={args.seed}", "--set=task_sampling=uniform", "--set=levels=2"] + (["--smoke"] if args.smoke else [])
+        [f"--seed={args.seed}", "--set=task_sampling=uniform", "--set=levels=2"]
+        + (["--smoke"] if args.smoke else [])
         + ([f"--steps={args.steps}"] if args.steps is not None else [])
         + ([f"--learning-rate={args.learning_rate}"] if args.learning_rate is not None else [])
         + ([f"--eval-size={args.eval_size}"] if args.eval_size is not None else [])
@@ -141,8 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {name}: {settings.steps} GRPO steps, lr {settings.learning_rate} ===", flush=True)
         set_seed(settings.seed)
         model, tokenizer, _ = demo.build_warm_started(settings, suite, cache_path)
-        evaluator = demo.HeldOutEvaluator(model, tokenizer, suite, eval_dataset, settings.temperature,
-                                          settings.max_completion_length, settings.max_turns)
+        evaluator = demo.HeldOutEvaluator(
+            model,
+            tokenizer,
+            suite,
+            eval_dataset,
+            settings.temperature,
+            settings.max_completion_length,
+            settings.max_turns,
+        )
         try:
             before = evaluator.evaluate(model, seed=settings.seed)
             print(f"  held-out before: {before['success']:.1%}", flush=True)
@@ -159,20 +171,26 @@ def main(argv: list[str] | None = None) -> int:
             evaluator.close()
         rewards = [r["reward"] for r in trainer.state.log_history if "reward" in r]
         results[name] = {
-            "before": before["success"], "after": after["success"], "seconds_per_step": seconds / settings.steps,
+            "before": before["success"],
+            "after": after["success"],
+            "seconds_per_step": seconds / settings.steps,
             "train_reward_first_10": sum(rewards[:10]) / max(len(rewards[:10]), 1),
             "train_reward_last_10": sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
         }
 
     labels = {"agentic": "AgenticGRPOTrainer (black-box agent)", "trl_tools": "GRPOTrainer(tools=[calculator])"}
-    header = f"  {'':<37} {'held-out before':>15} {'held-out after':>15} {'train reward first/last 10':>27} {'s/step':>7}"
+    header = (
+        f"  {'':<37} {'held-out before':>15} {'held-out after':>15} {'train reward first/last 10':>27} {'s/step':>7}"
+    )
     print("\n" + header + "\n  " + "-" * (len(header) - 2))
     for name, r in results.items():
         rewards = f"{r['train_reward_first_10']:.2f} / {r['train_reward_last_10']:.2f}"
-        print(f"  {labels[name]:<37} {r['before']:>15.1%} {r['after']:>15.1%} {rewards:>27} "
-              f"{r['seconds_per_step']:>7.2f}")
-    (output_dir / "control.json").write_text(json.dumps(
-        {"results": results, "settings": dataclasses.asdict(settings)}, indent=2))
+        print(
+            f"  {labels[name]:<37} {r['before']:>15.1%} {r['after']:>15.1%} {rewards:>27} {r['seconds_per_step']:>7.2f}"
+        )
+    (output_dir / "control.json").write_text(
+        json.dumps({"results": results, "settings": dataclasses.asdict(settings)}, indent=2)
+    )
     return 0
 
 

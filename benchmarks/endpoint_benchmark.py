@@ -64,9 +64,14 @@ from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.tiny_models import build_tiny_tokenizer, load_model_and_tokenizer
 
 
-TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 CALCULATOR_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
@@ -105,16 +110,21 @@ def overhead(calls: int, turns: int, use_openai: bool) -> dict:
         while len(latencies) < calls:
             session = server.open_episode()
             client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, http_client=http)
-            messages = [{"role": "system", "content": "Use the calculator."},
-                        {"role": "user", "content": "What is 2 + 3, then 3 more, many times?"}]
+            messages = [
+                {"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": "What is 2 + 3, then 3 more, many times?"},
+            ]
             for turn in range(turns):
                 body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
                 start = time.perf_counter()
                 if use_openai:
                     message = client.chat.completions.create(**body).choices[0].message.model_dump(exclude_none=True)
                 else:
-                    response = http.post(f"{server.base_url}/chat/completions", json=body,
-                                         headers={"Authorization": f"Bearer {session.key}"})
+                    response = http.post(
+                        f"{server.base_url}/chat/completions",
+                        json=body,
+                        headers={"Authorization": f"Bearer {session.key}"},
+                    )
                     message = response.json()["choices"][0]["message"]
                 latencies.append((turn, (time.perf_counter() - start) * 1000))
                 call_id = message["tool_calls"][0]["id"]
@@ -127,13 +137,22 @@ def overhead(calls: int, turns: int, use_openai: bool) -> dict:
     all_ms = [ms for _, ms in latencies]
     early = [ms for t, ms in latencies if t < 5]
     late = [ms for t, ms in latencies if t >= turns - 5]
-    return {"p50": statistics.median(all_ms), "p99": percentile(all_ms, 99), "early_p50": statistics.median(early),
-            "late_p50": statistics.median(late), "forks": forks, "calls": len(all_ms)}
+    return {
+        "p50": statistics.median(all_ms),
+        "p99": percentile(all_ms, 99),
+        "early_p50": statistics.median(early),
+        "late_p50": statistics.median(late),
+        "forks": forks,
+        "calls": len(all_ms),
+    }
 
 
 RESPONSES_TOOL = {"type": "function", **TOOL["function"]}
-ANTHROPIC_TOOL = {"name": "calculator", "description": TOOL["function"]["description"],
-                  "input_schema": TOOL["function"]["parameters"]}
+ANTHROPIC_TOOL = {
+    "name": "calculator",
+    "description": TOOL["function"]["description"],
+    "input_schema": TOOL["function"]["parameters"],
+}
 SYSTEM, QUESTION = "Use the calculator.", "What is 2 + 3, then 3 more, many times?"
 WIRE_FORMATS = ("chat_completions", "responses", "anthropic_messages")
 
@@ -146,23 +165,38 @@ class FormatEpisode:
         self.server, self.format, self.http = server, wire_format, http
         self.session = server.open_episode()
         self.turn = 0
-        self.history: list = ([{"role": "system", "content": SYSTEM}] if wire_format == "chat_completions" else [])
+        self.history: list = [{"role": "system", "content": SYSTEM}] if wire_format == "chat_completions" else []
         self.history.append({"role": "user", "content": QUESTION})
         if wire_format == "anthropic_messages":
-            self.client = anthropic.Anthropic(base_url=server.url, api_key=self.session.key, max_retries=0,
-                                              http_client=anthropic.DefaultHttpxClient())
+            self.client = anthropic.Anthropic(
+                base_url=server.url, api_key=self.session.key, max_retries=0, http_client=anthropic.DefaultHttpxClient()
+            )
         else:
-            self.client = openai.OpenAI(base_url=server.base_url, api_key=self.session.key, max_retries=0,
-                                        http_client=openai.DefaultHttpxClient())
+            self.client = openai.OpenAI(
+                base_url=server.base_url,
+                api_key=self.session.key,
+                max_retries=0,
+                http_client=openai.DefaultHttpxClient(),
+            )
 
     def body(self) -> dict:
         if self.format == "chat_completions":
             return {"model": "policy", "messages": self.history, "tools": [TOOL], "max_tokens": 64}
         if self.format == "responses":
-            return {"model": "policy", "instructions": SYSTEM, "input": self.history, "tools": [RESPONSES_TOOL],
-                    "max_output_tokens": 64}
-        return {"model": "policy", "system": SYSTEM, "messages": self.history, "tools": [ANTHROPIC_TOOL],
-                "max_tokens": 64}
+            return {
+                "model": "policy",
+                "instructions": SYSTEM,
+                "input": self.history,
+                "tools": [RESPONSES_TOOL],
+                "max_output_tokens": 64,
+            }
+        return {
+            "model": "policy",
+            "system": SYSTEM,
+            "messages": self.history,
+            "tools": [ANTHROPIC_TOOL],
+            "max_tokens": 64,
+        }
 
     def call(self, use_sdk: bool) -> float:
         """One call; returns its latency in ms, measured at the client."""
@@ -176,25 +210,33 @@ class FormatEpisode:
             else:
                 answer = self.client.messages.create(**body).model_dump(exclude_none=True)
         else:
-            path = {"chat_completions": "/v1/chat/completions", "responses": "/v1/responses",
-                    "anthropic_messages": "/v1/messages"}[self.format]
-            answer = self.http.post(f"{self.server.url}{path}", json=body,
-                                    headers={"Authorization": f"Bearer {self.session.key}"}).json()
+            path = {
+                "chat_completions": "/v1/chat/completions",
+                "responses": "/v1/responses",
+                "anthropic_messages": "/v1/messages",
+            }[self.format]
+            answer = self.http.post(
+                f"{self.server.url}{path}", json=body, headers={"Authorization": f"Bearer {self.session.key}"}
+            ).json()
         ms = (time.perf_counter() - start) * 1000
         result = f"{5 + 3 * self.turn}"
         if self.format == "chat_completions":
             message = answer["choices"][0]["message"]
-            self.history += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
-                                       "content": result}]
+            self.history += [
+                message,
+                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": result},
+            ]
         elif self.format == "responses":
             (call,) = [item for item in answer["output"] if item["type"] == "function_call"]
-            self.history += answer["output"] + [{"type": "function_call_output", "call_id": call["call_id"],
-                                                 "output": result}]
+            self.history += answer["output"] + [
+                {"type": "function_call_output", "call_id": call["call_id"], "output": result}
+            ]
         else:
             (call,) = [block for block in answer["content"] if block["type"] == "tool_use"]
-            self.history += [{"role": "assistant", "content": answer["content"]},
-                             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"],
-                                                           "content": result}]}]
+            self.history += [
+                {"role": "assistant", "content": answer["content"]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": result}]},
+            ]
         self.turn += 1
         return ms
 
@@ -225,8 +267,13 @@ def wire_format_overhead(calls: int, turns: int, use_sdk: bool) -> dict:
                 forks += sum(episode.close() for episode in episodes)
     finally:
         server.stop()
-    return {"forks": forks, **{name: {"p50": statistics.median(ms), "p99": percentile(ms, 99), "calls": len(ms)}
-                               for name, ms in latencies.items()}}
+    return {
+        "forks": forks,
+        **{
+            name: {"p50": statistics.median(ms), "p99": percentile(ms, 99), "calls": len(ms)}
+            for name, ms in latencies.items()
+        },
+    }
 
 
 def throughput(model_spec: str, episodes: int, agent_turns: int, max_tokens: int) -> dict:
@@ -243,8 +290,10 @@ def throughput(model_spec: str, episodes: int, agent_turns: int, max_tokens: int
         messages = [{"role": "user", "content": f"Task {i}: think aloud."}]
         for k in range(agent_turns):
             response = await client.chat.completions.create(model="policy", messages=messages, seed=i)
-            messages += [response.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": f"Step {k} done, go on."}]
+            messages += [
+                response.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": f"Step {k} done, go on."},
+            ]
         await client.close()
         episode = server.close_episode(session.episode.id)
         assert episode.num_forks == 0
@@ -264,8 +313,13 @@ def throughput(model_spec: str, episodes: int, agent_turns: int, max_tokens: int
             start = time.perf_counter()
             tokens = sum(asyncio.run(run()))
             seconds = time.perf_counter() - start
-            results[name] = {"tokens_per_s": tokens / seconds, "episodes_per_s": episodes / seconds,
-                             "seconds": seconds, "tokens": tokens, "max_batch": max(engine.batch_sizes)}
+            results[name] = {
+                "tokens_per_s": tokens / seconds,
+                "episodes_per_s": episodes / seconds,
+                "seconds": seconds,
+                "tokens": tokens,
+                "max_batch": max(engine.batch_sizes),
+            }
     finally:
         server.stop()
     return results
@@ -282,9 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", default="a,b,c,d,e,f", help="which of (a)-(f) to run, comma-separated")
     parser.add_argument("--rounds", type=int, default=60, help="calls per lane in (d) and (e)")
     parser.add_argument("--trivial-rounds", type=int, default=400, help="calls per lane in (f)")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
-                             "threads already share the cores (0 = torch's default)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="intra-op threads; a tiny model gains nothing from more, and client, server and engine "
+        "threads already share the cores (0 = torch's default)",
+    )
     args = parser.parse_args(argv)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -314,8 +372,9 @@ def growth(rounds: int, incremental: bool, lanes=(16, 64)) -> dict[int, float]:
     def call(session, messages) -> tuple[float, dict]:
         body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
         start = time.perf_counter()
-        response = http.post(f"{server.base_url}/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {session.key}"})
+        response = http.post(
+            f"{server.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {session.key}"}
+        )
         return (time.perf_counter() - start) * 1000, response.json()["choices"][0]["message"]
 
     def first_messages() -> list[dict]:
@@ -327,8 +386,10 @@ def growth(rounds: int, incremental: bool, lanes=(16, 64)) -> dict[int, float]:
             session, messages = server.open_episode(), first_messages()
             for k in range(turns - 1):
                 _, message = call(session, messages)
-                messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
-                                       "content": f"{5 + 3 * k}"}]
+                messages += [
+                    message,
+                    {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": f"{5 + 3 * k}"},
+                ]
             grown[turns] = (session, messages)
         for _ in range(3):  # warm-up
             session = server.open_episode()
@@ -352,13 +413,17 @@ def growth(rounds: int, incremental: bool, lanes=(16, 64)) -> dict[int, float]:
 
 def print_growth(args) -> None:
     incremental, whole = growth(args.rounds, incremental=True), growth(args.rounds // 2, incremental=False)
-    print(f"(d) call latency as the episode grows, zero-cost engine, raw httpx, {args.rounds} rounds (turn 1, 16 and 64 "
-          "taking turns; each turn adds an answer and a tool result)")
+    print(
+        f"(d) call latency as the episode grows, zero-cost engine, raw httpx, {args.rounds} rounds (turn 1, 16 and 64 "
+        "taking turns; each turn adds an answer and a tool result)"
+    )
     print(f"    {'prompt building':<26}{'turn 1 ms':>10}{'turn 16 ms':>11}{'turn 64 ms':>11}{'16 / 1':>8}{'64 / 1':>8}")
     for name, r in (("incremental (default)", incremental), ("whole conversation", whole)):
         print(f"    {name:<26}{r[1]:>10.2f}{r[16]:>11.2f}{r[64]:>11.2f}{r[16] / r[1]:>8.2f}{r[64] / r[1]:>8.2f}")
-    print(f"    goals: turn 16 / turn 1 <= 1.3 ({incremental[16] / incremental[1]:.2f}), "
-          f"turn 64 / turn 1 <= 1.5 ({incremental[64] / incremental[1]:.2f})")
+    print(
+        f"    goals: turn 16 / turn 1 <= 1.3 ({incremental[16] / incremental[1]:.2f}), "
+        f"turn 64 / turn 1 <= 1.5 ({incremental[64] / incremental[1]:.2f})"
+    )
 
 
 def first_token(model_spec: str, rounds: int, max_tokens: int = 64) -> dict:
@@ -390,24 +455,35 @@ def first_token(model_spec: str, rounds: int, max_tokens: int = 64) -> dict:
         server.close_episode(session.episode.id)
     finally:
         server.stop()
-    return {"first_ms": statistics.median(first) * 1000, "full_ms": statistics.median(full) * 1000,
-            "tokens": statistics.median(tokens)}
+    return {
+        "first_ms": statistics.median(first) * 1000,
+        "full_ms": statistics.median(full) * 1000,
+        "tokens": statistics.median(tokens),
+    }
 
 
 def print_first_token(args) -> None:
     r = first_token(args.model, max(4, args.rounds // 4))
-    print(f"(e) time to first streamed token, {args.model}, embedded engine, {r['tokens']:.0f}-token completions, "
-          f"{torch.get_num_threads()} torch thread(s)")
-    print(f"    first streamed token {r['first_ms']:.1f} ms, whole answer {r['full_ms']:.1f} ms: "
-          f"{r['first_ms'] / r['full_ms']:.2f} (goal <= 0.3)")
+    print(
+        f"(e) time to first streamed token, {args.model}, embedded engine, {r['tokens']:.0f}-token completions, "
+        f"{torch.get_num_threads()} torch thread(s)"
+    )
+    print(
+        f"    first streamed token {r['first_ms']:.1f} ms, whole answer {r['full_ms']:.1f} ms: "
+        f"{r['first_ms'] / r['full_ms']:.2f} (goal <= 0.3)"
+    )
 
 
 def print_wire_formats(args) -> None:
-    results = {"httpx": wire_format_overhead(args.calls, args.turns, use_sdk=False),
-               "official client": wire_format_overhead(args.calls, args.turns, use_sdk=True)}
+    results = {
+        "httpx": wire_format_overhead(args.calls, args.turns, use_sdk=False),
+        "official client": wire_format_overhead(args.calls, args.turns, use_sdk=True),
+    }
     forks = sum(r["forks"] for r in results.values())
-    print(f"(c) overhead per call by wire format, zero-cost engine, c1, {args.calls} calls per format, episodes of "
-          f"{args.turns} continued turns, formats taking turns (forks: {forks})")
+    print(
+        f"(c) overhead per call by wire format, zero-cost engine, c1, {args.calls} calls per format, episodes of "
+        f"{args.turns} continued turns, formats taking turns (forks: {forks})"
+    )
     print(f"    {'client':<17}{'format':<20}{'p50 ms':>9}{'p99 ms':>9}{'p50 / chat':>12}")
     for client, result in results.items():
         chat = result["chat_completions"]["p50"]
@@ -419,8 +495,10 @@ def print_wire_formats(args) -> None:
 def print_overhead(args) -> None:
     raw = overhead(args.calls, args.turns, use_openai=False)
     sdk = overhead(args.calls, args.turns, use_openai=True)
-    print(f"(a) endpoint overhead per call, zero-cost engine, {raw['calls']} sequential calls, episodes of "
-          f"{args.turns} continued turns (forks: {raw['forks'] + sdk['forks']})")
+    print(
+        f"(a) endpoint overhead per call, zero-cost engine, {raw['calls']} sequential calls, episodes of "
+        f"{args.turns} continued turns (forks: {raw['forks'] + sdk['forks']})"
+    )
     print(f"    {'client':<14}{'p50 ms':>9}{'p99 ms':>9}{'turns 0-4 p50':>16}{'last 5 p50':>13}")
     for name, r in (("httpx", raw), ("openai", sdk)):
         print(f"    {name:<14}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['early_p50']:>16.2f}{r['late_p50']:>13.2f}")
@@ -470,20 +548,31 @@ def against_trivial(rounds: int, turns: int = 64) -> dict[tuple[str, str, int], 
         for k in range(turns - 1):
             answer = call(None, server.base_url, grown.key, history)[1]
             message = answer["choices"][0]["message"]
-            history += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
-                                  "content": f"{5 + 3 * k}"}]
+            history += [
+                message,
+                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": f"{5 + 3 * k}"},
+            ]
         trivial = EndpointServer(trivial_app(answer)).start()
-        sdks = {(url, grown.key): openai.OpenAI(base_url=url, api_key=grown.key, max_retries=0, http_client=http)
-                for url in (server.base_url, trivial.base_url)}
-        lanes = {(client, name, turn): [] for client in ("httpx", "openai") for turn in (1, turns)
-                 for name in ("endpoint", "trivial")}
+        sdks = {
+            (url, grown.key): openai.OpenAI(base_url=url, api_key=grown.key, max_retries=0, http_client=http)
+            for url in (server.base_url, trivial.base_url)
+        }
+        lanes = {
+            (client, name, turn): []
+            for client in ("httpx", "openai")
+            for turn in (1, turns)
+            for name in ("endpoint", "trivial")
+        }
         for k in range(rounds + 20):  # the first 20 rounds warm up
             session = server.open_episode()
             for url in (server.base_url, trivial.base_url):
-                sdks[url, session.key] = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0,
-                                                       http_client=http)
-            messages = {1: first(k), turns: history[:-1] + [{**history[-1], "content": f"{history[-1]['content']} "
-                                                                                       f"(round {k})"}]}
+                sdks[url, session.key] = openai.OpenAI(
+                    base_url=url, api_key=session.key, max_retries=0, http_client=http
+                )
+            messages = {
+                1: first(k),
+                turns: history[:-1] + [{**history[-1], "content": f"{history[-1]['content']} (round {k})"}],
+            }
             for client, name, turn in lanes:
                 key = session.key if turn == 1 else grown.key
                 url = server.base_url if name == "endpoint" else trivial.base_url
@@ -508,32 +597,44 @@ def print_against_trivial(args) -> None:
     lanes = against_trivial(args.trivial_rounds)
     p50 = {lane: statistics.median(ms for ms, _ in calls) for lane, calls in lanes.items()}
     cpu = {lane: statistics.median(cpu for _, cpu in calls) for lane, calls in lanes.items()}
-    print(f"(f) the endpoint against a trivial FastAPI handler (same server setup, same client, same bodies), "
-          f"zero-cost engine, c1, {args.trivial_rounds} rounds, the lanes taking turns (load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a loaded machine inflates the ratios)")
-    print(f"    {'client':<9}{'call':<10}{'endpoint p50':>14}{'trivial p50':>13}{'endpoint p99':>14}{'ratio':>8}"
-          f"{'CPU ms per call':>22}{'CPU ratio':>11}")
+    print(
+        f"(f) the endpoint against a trivial FastAPI handler (same server setup, same client, same bodies), "
+        f"zero-cost engine, c1, {args.trivial_rounds} rounds, the lanes taking turns (load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a loaded machine inflates the ratios)"
+    )
+    print(
+        f"    {'client':<9}{'call':<10}{'endpoint p50':>14}{'trivial p50':>13}{'endpoint p99':>14}{'ratio':>8}"
+        f"{'CPU ms per call':>22}{'CPU ratio':>11}"
+    )
     for client, _, turn in [lane for lane in lanes if lane[1] == "endpoint"]:
         endpoint, trivial = p50[client, "endpoint", turn], p50[client, "trivial", turn]
         p99 = percentile([ms for ms, _ in lanes[client, "endpoint", turn]], 99)
         cpus = cpu[client, "endpoint", turn], cpu[client, "trivial", turn]
-        print(f"    {client:<9}{f'turn {turn}':<10}{endpoint:>12.2f}ms{trivial:>11.2f}ms{p99:>12.2f}ms"
-              f"{endpoint / trivial:>7.2f}x{cpus[0]:>11.2f} vs {cpus[1]:.2f}{cpus[0] / cpus[1]:>10.2f}x"
-              "  (goal <= 1.10)")
+        print(
+            f"    {client:<9}{f'turn {turn}':<10}{endpoint:>12.2f}ms{trivial:>11.2f}ms{p99:>12.2f}ms"
+            f"{endpoint / trivial:>7.2f}x{cpus[0]:>11.2f} vs {cpus[1]:.2f}{cpus[0] / cpus[1]:>10.2f}x"
+            "  (goal <= 1.10)"
+        )
 
 
 def print_throughput(args) -> None:
     tput = throughput(args.model, args.episodes, args.agent_turns, args.max_tokens)
-    print(f"(b) {args.model}: {args.episodes} episodes x {args.agent_turns} calls x {args.max_tokens} tokens, "
-          f"{torch.get_num_threads()} torch thread(s)")
+    print(
+        f"(b) {args.model}: {args.episodes} episodes x {args.agent_turns} calls x {args.max_tokens} tokens, "
+        f"{torch.get_num_threads()} torch thread(s)"
+    )
     print(f"    {'mode':<14}{'tokens/s':>10}{'episodes/s':>12}{'seconds':>9}{'max batch':>11}")
     for name in ("sequential", "concurrent"):
         r = tput[name]
-        print(f"    {name:<14}{r['tokens_per_s']:>10.0f}{r['episodes_per_s']:>12.2f}{r['seconds']:>9.2f}"
-              f"{r['max_batch']:>11}")
+        print(
+            f"    {name:<14}{r['tokens_per_s']:>10.0f}{r['episodes_per_s']:>12.2f}{r['seconds']:>9.2f}"
+            f"{r['max_batch']:>11}"
+        )
     ratio = tput["concurrent"]["tokens_per_s"] / tput["sequential"]["tokens_per_s"]
-    print(f"    concurrent / sequential: {ratio:.1f}x tokens/s, "
-          f"{tput['concurrent']['episodes_per_s'] / tput['sequential']['episodes_per_s']:.1f}x episodes/s")
+    print(
+        f"    concurrent / sequential: {ratio:.1f}x tokens/s, "
+        f"{tput['concurrent']['episodes_per_s'] / tput['sequential']['episodes_per_s']:.1f}x episodes/s"
+    )
 
 
 if __name__ == "__main__":

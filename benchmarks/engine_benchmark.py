@@ -40,8 +40,10 @@ def chat(tokenizer, messages: list[dict]) -> list[int]:
 
 def tool_result_ids(tokenizer, text: str) -> list[int]:
     """What the chat template appends after an assistant turn: the tool result, then the next generation prompt."""
-    return tokenizer.encode(f"\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n"
-                            "<|im_start|>assistant\n", add_special_tokens=False)
+    return tokenizer.encode(
+        f"\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
 
 
 # (a) growing episode
@@ -50,8 +52,13 @@ def tool_result_ids(tokenizer, text: str) -> list[int]:
 async def timed_episode(engine, tokenizer, seed: int, turns: int, max_tokens: int, growth: int) -> list[float]:
     """Seconds of each `generate` call of one episode whose tool results grow by `growth` words per turn."""
     rng = random.Random(seed)
-    prompt = chat(tokenizer, [{"role": "system", "content": "Use the tools."},
-                              {"role": "user", "content": f"Task {seed}: list the files and summarize them."}])
+    prompt = chat(
+        tokenizer,
+        [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": f"Task {seed}: list the files and summarize them."},
+        ],
+    )
     seconds = []
     for turn in range(turns):
         sampling = SamplingParams(max_tokens=max_tokens, seed=seed * 100 + turn, stop_token_ids=[])
@@ -64,8 +71,10 @@ async def timed_episode(engine, tokenizer, seed: int, turns: int, max_tokens: in
 
 
 def growing_episode(model, tokenizer, episodes: int, turns: int, max_tokens: int, growth: int) -> dict:
-    engines = {"with reuse": TransformersEngine(model, pad_token_id=tokenizer.pad_token_id),
-               "without reuse": TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, prefix_cache_bytes=0)}
+    engines = {
+        "with reuse": TransformersEngine(model, pad_token_id=tokenizer.pad_token_id),
+        "without reuse": TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, prefix_cache_bytes=0),
+    }
     per_turn = {name: [[] for _ in range(turns)] for name in engines}
 
     async def run():
@@ -80,8 +89,10 @@ def growing_episode(model, tokenizer, episodes: int, turns: int, max_tokens: int
             await engine.stop()
 
     asyncio.run(run())
-    return {name: {"turn_ms": [statistics.median(s) * 1000 for s in turns_seconds], "stats": engines[name].stats}
-            for name, turns_seconds in per_turn.items()}
+    return {
+        name: {"turn_ms": [statistics.median(s) * 1000 for s in turns_seconds], "stats": engines[name].stats}
+        for name, turns_seconds in per_turn.items()
+    }
 
 
 # (b) concurrent multi-turn episodes
@@ -94,11 +105,17 @@ def concurrent_episodes(model, tokenizer, episodes: int, max_tokens: int, seed: 
 
     async def episode(i: int) -> int:
         calls, tool_seconds = plans[i]
-        prompt = chat(tokenizer, [{"role": "system", "content": "Use the calculator."},
-                                  {"role": "user", "content": f"What is {i} * ({i + 3} + 4)?"}])
+        prompt = chat(
+            tokenizer,
+            [
+                {"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": f"What is {i} * ({i + 3} + 4)?"},
+            ],
+        )
         for call in range(calls):
-            sampling = SamplingParams(max_tokens=rng.randint(max_tokens // 2, max_tokens), seed=i * 10 + call,
-                                      stop_token_ids=[])
+            sampling = SamplingParams(
+                max_tokens=rng.randint(max_tokens // 2, max_tokens), seed=i * 10 + call, stop_token_ids=[]
+            )
             out = await engine.generate(prompt, sampling)
             await asyncio.sleep(tool_seconds[call])  # the tool runs
             prompt = prompt + out.token_ids + tool_result_ids(tokenizer, str(i * (i + 7)))
@@ -121,10 +138,12 @@ def concurrent_episodes(model, tokenizer, episodes: int, max_tokens: int, seed: 
 
 
 def batching_gain(model, tokenizer, agents: int, max_tokens: int, rounds: int) -> dict:
-    prompts = [chat(tokenizer, [{"role": "user", "content": f"Question {i}: " + "why? " * (i % 7)}])
-               for i in range(agents)]
-    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=agents,
-                                prefix_cache_bytes=0)  # one call per agent: nothing to reuse
+    prompts = [
+        chat(tokenizer, [{"role": "user", "content": f"Question {i}: " + "why? " * (i % 7)}]) for i in range(agents)
+    ]
+    engine = TransformersEngine(
+        model, pad_token_id=tokenizer.pad_token_id, max_batch_size=agents, prefix_cache_bytes=0
+    )  # one call per agent: nothing to reuse
     samplings = [SamplingParams(max_tokens=max_tokens, seed=i, stop_token_ids=[]) for i in range(agents)]
 
     def hf_generate(batch: list[list[int]]) -> None:
@@ -132,9 +151,17 @@ def batching_gain(model, tokenizer, agents: int, max_tokens: int, rounds: int) -
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in batch])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            model.generate(input_ids, attention_mask=attention_mask, do_sample=True, max_new_tokens=max_tokens,
-                           min_new_tokens=max_tokens, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
-                           output_scores=True, return_dict_in_generate=True)  # scores: we report logprobs too
+            model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                do_sample=True,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )  # scores: we report logprobs too
 
     async def engine_one_at_a_time():
         for prompt, sampling in zip(prompts, samplings):
@@ -183,39 +210,58 @@ def main(argv: list[str] | None = None) -> None:
         model.eval()
     if "a" in sections:
         result = growing_episode(model, tokenizer, args.episodes, args.turns, args.max_tokens, args.growth)
-        print(f"(a) {args.model}: one episode of {args.turns} calls x {args.max_tokens} tokens, tool results "
-              f"growing by {args.growth} file names per turn, {args.episodes} episodes per engine (median ms per call)")
-        print(f"    {'engine':<15}" + "".join(f"{f'turn {t + 1}':>9}" for t in range(args.turns))
-              + f"{'last / first':>14}{'reused tok':>12}{'prefilled tok':>15}")
+        print(
+            f"(a) {args.model}: one episode of {args.turns} calls x {args.max_tokens} tokens, tool results "
+            f"growing by {args.growth} file names per turn, {args.episodes} episodes per engine (median ms per call)"
+        )
+        print(
+            f"    {'engine':<15}"
+            + "".join(f"{f'turn {t + 1}':>9}" for t in range(args.turns))
+            + f"{'last / first':>14}{'reused tok':>12}{'prefilled tok':>15}"
+        )
         for name, r in result.items():
             ms = r["turn_ms"]
-            print(f"    {name:<15}" + "".join(f"{m:>9.1f}" for m in ms) + f"{ms[-1] / ms[0]:>13.2f}x"
-                  f"{r['stats'].reused_tokens:>12}{r['stats'].prefilled_tokens:>15}")
+            print(
+                f"    {name:<15}" + "".join(f"{m:>9.1f}" for m in ms) + f"{ms[-1] / ms[0]:>13.2f}x"
+                f"{r['stats'].reused_tokens:>12}{r['stats'].prefilled_tokens:>15}"
+            )
         ratio = result["with reuse"]["turn_ms"][-1] / result["with reuse"]["turn_ms"][0]
-        print(f"    engine time of turn {args.turns} / turn 1 with KV reuse: {ratio:.2f}x (goal <= 1.3x: "
-              f"{'met' if ratio <= 1.3 else 'NOT met'})\n")
+        print(
+            f"    engine time of turn {args.turns} / turn 1 with KV reuse: {ratio:.2f}x (goal <= 1.3x: "
+            f"{'met' if ratio <= 1.3 else 'NOT met'})\n"
+        )
     if "b" in sections:
         result = concurrent_episodes(model, tokenizer, args.agents, args.max_tokens, args.seed)
         stats = result["stats"]
-        print(f"(b) {args.model}: {args.agents} concurrent calculator-like episodes, {result['calls']} calls of "
-              f"{args.max_tokens // 2}-{args.max_tokens} tokens, 0-10 ms tool latency, {result['seconds']:.2f}s")
-        print(f"    decode steps {stats.decode_steps}, mean sequences decoded per step {stats.mean_decode_batch:.2f}, "
-              f"mean requests waiting on the model per step {stats.waiting_rows / max(stats.decode_steps, 1):.2f}, "
-              f"prefix hits {stats.prefix_hits}/{stats.requests}")
-        print(f"    decoded / waiting: {stats.decode_occupancy:.3f} (goal >= 0.9: "
-              f"{'met' if stats.decode_occupancy >= 0.9 else 'NOT met'})\n")
+        print(
+            f"(b) {args.model}: {args.agents} concurrent calculator-like episodes, {result['calls']} calls of "
+            f"{args.max_tokens // 2}-{args.max_tokens} tokens, 0-10 ms tool latency, {result['seconds']:.2f}s"
+        )
+        print(
+            f"    decode steps {stats.decode_steps}, mean sequences decoded per step {stats.mean_decode_batch:.2f}, "
+            f"mean requests waiting on the model per step {stats.waiting_rows / max(stats.decode_steps, 1):.2f}, "
+            f"prefix hits {stats.prefix_hits}/{stats.requests}"
+        )
+        print(
+            f"    decoded / waiting: {stats.decode_occupancy:.3f} (goal >= 0.9: "
+            f"{'met' if stats.decode_occupancy >= 0.9 else 'NOT met'})\n"
+        )
     if "c" in sections:
         model, tokenizer = load_model_and_tokenizer(args.gain_model)
         model.eval()
         seconds = batching_gain(model, tokenizer, args.agents, args.max_tokens, args.rounds)
-        print(f"(c) {args.gain_model}: {args.agents} single-call agents x {args.max_tokens} tokens "
-              f"(median of {args.rounds} rounds, modes taking turns)")
+        print(
+            f"(c) {args.gain_model}: {args.agents} single-call agents x {args.max_tokens} tokens "
+            f"(median of {args.rounds} rounds, modes taking turns)"
+        )
         for name, s in seconds.items():
             print(f"    {name:<40}{s:>8.3f}s")
         raw = seconds["transformers generate, one at a time"] / seconds["transformers generate, batched"]
         ours = seconds["engine, one agent at a time"] / seconds["engine, concurrent agents"]
-        print(f"    batching gain: transformers {raw:.2f}x, engine {ours:.2f}x; kept {ours / raw:.2f} of it "
-              f"(goal >= 0.9: {'met' if ours / raw >= 0.9 else 'NOT met'})")
+        print(
+            f"    batching gain: transformers {raw:.2f}x, engine {ours:.2f}x; kept {ours / raw:.2f} of it "
+            f"(goal >= 0.9: {'met' if ours / raw >= 0.9 else 'NOT met'})"
+        )
         direct = seconds["engine, concurrent agents"] / seconds["transformers generate, batched"]
         print(f"    engine, concurrent agents / transformers generate, batched: {direct:.2f}x the time")
 

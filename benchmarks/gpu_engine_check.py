@@ -42,10 +42,12 @@ def engine_logprob_gap(engine, model, prompts: list[list[int]], max_tokens: int 
     from trl_agentic.generation.engine import SamplingParams
 
     async def sample():
-        return await asyncio.gather(*[
-            engine.generate(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
-            for i, p in enumerate(prompts)
-        ])
+        return await asyncio.gather(
+            *[
+                engine.generate(p, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+                for i, p in enumerate(prompts)
+            ]
+        )
 
     outputs = asyncio.run(sample())
     diffs = []
@@ -57,7 +59,7 @@ def engine_logprob_gap(engine, model, prompts: list[list[int]], max_tokens: int 
             ids = torch.tensor([prompt + list(out.token_ids)], device=device)
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-            logps = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None]).squeeze(1)
+            logps = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None]).squeeze(1)
             diffs.append((logps - torch.tensor(out.logprobs, device=device, dtype=torch.float32)).abs())
     finally:
         model.train(was_training)
@@ -74,15 +76,32 @@ def train_and_check(variant: str, policy: str, tokenizer, steps: int, tolerance:
     task = get_task("calculator")
     cuda = torch.cuda.is_available()
     config = AgenticGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"gpu-engine-check-{variant}-"), max_steps=steps, num_generations=8,
-        per_device_train_batch_size=16, max_completion_length=64, max_turns=5, learning_rate=1e-3, bf16=cuda,
-        logging_steps=1, report_to="none", save_strategy="no",
+        output_dir=tempfile.mkdtemp(prefix=f"gpu-engine-check-{variant}-"),
+        max_steps=steps,
+        num_generations=8,
+        per_device_train_batch_size=16,
+        max_completion_length=64,
+        max_turns=5,
+        learning_rate=1e-3,
+        bf16=cuda,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
     )
-    peft_config = (LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-                   if variant == "lora" else None)
-    trainer = AgenticGRPOTrainer(policy, agent=forking(task.agent), reward_funcs=[*task.reward_funcs, splitting_reward],
-                                 args=config, train_dataset=task.build_dataset("train", size=128),
-                                 processing_class=tokenizer, peft_config=peft_config)
+    peft_config = (
+        LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        if variant == "lora"
+        else None
+    )
+    trainer = AgenticGRPOTrainer(
+        policy,
+        agent=forking(task.agent),
+        reward_funcs=[*task.reward_funcs, splitting_reward],
+        args=config,
+        train_dataset=task.build_dataset("train", size=128),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     modes = []  # the `training` flag of every graph-building forward of the trainer's module
 
     def record_mode(module, args):
@@ -102,24 +121,31 @@ def train_and_check(variant: str, policy: str, tokenizer, steps: int, tolerance:
         memory = f", peak GPU memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if cuda else ""
         print(f"\n[{variant}] {steps} steps in {seconds:.0f}s{memory}")
         for entry in logs:
-            print(f"  loss {entry['loss']:+.4f}  reward {entry.get('reward', float('nan')):.3f}  "
-                  f"rows/episode {entry['episodes/rows_mean']:.2f}")
+            print(
+                f"  loss {entry['loss']:+.4f}  reward {entry.get('reward', float('nan')):.3f}  "
+                f"rows/episode {entry['episodes/rows_mean']:.2f}"
+            )
         assert len(logs) == steps and all(torch.isfinite(torch.tensor(e["loss"])) for e in logs), "non-finite loss"
         assert max(e["episodes/rows_mean"] for e in logs) > 1.0, "no extra rows: the forking agent did not fork"
         assert modes and all(modes), f"{modes.count(False)} of {len(modes)} training forwards ran in eval mode"
-        changed = [n for n, p in trainer.model.named_parameters() if n in trained and not torch.equal(trained[n], p.float())]
+        changed = [
+            n for n, p in trainer.model.named_parameters() if n in trained and not torch.equal(trained[n], p.float())
+        ]
         assert changed, "no trained parameter changed"
 
-        prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
-                   for row in task.build_dataset("eval", size=8)]
+        prompts = [
+            tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for row in task.build_dataset("eval", size=8)
+        ]
         model = trainer.accelerator.unwrap_model(trainer.model)
         trainer.engine.sync_weights()
         gap = engine_logprob_gap(trainer.engine, model, prompts)
         before, _ = load_model_and_tokenizer(policy, dtype=torch.float32)
         stale = engine_logprob_gap(trainer.engine, before.to(model.device), prompts)
-        print(f"  training forwards in training mode: {len(modes)}/{len(modes)}; {len(changed)}/{len(trained)} "
-              f"trained tensors changed")
+        print(
+            f"  training forwards in training mode: {len(modes)}/{len(modes)}; {len(changed)}/{len(trained)} "
+            f"trained tensors changed"
+        )
         print(f"  |engine - trainer fp32| logprob mean {gap:.4f} (against the weights before training: {stale:.4f})")
         assert gap < tolerance, f"the engine's copy does not follow the trainer's weights: {gap:.4f}"
         print("  OK")

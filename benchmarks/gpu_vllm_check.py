@@ -71,8 +71,9 @@ def forking(agent_run):
             first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
             messages[first_user]["content"] = str(messages[first_user]["content"]) + " Show your work."
             reply = last["reply"].model_dump(exclude_none=True)
-            await original_create(messages=messages + [reply, {"role": "user", "content": "Check it."}],
-                                  **last["kwargs"])
+            await original_create(
+                messages=messages + [reply, {"role": "user", "content": "Check it."}], **last["kwargs"]
+            )
         return result
 
     return agent
@@ -111,12 +112,17 @@ class BatchProbe:
             past_first[torch.arange(mask.size(0)), mask.float().argmax(1)] = False  # drop each row's first token
             diff = (output["sampling_per_token_logps"] - output["old_per_token_logps"]).abs()[mask]
             diff = diff[~torch.isnan(diff)]
-            self.records.append({
-                "rows": mask.size(0), "main_rows": num_main, "ratio_shape": tuple(ratio.shape),
-                "width": mask.size(1),
-                "main_nonzero_past_first": (weights[:num_main][past_first[:num_main]] != 0).float().mean().item(),
-                "logp_diff_mean": diff.mean().item(), "logp_diff_max": diff.max().item(),
-            })
+            self.records.append(
+                {
+                    "rows": mask.size(0),
+                    "main_rows": num_main,
+                    "ratio_shape": tuple(ratio.shape),
+                    "width": mask.size(1),
+                    "main_nonzero_past_first": (weights[:num_main][past_first[:num_main]] != 0).float().mean().item(),
+                    "logp_diff_mean": diff.mean().item(),
+                    "logp_diff_max": diff.max().item(),
+                }
+            )
             return output
 
         trainer._generate_and_score_completions = probe
@@ -130,16 +136,34 @@ def train_and_check(mode: str, policy: str, tokenizer, steps: int, tolerance: fl
 
     task = get_task("calculator")
     config = AgenticGRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix=f"gpu-check-{mode}-"), max_steps=steps, num_generations=8,
-        per_device_train_batch_size=16, max_completion_length=64, max_turns=5, learning_rate=1e-3, bf16=True,
-        use_vllm=True, vllm_mode=mode, vllm_max_model_length=4096, vllm_importance_sampling_correction=True,
-        vllm_importance_sampling_mode=is_mode, logging_steps=1, report_to="none", save_strategy="no",
+        output_dir=tempfile.mkdtemp(prefix=f"gpu-check-{mode}-"),
+        max_steps=steps,
+        num_generations=8,
+        per_device_train_batch_size=16,
+        max_completion_length=64,
+        max_turns=5,
+        learning_rate=1e-3,
+        bf16=True,
+        use_vllm=True,
+        vllm_mode=mode,
+        vllm_max_model_length=4096,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode=is_mode,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
         **vllm_kwargs,
     )
     peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    trainer = AgenticGRPOTrainer(policy, agent=forking(task.agent), reward_funcs=[*task.reward_funcs, splitting_reward],
-                                 args=config, train_dataset=task.build_dataset("train", size=128), processing_class=tokenizer,
-                                 peft_config=peft_config)
+    trainer = AgenticGRPOTrainer(
+        policy,
+        agent=forking(task.agent),
+        reward_funcs=[*task.reward_funcs, splitting_reward],
+        args=config,
+        train_dataset=task.build_dataset("train", size=128),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     probe = BatchProbe(trainer)
     lora = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if "lora" in n}
     started = time.time()
@@ -151,10 +175,12 @@ def train_and_check(mode: str, policy: str, tokenizer, steps: int, tolerance: fl
     logs = [e for e in trainer.state.log_history if "loss" in e]
     print(f"\n[{mode}, {is_mode}{', async' if config.async_rollouts else ''}] {steps} steps in {seconds:.0f}s")
     for entry, record in zip(logs, probe.records):
-        print(f"  loss {entry['loss']:+.4f}  reward {entry.get('reward', float('nan')):.3f}  "
-              f"rows {record['rows']} ({record['main_rows']} main)  IS ratio {record['ratio_shape']}  "
-              f"main-row IS weights non-zero past the first token {record['main_nonzero_past_first']:.1%}  "
-              f"|vLLM - trainer| logprob mean {record['logp_diff_mean']:.4f} max {record['logp_diff_max']:.4f}")
+        print(
+            f"  loss {entry['loss']:+.4f}  reward {entry.get('reward', float('nan')):.3f}  "
+            f"rows {record['rows']} ({record['main_rows']} main)  IS ratio {record['ratio_shape']}  "
+            f"main-row IS weights non-zero past the first token {record['main_nonzero_past_first']:.1%}  "
+            f"|vLLM - trainer| logprob mean {record['logp_diff_mean']:.4f} max {record['logp_diff_max']:.4f}"
+        )
     assert len(logs) == steps and all(torch.isfinite(torch.tensor(e["loss"])) for e in logs), "non-finite loss"
     assert max(e["episodes/rows_mean"] for e in logs) > 1.0, "no extra rows: the forking agent did not fork"
     for record in probe.records:
@@ -169,17 +195,22 @@ def train_and_check(mode: str, policy: str, tokenizer, steps: int, tolerance: fl
         stale = [e for e in logs if "async/staleness_max" in e]
         assert len(stale) == steps and all(e["async/staleness_max"] <= config.max_staleness for e in stale), stale
         assert sum(e["async/dropped_groups"] for e in stale) == 0, "groups dropped"
-        print(f"  OK (async): staleness max {max(e['async/staleness_max'] for e in stale):.0f} "
-              f"(bound {config.max_staleness}), trainer waited {sum(e['async/trainer_wait_s'] for e in stale):.1f}s")
-    print(f"  OK: finite loss, extra rows, TRL-shaped IS ratio {probe.records[-1]['ratio_shape']}, main rows keep "
-          f"their IS weights, logprobs agree, {len(changed)}/{len(lora)} LoRA tensors changed")
+        print(
+            f"  OK (async): staleness max {max(e['async/staleness_max'] for e in stale):.0f} "
+            f"(bound {config.max_staleness}), trainer waited {sum(e['async/trainer_wait_s'] for e in stale):.1f}s"
+        )
+    print(
+        f"  OK: finite loss, extra rows, TRL-shaped IS ratio {probe.records[-1]['ratio_shape']}, main rows keep "
+        f"their IS weights, logprobs agree, {len(changed)}/{len(lora)} LoRA tensors changed"
+    )
 
 
 def start_vllm_server(policy: str, port: int, device: int, memory: float) -> subprocess.Popen:
     from trl.scripts.vllm_serve import ScriptArguments, build_command
 
-    command = build_command(ScriptArguments(model=policy, port=port, gpu_memory_utilization=memory,
-                                            max_model_len=4096, enforce_eager=True))
+    command = build_command(
+        ScriptArguments(model=policy, port=port, gpu_memory_utilization=memory, max_model_len=4096, enforce_eager=True)
+    )
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": str(device)}
     process = subprocess.Popen(command, env=env, stdout=sys.stdout, stderr=sys.stderr)
     deadline = time.time() + 300
@@ -223,18 +254,21 @@ def server_engine_check(policy: str, tokenizer, port: int, tolerance: float) -> 
             if turn.prompt_source == "continued":
                 parent = by_index[turn.parent_turn]
                 assert turn.prompt_ids[: len(parent.prompt_ids) + len(parent.completion_ids)] == (
-                    parent.prompt_ids + parent.completion_ids), "a continued prompt does not extend its parent"
+                    parent.prompt_ids + parent.completion_ids
+                ), "a continued prompt does not extend its parent"
                 continued += 1
             ids = torch.tensor([turn.prompt_ids + turn.completion_ids], device="cuda")
             with torch.no_grad():
                 logits = model(ids).logits[0, len(turn.prompt_ids) - 1 : -1].float()  # temperature 1.0
-            logps = torch.log_softmax(logits, -1).gather(1, ids[0, len(turn.prompt_ids):, None]).squeeze(1)
+            logps = torch.log_softmax(logits, -1).gather(1, ids[0, len(turn.prompt_ids) :, None]).squeeze(1)
             recorded = torch.tensor(turn.logprobs, device="cuda")
             keep = ~torch.isnan(recorded)
             diffs.append((logps[keep] - recorded[keep]).abs())
     diff = torch.cat(diffs)
-    print(f"\n[server, engine level] {len(episodes)} episodes, {turns} turns ({continued} continued), "
-          f"|vLLM - HF fp32| logprob mean {diff.mean():.4f} max {diff.max():.4f} over {diff.numel()} tokens")
+    print(
+        f"\n[server, engine level] {len(episodes)} episodes, {turns} turns ({continued} continued), "
+        f"|vLLM - HF fp32| logprob mean {diff.mean():.4f} max {diff.max():.4f} over {diff.numel()} tokens"
+    )
     assert diff.mean() < tolerance, f"vLLM server logprobs differ from the model's: {diff.mean():.4f}"
     print("  OK: token-exact continuation through the vLLM server, logprobs agree")
 
@@ -252,8 +286,16 @@ def main() -> int:
 
     if "colocate" in args.modes:
         for is_mode in ("sequence_mask", "token_truncate"):
-            train_and_check("colocate", policy, tokenizer, args.steps, args.tolerance, is_mode,
-                            vllm_gpu_memory_utilization=0.25, vllm_enable_sleep_mode=False)
+            train_and_check(
+                "colocate",
+                policy,
+                tokenizer,
+                args.steps,
+                args.tolerance,
+                is_mode,
+                vllm_gpu_memory_utilization=0.25,
+                vllm_enable_sleep_mode=False,
+            )
     if "server" in args.modes:
         port = free_port()
         two_gpus = torch.cuda.device_count() >= 2
@@ -261,12 +303,28 @@ def main() -> int:
         try:
             server_engine_check(policy, tokenizer, port, args.tolerance)
             if two_gpus:
-                train_and_check("server", policy, tokenizer, args.steps, args.tolerance, "sequence_mask",
-                                vllm_server_base_url=f"http://127.0.0.1:{port}")
+                train_and_check(
+                    "server",
+                    policy,
+                    tokenizer,
+                    args.steps,
+                    args.tolerance,
+                    "sequence_mask",
+                    vllm_server_base_url=f"http://127.0.0.1:{port}",
+                )
                 # Asynchronous rollouts (issue 30): episodes run ahead on the server while the trainer trains, the
                 # weights pushed after every optimizer step with episodes in flight
-                train_and_check("server", policy, tokenizer, args.steps + 1, args.tolerance, "token_truncate",
-                                vllm_server_base_url=f"http://127.0.0.1:{port}", async_rollouts=True, max_staleness=1)
+                train_and_check(
+                    "server",
+                    policy,
+                    tokenizer,
+                    args.steps + 1,
+                    args.tolerance,
+                    "token_truncate",
+                    vllm_server_base_url=f"http://127.0.0.1:{port}",
+                    async_rollouts=True,
+                    max_staleness=1,
+                )
             else:
                 print("  (one GPU: server-mode training needs a second GPU for TRL's NCCL weight sync; skipped)")
         finally:

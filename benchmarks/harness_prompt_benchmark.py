@@ -39,8 +39,10 @@ from trl_agentic.tiny_models import build_tiny_tokenizer
 
 RECORDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "harness_requests" / "claude_code"
 TRIMMED = re.compile(r"\[\.\.\. (\d+) more characters trimmed from the fixture\]")
-FILLER = ("When you run a command, explain what it does and why. Prefer editing existing files to creating new ones. "
-          "Keep answers short and to the point; use the tools to read files before changing them. ")
+FILLER = (
+    "When you run a command, explain what it does and why. Prefer editing existing files to creating new ones. "
+    "Keep answers short and to the point; use the tools to read files before changing them. "
+)
 
 
 def restore(value):
@@ -89,8 +91,9 @@ def episode(server: EndpointServer, http: httpx.Client, first: dict, turns: int,
     timings = []
     for turn in range(turns):
         started = time.perf_counter()
-        with http.stream("POST", f"{server.url}/v1/messages", params={"beta": "true"}, headers=headers,
-                         content=json.dumps(body)) as response:
+        with http.stream(
+            "POST", f"{server.url}/v1/messages", params={"beta": "true"}, headers=headers, content=json.dumps(body)
+        ) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"turn {turn}: {response.status_code} {response.read()[:500]!r}")
             tool_use = read_stream(response)
@@ -99,8 +102,17 @@ def episode(server: EndpointServer, http: httpx.Client, first: dict, turns: int,
         output = (f"turn {turn}: " + "drwxr-xr-x 2 root root 4096 Dec  5 08:00 src\n" * 200)[:output_chars]
         body["messages"] += [
             {"role": "assistant", "content": [tool_use]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use["id"], "content": output,
-                                          "cache_control": {"type": "ephemeral"}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": tool_use["id"],
+                        "content": output,
+                        "cache_control": {"type": "ephemeral"},
+                    }
+                ],
+            },
         ]
     recorded = server.close_episode(session.episode.id)
     lengths = [len(turn.prompt_ids) for turn in recorded.turns]
@@ -127,9 +139,11 @@ def main() -> None:
                 forks += episode_forks
     finally:
         server.stop()
-    print(f"Claude Code 2.1.197 episode shape: first body {len(json.dumps(first['body'])) / 1000:.1f} kB, "
-          f"{len(first['body']['tools'])} tools; {args.episodes} episodes x {args.turns} turns, tool results of "
-          f"{args.output_chars} chars; zero-cost engine, tiny qwen2_5 tokenizer; forks: {forks}")
+    print(
+        f"Claude Code 2.1.197 episode shape: first body {len(json.dumps(first['body'])) / 1000:.1f} kB, "
+        f"{len(first['body']['tools'])} tools; {args.episodes} episodes x {args.turns} turns, tool results of "
+        f"{args.output_chars} chars; zero-cost engine, tiny qwen2_5 tokenizer; forks: {forks}"
+    )
     print(f"{'turn':>6}{'prompt tokens':>15}{'ms per call (median)':>22}")
     marks = sorted({0, *range(9, args.turns, 10), args.turns - 1})
     medians = {}
@@ -137,8 +151,10 @@ def main() -> None:
         medians[turn] = statistics.median(run[turn][0] for run in runs)
         print(f"{turn + 1:>6}{runs[0][turn][1]:>15}{medians[turn]:>22.1f}")
     last = args.turns - 1
-    print(f"turn {args.turns} / turn 1: {medians[last] / medians[0]:.2f}x per call, with "
-          f"{runs[0][last][1] / runs[0][0][1]:.2f}x the prompt tokens")
+    print(
+        f"turn {args.turns} / turn 1: {medians[last] / medians[0]:.2f}x per call, with "
+        f"{runs[0][last][1] / runs[0][0][1]:.2f}x the prompt tokens"
+    )
 
 
 if __name__ == "__main__":

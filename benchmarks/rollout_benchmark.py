@@ -37,8 +37,9 @@ def make_agent(turns: int) -> CallableAgent:
     async def agent(client, task):
         messages = list(task["prompt"])
         for _ in range(turns):
-            response = await client.chat.completions.create(model="policy", messages=messages, tools=[TOOL],
-                                                            max_tokens=48)
+            response = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[TOOL], max_tokens=48
+            )
             message = response.choices[0].message.model_dump(exclude_none=True)
             messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "5"}]
         return "The answer is 5."
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
     calls = args.episodes * args.turns
     shared, own = statistics.median(times[True]), statistics.median(times[False])
-    print(f"{args.episodes} concurrent episodes x {args.turns} calls, zero-cost engine, median of {args.rounds} rollouts")
+    print(
+        f"{args.episodes} concurrent episodes x {args.turns} calls, zero-cost engine, median of {args.rounds} rollouts"
+    )
     print(f"  one pool for all episodes: {shared * 1000:7.1f} ms per rollout ({shared / calls * 1000:.2f} ms per call)")
     print(f"  a pool per episode:        {own * 1000:7.1f} ms per rollout ({own / calls * 1000:.2f} ms per call)")
     print(f"  ratio (per episode / shared): {own / shared:.2f}x")

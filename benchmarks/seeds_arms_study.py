@@ -54,8 +54,9 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
     from trl_agentic.scripts import demo
     from trl_agentic.tasks.calculator import make_calculator_suite
 
-    settings = dataclasses.replace(demo.settings_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])),
-                                   eval_every=0)
+    settings = dataclasses.replace(
+        demo.settings_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])), eval_every=0
+    )
     demo._quiet_libraries()
     suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
     cache_path = demo.warm_start_cache_dir(settings, cache_dir)
@@ -68,19 +69,26 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
     for arm in ARMS:
         set_seed(seed)
         model, tokenizer, _ = demo.build_warm_started(settings, suite, cache_path)  # the same weights for each arm
-        evaluator = demo.HeldOutEvaluator(model, tokenizer, suite, eval_dataset, settings.temperature,
-                                          settings.max_completion_length, settings.max_turns)
+        evaluator = demo.HeldOutEvaluator(
+            model,
+            tokenizer,
+            suite,
+            eval_dataset,
+            settings.temperature,
+            settings.max_completion_length,
+            settings.max_turns,
+        )
         try:
             if "before" not in record:
                 record["before"] = success_over_all_episodes(evaluator.evaluate(model, seed=seed))
             arm_started = time.monotonic()
             callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
             if arm == "agentic":
-                trainer = demo.train_grpo(model, tokenizer, suite, settings, output_dir / f"seed{seed}" / arm,
-                                          callbacks)
+                trainer = demo.train_grpo(
+                    model, tokenizer, suite, settings, output_dir / f"seed{seed}" / arm, callbacks
+                )
             else:
-                trainer = train_trl_control(model, tokenizer, suite, settings, output_dir / f"seed{seed}",
-                                            callbacks[1])
+                trainer = train_trl_control(model, tokenizer, suite, settings, output_dir / f"seed{seed}", callbacks[1])
             train_seconds = time.monotonic() - arm_started
             after = evaluator.evaluate(trainer.model, seed=seed)
         finally:
@@ -120,13 +128,17 @@ def format_report(records: list[dict], wall_seconds: float) -> str:
         gain = mean_std([(r[arm]["after"] - r["before"]) * 100 for r in records])
         collapses = sum(r[arm]["after"] < r["before"] for r in records)
         sps = mean_std([r[arm]["seconds_per_step"] for r in records])
-        lines.append(f"  {LABELS[arm]:<37} after {after[0]:5.1f} +- {after[1]:4.1f}   gain {gain[0]:+5.1f} +- "
-                     f"{gain[1]:4.1f} points   collapses {collapses}/{len(records)}   {sps[0]:.2f} s/step")
+        lines.append(
+            f"  {LABELS[arm]:<37} after {after[0]:5.1f} +- {after[1]:4.1f}   gain {gain[0]:+5.1f} +- "
+            f"{gain[1]:4.1f} points   collapses {collapses}/{len(records)}   {sps[0]:.2f} s/step"
+        )
     diffs = [(r["agentic"]["after"] - r["trl_tools"]["after"]) * 100 for r in records]
     diff = mean_std(diffs)
     stderr = diff[1] / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
-    lines.append(f"  paired difference (agentic - trl_tools), held-out after: {diff[0]:+.1f} +- {diff[1]:.1f} points "
-                 f"(standard error {stderr:.1f})")
+    lines.append(
+        f"  paired difference (agentic - trl_tools), held-out after: {diff[0]:+.1f} +- {diff[1]:.1f} points "
+        f"(standard error {stderr:.1f})"
+    )
     lines.append(f"  cost: {wall_seconds / 60:.1f} min wall for {len(records)} seeds x {len(ARMS)} arms")
     return "\n".join(lines)
 
@@ -136,22 +148,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per arm.")
     parser.add_argument("--eval-size", type=int, default=100, help="Held-out tasks per evaluation.")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="Override a DemoSettings field for both arms (repeatable).")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="Override a DemoSettings field for both arms (repeatable).",
+    )
     parser.add_argument("--jobs", type=int, default=2, help="Seeds run at once (one torch thread each).")
     parser.add_argument("--output-dir", default="outputs/seeds_arms_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing in seconds.")
-    parser.add_argument("--report-only", action="store_true",
-                        help="Print the table from the seed*.json files already in --output-dir.")
+    parser.add_argument(
+        "--report-only", action="store_true", help="Print the table from the seed*.json files already in --output-dir."
+    )
     parser.add_argument("--one-seed", type=int, default=None, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     # Both arms on the target difficulty alone, in TRL's order: the study compares the loops, not the task sampler.
-    demo_argv = ([f"--steps={args.steps}", f"--eval-size={args.eval_size}", "--set=task_sampling=uniform",
-                  "--set=levels=2"] + [f"--set={s}" for s in args.set]
-                 + (["--smoke"] if args.smoke else []))
+    demo_argv = (
+        [f"--steps={args.steps}", f"--eval-size={args.eval_size}", "--set=task_sampling=uniform", "--set=levels=2"]
+        + [f"--set={s}" for s in args.set]
+        + (["--smoke"] if args.smoke else [])
+    )
 
     if args.one_seed is not None:
         import torch
@@ -175,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     while pending or running:
         while pending and len(running) < args.jobs:
             seed = pending.pop(0)
-            command = [sys.executable, __file__, "--one-seed", str(seed), "--output-dir", str(output_dir),
-                       *forwarded]
+            command = [sys.executable, __file__, "--one-seed", str(seed), "--output-dir", str(output_dir), *forwarded]
             log = open(output_dir / f"seed{seed}.log", "w")
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
             running.append((seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)))

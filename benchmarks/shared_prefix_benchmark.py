@@ -36,10 +36,13 @@ from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 def first_prompts(tokenizer, tasks: int, group: int) -> list[list[int]]:
     prompts = []
     for task in range(tasks):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": f"What is {task + 23} * {task + 58}?"}]
-        prompt = tokenizer.apply_chat_template(messages, tools=CALCULATOR_TOOLS, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"What is {task + 23} * {task + 58}?"},
+        ]
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=CALCULATOR_TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         prompts += [prompt] * group
     return prompts
 
@@ -59,8 +62,10 @@ def bench_engine(model, tokenizer, repeats: int) -> None:
             tokens[name] = engine.stats.prefilled_tokens
     transformers_engine.SHARED_PREFIX_MIN = default
     shared, each = statistics.median(times["shared"]), statistics.median(times["each row"])
-    print(f"(a) engine, 32 first turns (4 tasks x 8): {shared * 1000:.0f} ms vs {each * 1000:.0f} ms every row whole: "
-          f"**{shared / each:.2f}x**; prompt tokens run {tokens['shared']} vs {tokens['each row']}")
+    print(
+        f"(a) engine, 32 first turns (4 tasks x 8): {shared * 1000:.0f} ms vs {each * 1000:.0f} ms every row whole: "
+        f"**{shared / each:.2f}x**; prompt tokens run {tokens['shared']} vs {tokens['each row']}"
+    )
 
 
 def demo_rows(tokenizer, rows: int):
@@ -69,28 +74,43 @@ def demo_rows(tokenizer, rows: int):
     for i in range(rows):
         a, b = 10 + (i * 7) % 89, 10 + (i * 13) % 89
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {a} * {b}?"}]
-        prompt = tokenizer.apply_chat_template(messages, tools=CALCULATOR_TOOLS, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
-        call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + f"{a} * {b}" + '"}}\n'
-                "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n" + f"{a * b}\n</tool_response><|im_end|>"
-                f"\n<|im_start|>assistant\nThe answer is {a * b}.<|im_end|>")
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=CALCULATOR_TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        call = (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + f"{a} * {b}" + '"}}\n'
+            "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n" + f"{a * b}\n</tool_response><|im_end|>"
+            f"\n<|im_start|>assistant\nThe answer is {a * b}.<|im_end|>"
+        )
         prompts.append(prompt)
         completions.append(tokenizer.encode(call, add_special_tokens=False))
     prompt_width, width = max(map(len, prompts)), max(map(len, completions))
     pad = tokenizer.pad_token_id
     ids = [[pad] * (prompt_width - len(p)) + p + c + [pad] * (width - len(c)) for p, c in zip(prompts, completions)]
-    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
-            for p, c in zip(prompts, completions)]
+    mask = [
+        [0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
+        for p, c in zip(prompts, completions)
+    ]
     return torch.tensor(ids), torch.tensor(mask), width
 
 
 def bench_trainer(model, tokenizer, repeats: int) -> None:
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = AgenticGRPOTrainer(
-            model, agent=lambda client, task: None, reward_funcs=lambda prompts, **kw: [0.0] * len(prompts),
-            processing_class=tokenizer, train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}]),
-            args=AgenticGRPOConfig(output_dir=output_dir, num_generations=2, per_device_train_batch_size=2,
-                                   use_cpu=True, bf16=False, report_to="none", gradient_checkpointing=False),
+            model,
+            agent=lambda client, task: None,
+            reward_funcs=lambda prompts, **kw: [0.0] * len(prompts),
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}]),
+            args=AgenticGRPOConfig(
+                output_dir=output_dir,
+                num_generations=2,
+                per_device_train_batch_size=2,
+                use_cpu=True,
+                bf16=False,
+                report_to="none",
+                gradient_checkpointing=False,
+            ),
         )
         try:
             trainer.model.train()
@@ -102,7 +122,8 @@ def bench_trainer(model, tokenizer, repeats: int) -> None:
                     trainer.model.zero_grad()
                     started = time.perf_counter()
                     values, _, _ = trainer._get_per_token_logps_and_entropies(
-                        trainer.model, input_ids, attention_mask, width, compute_entropy=True)
+                        trainer.model, input_ids, attention_mask, width, compute_entropy=True
+                    )
                     values.sum().backward()
                     times[shared].append(time.perf_counter() - started)
                     logps[shared] = values.detach()
@@ -110,8 +131,10 @@ def bench_trainer(model, tokenizer, repeats: int) -> None:
             trainer.close()
     shared, whole = statistics.median(times[True]), statistics.median(times[False])
     difference = (logps[True] - logps[False]).abs().max().item()
-    print(f"(b) trainer, scoring 32 demo rows of {input_ids.size(1)} columns, forward + backward: {shared * 1000:.0f} ms "
-          f"vs {whole * 1000:.0f} ms TRL's way: **{shared / whole:.2f}x**; max |logp difference| {difference:.1e}")
+    print(
+        f"(b) trainer, scoring 32 demo rows of {input_ids.size(1)} columns, forward + backward: {shared * 1000:.0f} ms "
+        f"vs {whole * 1000:.0f} ms TRL's way: **{shared / whole:.2f}x**; max |logp difference| {difference:.1e}"
+    )
 
 
 def main() -> None:

@@ -139,14 +139,16 @@ def count_tokens(trainer) -> list[dict]:
         loss_mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             loss_mask = loss_mask * output["tool_mask"]
-        counts.append({
-            "generation_seconds": generation_seconds.pop(),
-            "generation_cpu": generation_cpu.pop(),
-            "engine_seconds": engine_seconds.pop() if engine_seconds else float("nan"),
-            "rows": output["completion_ids"].size(0),
-            "trained": int(loss_mask.sum()),
-            "forward": int(output["prompt_mask"].sum() + output["completion_mask"].sum()),
-        })
+        counts.append(
+            {
+                "generation_seconds": generation_seconds.pop(),
+                "generation_cpu": generation_cpu.pop(),
+                "engine_seconds": engine_seconds.pop() if engine_seconds else float("nan"),
+                "rows": output["completion_ids"].size(0),
+                "trained": int(loss_mask.sum()),
+                "forward": int(output["prompt_mask"].sum() + output["completion_mask"].sum()),
+            }
+        )
         return output
 
     trainer._generate = timed_generate
@@ -162,17 +164,28 @@ def one_step(trainer) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="Timed steps per trainer, after one warm-up step each.")
-    parser.add_argument("--model-size", default="64x2,256x2",
-                        help="Tiny models <hidden>x<layers>, comma-separated (default: 64x2,256x2).")
+    parser.add_argument(
+        "--model-size",
+        default="64x2,256x2",
+        help="Tiny models <hidden>x<layers>, comma-separated (default: 64x2,256x2).",
+    )
     parser.add_argument("--num-generations", type=int, default=4, help="Episodes (completions) per task.")
     parser.add_argument("--batch-size", type=int, default=8, help="Episodes per step (per_device_train_batch_size).")
     parser.add_argument("--max-tokens", type=int, default=96, help="max_completion_length of both trainers.")
     parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of both trainers.")
     parser.add_argument("--warm-start-steps", type=int, default=200, help="SFT steps on calculator demonstrations.")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1 is fastest on a small, shared CPU: no thread oversubscription).")
-    parser.add_argument("--async-rounds", type=int, default=2,
-                        help="Blocks of the asynchronous trainer, each followed by as many steps of TRL's (0: none).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1 is fastest on a small, shared CPU: no thread oversubscription).",
+    )
+    parser.add_argument(
+        "--async-rounds",
+        type=int,
+        default=2,
+        help="Blocks of the asynchronous trainer, each followed by as many steps of TRL's (0: none).",
+    )
     parser.add_argument("--async-steps", type=int, default=6, help="Optimizer steps per asynchronous block.")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -181,11 +194,15 @@ def main() -> None:
     ratios = {size: benchmark(size, args) for size in args.model_size.split(",")}
     print()
     for size, (ratio, async_ratio) in ratios.items():
-        print(f"tiny:qwen2_5:{size}: AgenticGRPOTrainer / GRPOTrainer(tools=...) s/step {ratio:.2f}x "
-              f"(goal <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'})")
+        print(
+            f"tiny:qwen2_5:{size}: AgenticGRPOTrainer / GRPOTrainer(tools=...) s/step {ratio:.2f}x "
+            f"(goal <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'})"
+        )
         if async_ratio is not None:
-            print(f"tiny:qwen2_5:{size}: AgenticGRPOTrainer(async_rollouts=True) / GRPOTrainer(tools=...) s/step "
-                  f"{async_ratio:.2f}x (goal <= 0.80x: {'met' if async_ratio <= 0.80 else 'NOT met'})")
+            print(
+                f"tiny:qwen2_5:{size}: AgenticGRPOTrainer(async_rollouts=True) / GRPOTrainer(tools=...) s/step "
+                f"{async_ratio:.2f}x (goal <= 0.80x: {'met' if async_ratio <= 0.80 else 'NOT met'})"
+            )
 
 
 class StepEnds(TrainerCallback):
@@ -230,14 +247,19 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         disable_tqdm=True,
     )
     output_dir = tempfile.mkdtemp(prefix="trainer-benchmark-")
+
     def agentic(folder: str, **overrides) -> AgenticGRPOTrainer:
         return AgenticGRPOTrainer(
             copy.deepcopy(model),
             agent=task.agent,  # calculator agent: at most 6 model calls
             reward_funcs=task.reward_funcs,
             # No wait for company: the engine batches continuously, calls join the running batch (issue #12)
-            args=AgenticGRPOConfig(output_dir=f"{output_dir}/{folder}", max_turns=6, generation_batch_wait_ms=0.0,
-                                   **{**common, **overrides}),
+            args=AgenticGRPOConfig(
+                output_dir=f"{output_dir}/{folder}",
+                max_turns=6,
+                generation_batch_wait_ms=0.0,
+                **{**common, **overrides},
+            ),
             train_dataset=dataset,
             processing_class=tokenizer,
         )
@@ -283,9 +305,14 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
             kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
             for _ in range(args.async_steps):
                 one_step(trl)
-            trl_block_seconds.append(statistics.mean(timer.seconds[kept[0]:]))
+            trl_block_seconds.append(statistics.mean(timer.seconds[kept[0] :]))
             # The table below is of the alternating steps only
-            del timer.seconds[kept[0]:], timer.cpu_seconds[kept[0]:], timer.logs[kept[1]:], counts[trl_name][kept[2]:]
+            del (
+                timer.seconds[kept[0] :],
+                timer.cpu_seconds[kept[0] :],
+                timer.logs[kept[1] :],
+                counts[trl_name][kept[2] :],
+            )
     finally:
         ours.close()
 
@@ -295,8 +322,10 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         f"({tasks_per_step} tasks x {args.num_generations}), max_tokens {args.max_tokens}, "
         f"temperature {args.temperature}, {args.steps} timed steps each after 1 warm-up, torch threads {args.threads}"
     )
-    header = f"{'trainer':<24}{'s/step':>8}{'± sd':>7}{'median':>8}{'cpu s':>7}{'generation':>12}{'gen cpu':>9}" \
-             f"{'trained tok':>13}{'fwd tok':>9}{'rows':>6}{'tool calls/ep':>15}{'reward':>8}"
+    header = (
+        f"{'trainer':<24}{'s/step':>8}{'± sd':>7}{'median':>8}{'cpu s':>7}{'generation':>12}{'gen cpu':>9}"
+        f"{'trained tok':>13}{'fwd tok':>9}{'rows':>6}{'tool calls/ep':>15}{'reward':>8}"
+    )
     print(header)
     print("-" * len(header))
     means, cpus = {}, {}
@@ -318,38 +347,50 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
             f"{statistics.mean(log.get(tool_key, float('nan')) for log in logs):>15.2f}"
             f"{statistics.mean(log.get('reward', float('nan')) for log in logs):>8.3f}"
         )
-    print("(per step: seconds, CPU seconds of the process (all threads), of which generation = rollout incl. tools and "
-          "HTTP, wall and CPU; trained tok = sampled tokens in the loss; fwd tok = prompt + completion tokens in the "
-          "forward pass; rows = training sequences)")
+    print(
+        "(per step: seconds, CPU seconds of the process (all threads), of which generation = rollout incl. tools and "
+        "HTTP, wall and CPU; trained tok = sampled tokens in the loss; fwd tok = prompt + completion tokens in the "
+        "forward pass; rows = training sequences)"
+    )
     batches = counts["AgenticGRPOTrainer"][1:]
     generation = statistics.mean(b["generation_seconds"] for b in batches)
     sampling = statistics.mean(b["engine_seconds"] for b in batches)
-    print(f"AgenticGRPOTrainer generation per step: {generation:.3f}s, of which {sampling:.3f}s with the engine busy "
-          f"(prefill, decode, sampling); the rest ({generation - sampling:.3f}s) the engine waits for calls: the "
-          f"agent, the openai client, HTTP, templating, parsing")
+    print(
+        f"AgenticGRPOTrainer generation per step: {generation:.3f}s, of which {sampling:.3f}s with the engine busy "
+        f"(prefill, decode, sampling); the rest ({generation - sampling:.3f}s) the engine waits for calls: the "
+        f"agent, the openai client, HTTP, templating, parsing"
+    )
     roles = [*THREAD_ROLES.values(), "other threads"]
-    print("AgenticGRPOTrainer generation CPU per step by thread: " + ", ".join(
-        f"{role} {statistics.mean(b['generation_cpu'][role] for b in batches):.3f}s" for role in roles))
+    print(
+        "AgenticGRPOTrainer generation CPU per step by thread: "
+        + ", ".join(f"{role} {statistics.mean(b['generation_cpu'][role] for b in batches):.3f}s" for role in roles)
+    )
     stats = ours.engine.stats  # the last rollout's
-    print(f"AgenticGRPOTrainer engine (last step): {stats.mean_decode_batch:.2f} sequences decoded per step, "
-          f"{stats.decode_occupancy:.2f} of the requests waiting on it; prefix hits {stats.prefix_hits}/"
-          f"{stats.requests}, {stats.reused_tokens} prompt tokens reused, {stats.prefilled_tokens} prefilled")
+    print(
+        f"AgenticGRPOTrainer engine (last step): {stats.mean_decode_batch:.2f} sequences decoded per step, "
+        f"{stats.decode_occupancy:.2f} of the requests waiting on it; prefix hits {stats.prefix_hits}/"
+        f"{stats.requests}, {stats.reused_tokens} prompt tokens reused, {stats.prefilled_tokens} prefilled"
+    )
     ratio = means["AgenticGRPOTrainer"] / means[trl_name]
     # Each round runs both trainers back to back: its ratio cancels the machine's load drift between rounds
     ours_seconds, trl_seconds = (timers[name].seconds[1:] for name in trainers)
     paired = statistics.median(a / b for a, b in zip(ours_seconds, trl_seconds, strict=True))
     cpu_ratio = cpus["AgenticGRPOTrainer"] / cpus[trl_name]
-    print(f"ratio AgenticGRPOTrainer / GRPOTrainer(tools=...) seconds per step: {ratio:.2f}x (goal <= 1.10x); median "
-          f"of the rounds' ratios {paired:.2f}x; CPU seconds per step {cpu_ratio:.2f}x (less sensitive to the load of "
-          f"other processes)")
+    print(
+        f"ratio AgenticGRPOTrainer / GRPOTrainer(tools=...) seconds per step: {ratio:.2f}x (goal <= 1.10x); median "
+        f"of the rounds' ratios {paired:.2f}x; CPU seconds per step {cpu_ratio:.2f}x (less sensitive to the load of "
+        f"other processes)"
+    )
     if not async_seconds:
         return ratio, None
     async_ratio = statistics.mean(async_seconds) / statistics.mean(trl_block_seconds)
-    print(f"AgenticGRPOTrainer(async_rollouts=True, max_staleness=1), {args.async_rounds} blocks of "
-          f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in async_seconds) + " s/step; GRPOTrainer(tools="
-          "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_block_seconds) + f" s/step; ratio "
-          f"{async_ratio:.2f}x (goal <= 0.80x); median of the blocks' ratios "
-          f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x")
+    print(
+        f"AgenticGRPOTrainer(async_rollouts=True, max_staleness=1), {args.async_rounds} blocks of "
+        f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in async_seconds) + " s/step; GRPOTrainer(tools="
+        "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_block_seconds) + f" s/step; ratio "
+        f"{async_ratio:.2f}x (goal <= 0.80x); median of the blocks' ratios "
+        f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x"
+    )
     return ratio, async_ratio
 
 

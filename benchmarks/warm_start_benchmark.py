@@ -44,11 +44,18 @@ def main() -> None:
     settings = DemoSettings()
     suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
     tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
-    model = build_tiny_model(tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers,
-                             num_heads=settings.num_heads, seed=0)
+    model = build_tiny_model(
+        tokenizer,
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
+        seed=0,
+    )
     demonstrations = warm_start_demonstrations(suite, settings)
-    phases = [("phase 1 (1-3 conversations per row)", short_form_rows(demonstrations, 0), settings.short_batch_size),
-              ("phase 2 (as the agent sends it)", demonstrations, settings.full_batch_size)]
+    phases = [
+        ("phase 1 (1-3 conversations per row)", short_form_rows(demonstrations, 0), settings.short_batch_size),
+        ("phase 2 (as the agent sends it)", demonstrations, settings.full_batch_size),
+    ]
     pad = tokenizer.pad_token_id
     pool = chunk_pool(2)
     print(f"demo model {settings.hidden_size}x{settings.num_layers}, {args.threads} threads, {args.steps} batches")
@@ -63,26 +70,36 @@ def main() -> None:
         for batch in [batches[0]] + batches:  # the first batch twice: a warm-up, not timed
             grads = {}
             chunked = length_chunks(batch)
-            for way, chunks, way_pool in (("one call", [batch], None), ("chunked", chunked, None),
-                                          ("2 at once", chunked, pool)):
+            for way, chunks, way_pool in (
+                ("one call", [batch], None),
+                ("chunked", chunked, None),
+                ("2 at once", chunked, pool),
+            ):
                 model.zero_grad()
                 started = time.perf_counter()
                 batch_loss(model, chunks, pad, pool=way_pool)
                 times[way].append(time.perf_counter() - started)
                 tokens[way] += padded_tokens(chunks)
                 grads[way] = [p.grad.clone() for p in model.parameters()]
-            max_diff = max(max_diff, max((a - b).abs().max().item()
-                                         for a, b in zip(grads["one call"], grads["chunked"], strict=True)))
+            max_diff = max(
+                max_diff,
+                max((a - b).abs().max().item() for a, b in zip(grads["one call"], grads["chunked"], strict=True)),
+            )
             identical &= all(torch.equal(a, b) for a, b in zip(grads["chunked"], grads["2 at once"], strict=True))
         median = {way: statistics.median(times[way][1:]) for way in ways}
         print(f"\n{name}, batches of {batch_size}:")
         for way, label in zip(ways, ("one padded call ", "length-chunked  ", "chunks 2 at once")):
             print(f"  {label} {median[way] * 1000:7.0f} ms/step   {tokens[way] // (args.steps + 1):6d} tokens")
-        print(f"  chunked / one call {median['chunked'] / median['one call']:.2f}x, max |gradient difference| "
-              f"{max_diff:.1e}")
-        print(f"  2 at once / chunked {median['2 at once'] / median['chunked']:.2f}x, gradients bit for bit the "
-              f"same: {'yes' if identical else 'NO'}")
+        print(
+            f"  chunked / one call {median['chunked'] / median['one call']:.2f}x, max |gradient difference| "
+            f"{max_diff:.1e}"
+        )
+        print(
+            f"  2 at once / chunked {median['2 at once'] / median['chunked']:.2f}x, gradients bit for bit the "
+            f"same: {'yes' if identical else 'NO'}"
+        )
     pool.shutdown()
+
 
 if __name__ == "__main__":
     main()

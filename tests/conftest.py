@@ -60,8 +60,11 @@ def tool_transcript(question: str, steps: list[tuple[str, str]], answer: str, sy
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": question})
     for k, (expression, result) in enumerate(steps):
-        call = {"id": f"call_{k}", "type": "function",
-                "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expression}},
+        }
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": result})
     messages.append({"role": "assistant", "content": answer})

@@ -33,12 +33,29 @@ def main(out_dir, mode="sync"):
     model = build_tiny_model(tokenizer, seed=0)  # same initial weights on both ranks
     rows = [{"prompt": [{"role": "user", "content": f"task {i}"}]} for i in range(8)]
     args = AgenticGRPOConfig(
-        output_dir=out_dir, num_generations=4, per_device_train_batch_size=2, max_steps=2,  # each rank: half a group
-        max_completion_length=5, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        learning_rate=1e-2, log_episodes=True, seed=0, async_rollouts=mode == "async",
+        output_dir=out_dir,
+        num_generations=4,
+        per_device_train_batch_size=2,
+        max_steps=2,  # each rank: half a group
+        max_completion_length=5,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        log_episodes=True,
+        seed=0,
+        async_rollouts=mode == "async",
     )
-    trainer = AgenticGRPOTrainer(model, agent=agent, reward_funcs=reward, args=args,
-                                 train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=agent,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
     trainer.train()
     trainer.close()
     state = {name: p.detach().clone() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}

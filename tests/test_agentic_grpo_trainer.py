@@ -17,10 +17,20 @@ from trl_agentic.agentic_grpo_trainer import split_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 async def tool_agent(client, task):
@@ -44,16 +54,27 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
 
 
 def dataset(n=4):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "a": i}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "a": i} for i in range(n)]
+    )
 
 
 def config(tmp_path, **overrides):
     values = dict(
-        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 2 episodes per task
-        max_steps=2, max_completion_length=6,  # short calls keep the test fast
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no", log_episodes=True, episode_timeout=30, seed=0,
+        output_dir=str(tmp_path),
+        num_generations=2,
+        per_device_train_batch_size=2,  # 2 episodes per task
+        max_steps=2,
+        max_completion_length=6,  # short calls keep the test fast
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        learning_rate=1e-2,  # big lr: params must move
+        save_strategy="no",
+        log_episodes=True,
+        episode_timeout=30,
+        seed=0,
     )
     values.update(overrides)
     return AgenticGRPOConfig(**values)
@@ -81,8 +102,14 @@ def train_and_read_log(trainer, tmp_path):
 def test_multi_turn_tool_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = AgenticGRPOTrainer(model, agent=tool_agent, reward_funcs=length_reward, args=config(tmp_path),
-                                 train_dataset=dataset(), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:
@@ -132,9 +159,14 @@ def test_single_turn_parity_with_vanilla_grpo(tmp_path, tokenizer):
         return [float(sum(ids) % 7) for ids in completion_ids]
 
     train = dataset(2)
-    agentic = AgenticGRPOTrainer(model, agent=one_call_agent, reward_funcs=ids_reward,
-                                 args=config(tmp_path / "a", log_episodes=False), train_dataset=train,
-                                 processing_class=tokenizer)
+    agentic = AgenticGRPOTrainer(
+        model,
+        agent=one_call_agent,
+        reward_funcs=ids_reward,
+        args=config(tmp_path / "a", log_episodes=False),
+        train_dataset=train,
+        processing_class=tokenizer,
+    )
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]  # RepeatSampler order: each task num_generations times
     agentic.model.train()
     try:
@@ -148,17 +180,33 @@ def test_single_turn_parity_with_vanilla_grpo(tmp_path, tokenizer):
     replay = iter(range(len(completions)))
 
     def replay_rollout(prompts, trainer):
-        prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
-                      for p in prompts]
+        prompt_ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
         order = [next(replay) for _ in prompts]
-        return {"prompt_ids": prompt_ids, "completion_ids": [completions[i] for i in order],
-                "logprobs": [logprobs[i] for i in order]}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [completions[i] for i in order],
+            "logprobs": [logprobs[i] for i in order],
+        }
 
-    vanilla = GRPOTrainer(model, reward_funcs=ids_reward, train_dataset=train, processing_class=tokenizer,
-                          rollout_func=replay_rollout,
-                          args=GRPOConfig(output_dir=str(tmp_path / "v"), num_generations=2,
-                                          per_device_train_batch_size=2, max_completion_length=6, use_cpu=True,
-                                          bf16=False, report_to="none"))
+    vanilla = GRPOTrainer(
+        model,
+        reward_funcs=ids_reward,
+        train_dataset=train,
+        processing_class=tokenizer,
+        rollout_func=replay_rollout,
+        args=GRPOConfig(
+            output_dir=str(tmp_path / "v"),
+            num_generations=2,
+            per_device_train_batch_size=2,
+            max_completion_length=6,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+        ),
+    )
     vanilla.model.train()
     theirs = vanilla._generate_and_score_completions([dict(x) for x in inputs])
     # Our first-turn prompt is exactly TRL's own tokenization of the dataset prompt.
@@ -187,10 +235,20 @@ def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, token
     def constant_reward(prompts, completions, **kwargs):
         return [1.0] * len(prompts)
 
-    trainer = AgenticGRPOTrainer(model, agent=flaky_agent, reward_funcs=constant_reward,
-                                 args=config(tmp_path, max_steps=1, episode_timeout=3, steps_per_generation=2,  # 2 tasks
-                                             agent_columns=["prompt", "a"]),  # the agent reads `a`
-                                 train_dataset=dataset(2), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=flaky_agent,
+        reward_funcs=constant_reward,
+        args=config(
+            tmp_path,
+            max_steps=1,
+            episode_timeout=3,
+            steps_per_generation=2,  # 2 tasks
+            agent_columns=["prompt", "a"],
+        ),  # the agent reads `a`
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
+    )
     records = train_and_read_log(trainer, tmp_path)
     by_status = sorted(r["episode"]["status"] for r in records)
     assert by_status == ["agent_error", "ok", "ok", "timeout"]
@@ -219,8 +277,14 @@ def test_agent_sees_only_its_columns_and_whatever_it_returns_is_logged(tmp_path,
     cycle["self"] = cycle
 
     async def answer_stealing_agent(client, task):
-        return {"keys": sorted(task), "answer": task.get("answer"), "nan": float("nan"), "text": "\ud800",
-                "cycle": cycle, "deep": deep}
+        return {
+            "keys": sorted(task),
+            "answer": task.get("answer"),
+            "nan": float("nan"),
+            "text": "\ud800",
+            "cycle": cycle,
+            "deep": deep,
+        }
 
     columns_seen = []
 
@@ -228,11 +292,17 @@ def test_agent_sees_only_its_columns_and_whatever_it_returns_is_logged(tmp_path,
         columns_seen.extend(answer)
         return [1.0 if ep.result["answer"] == a else 0.0 for ep, a in zip(episodes, answer, strict=True)]
 
-    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)}
-                               for i in range(2)])
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=answer_stealing_agent, reward_funcs=answer_reward,
-                                 args=config(tmp_path, max_steps=1, steps_per_generation=2), train_dataset=train,
-                                 processing_class=tokenizer)
+    train = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i)} for i in range(2)]
+    )
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=answer_stealing_agent,
+        reward_funcs=answer_reward,
+        args=config(tmp_path, max_steps=1, steps_per_generation=2),
+        train_dataset=train,
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:
@@ -261,10 +331,18 @@ def test_kl_and_lora_runs(tmp_path, tokenizer, kind):
         overrides["beta"] = 0.1
     else:
         from peft import LoraConfig
+
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         overrides["beta"] = 0.1  # reference = the base model with the adapter disabled
-    trainer = AgenticGRPOTrainer(model, agent=tool_agent, reward_funcs=length_reward, args=config(tmp_path, **overrides),
-                                 train_dataset=dataset(2), processing_class=tokenizer, peft_config=peft_config)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path, **overrides),
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     try:
         trainer.train()
     finally:
@@ -276,16 +354,25 @@ def test_kl_and_lora_runs(tmp_path, tokenizer, kind):
 
 
 def test_episode_key_cannot_reach_admin_routes(tmp_path, tokenizer):
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
-                                 args=config(tmp_path), train_dataset=dataset(2), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path),
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
+    )
     try:
         session = trainer.endpoint.open_episode()
         headers = {"Authorization": f"Bearer {session.key}"}
         url = trainer.endpoint.url
         assert httpx.post(f"{url}/admin/episodes", headers=headers, json={}).status_code == 401
         assert httpx.get(f"{url}/admin/episodes/{session.episode.id}", headers=headers).status_code == 401
-        closed = httpx.post(f"{url}/admin/episodes/{session.episode.id}/close", headers=headers,
-                            json={"status": "ok", "result": {"reward": 1.0}})
+        closed = httpx.post(
+            f"{url}/admin/episodes/{session.episode.id}/close",
+            headers=headers,
+            json={"status": "ok", "result": {"reward": 1.0}},
+        )
         assert closed.status_code == 401
         assert trainer.endpoint.registry.by_id(session.episode.id) is not None  # still open, untouched
         # There is no route that accepts a reward at all.
@@ -296,7 +383,8 @@ def test_episode_key_cannot_reach_admin_routes(tmp_path, tokenizer):
 
 def test_sync_and_command_agents(tmp_path, tokenizer):
     script = tmp_path / "agent.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, os, sys
         from openai import OpenAI
         task = json.load(sys.stdin)
@@ -307,15 +395,21 @@ def test_sync_and_command_agents(tmp_path, tokenizer):
             messages = messages + [{"role": "assistant", "content": reply.choices[0].message.content},
                                    {"role": "user", "content": "more"}]
         print(json.dumps({"turns": 2}))
-    """))
+    """)
+    )
 
     def sync_agent(client, task):
         return client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=4).id
 
     for name, agent in (("sync", sync_agent), ("command", CommandAgent(f"{sys.executable} {script}"))):
-        trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=agent, reward_funcs=length_reward,
-                                     args=config(tmp_path / name, max_steps=1, steps_per_generation=2), train_dataset=dataset(2),
-                                     processing_class=tokenizer)
+        trainer = AgenticGRPOTrainer(
+            build_tiny_model(tokenizer),
+            agent=agent,
+            reward_funcs=length_reward,
+            args=config(tmp_path / name, max_steps=1, steps_per_generation=2),
+            train_dataset=dataset(2),
+            processing_class=tokenizer,
+        )
         try:
             trainer.train()
         finally:
@@ -329,7 +423,11 @@ def test_sync_and_command_agents(tmp_path, tokenizer):
 
 
 def test_split_rows_keeps_every_row():
-    batch = {"prompt_ids": torch.arange(7).unsqueeze(1), "advantages": torch.arange(7.0), "num_items_in_batch": torch.tensor(3)}
+    batch = {
+        "prompt_ids": torch.arange(7).unsqueeze(1),
+        "advantages": torch.arange(7.0),
+        "num_items_in_batch": torch.tensor(3),
+    }
     chunks = split_rows(batch, 3)
     assert [c["prompt_ids"].flatten().tolist() for c in chunks] == [[0, 1], [2, 3, 4], [5, 6]]
     assert all(c["num_items_in_batch"].item() == 3 for c in chunks)
@@ -342,8 +440,14 @@ def test_config_errors_say_how_to_fix(tmp_path):
         config(tmp_path, forks="sometimes")
 
 
-ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+ANTHROPIC_TOOLS = [
+    {
+        "name": t["function"]["name"],
+        "description": t["function"]["description"],
+        "input_schema": t["function"]["parameters"],
+    }
+    for t in TOOLS
+]
 
 
 async def anthropic_tool_agent(client: anthropic.AsyncAnthropic, task):
@@ -353,8 +457,13 @@ async def anthropic_tool_agent(client: anthropic.AsyncAnthropic, task):
         reply = await client.messages.create(model="policy", max_tokens=6, messages=messages, tools=ANTHROPIC_TOOLS)
         messages.append({"role": "assistant", "content": reply.content})
         calls = [block for block in reply.content if block.type == "tool_use"]
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "42"}
-                                                     for b in calls] or "Use the add tool."})
+        messages.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "42"} for b in calls]
+                or "Use the add tool.",
+            }
+        )
     return reply.stop_reason
 
 
@@ -367,8 +476,14 @@ def sampled_token_reward(prompts, completions, episodes, **kwargs):
 def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = AgenticGRPOTrainer(model, agent=anthropic_tool_agent, reward_funcs=sampled_token_reward,
-                                 args=config(tmp_path), train_dataset=dataset(), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=anthropic_tool_agent,
+        reward_funcs=sampled_token_reward,
+        args=config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:
@@ -385,8 +500,9 @@ def test_anthropic_sdk_agent_trains_on_exactly_the_sampled_tokens(tmp_path, toke
         (row,) = record["rows"]
         assert row["prompt_ids"] + row["completion_ids"] == turns[2]["prompt_ids"] + turns[2]["completion_ids"]
         sampled = [(tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
-        assert [(tok, lp) for tok, mask, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"])
-                if mask] == sampled
+        assert [
+            (tok, lp) for tok, mask, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if mask
+        ] == sampled
     assert trainer.state.log_history[0]["episodes/forks_mean"] == 0.0
 
 
@@ -402,10 +518,14 @@ def test_cut_off_penalty_scores_each_episode_by_its_last_calls_finish_reason(tmp
     others, and TRL adds it to the checker's score (its own `rewards/<name>/mean` metric)."""
     from trl_agentic.rewards import cut_off_penalty
 
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=stopping_agent,
-                                 reward_funcs=[length_reward, cut_off_penalty],
-                                 args=config(tmp_path, max_steps=1, per_device_train_batch_size=4),
-                                 train_dataset=dataset(2), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=stopping_agent,
+        reward_funcs=[length_reward, cut_off_penalty],
+        args=config(tmp_path, max_steps=1, per_device_train_batch_size=4),
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
+    )
     records = train_and_read_log(trainer, tmp_path)
     assert len(records) == 4
     finishes = [record["episode"]["turns"][-1]["finish_reason"] for record in records]
@@ -423,9 +543,14 @@ def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, 
     fork rows the trainer appends. A row whose last token is not a stop token was cut at `max_tokens`: no loss."""
     from trl_agentic.rollout.rows import Row
 
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
-                                 args=config(tmp_path, mask_truncated_completions=True, log_episodes=False),
-                                 train_dataset=dataset(2), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path, mask_truncated_completions=True, log_episodes=False),
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
+    )
     trainer.model.train()
     try:
         output = trainer._generate_and_score_completions([dict(dataset(2)[i]) for i in (0, 0)])
@@ -435,8 +560,10 @@ def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, 
             last = ids[int(n) - 1]
             assert (sum(mask) == 0) == (last not in ends), (ids, mask)
         eos, prompt = trainer.eos_token_ids[0], output["prompt_ids"][0][output["prompt_mask"][0].bool()].tolist()
-        rows = [Row(prompt, [11, 12, 13, eos], [1, 1, 1, 1], [-0.5] * 4, [0], "fork"),  # ended: trained
-                Row(prompt, [11, 12, 13, 14], [1, 1, 1, 1], [-0.5] * 4, [1], "fork")]  # cut at max_tokens: masked
+        rows = [
+            Row(prompt, [11, 12, 13, eos], [1, 1, 1, 1], [-0.5] * 4, [0], "fork"),  # ended: trained
+            Row(prompt, [11, 12, 13, 14], [1, 1, 1, 1], [-0.5] * 4, [1], "fork"),
+        ]  # cut at max_tokens: masked
         merged = trainer._append_rows(output, rows, torch.ones(2))
         assert merged["completion_mask"][-2:, :4].tolist() == [[1, 1, 1, 1], [0, 0, 0, 0]]
         kept = merged["completion_mask"] * merged["tool_mask"]
@@ -450,11 +577,18 @@ def test_mask_truncated_completions_masks_every_row_cut_at_max_tokens(tmp_path, 
 def test_a_reward_function_that_raises_stops_training_after_its_episodes_are_logged(tmp_path, tokenizer):
     """A crash in the checker surfaces as in TRL (the run stops with its error), but the step's episodes, what one
     reads to fix it, are in the episode log first (issue 29, N4); they used to be lost."""
+
     def broken_checker(prompts, completions, **kwargs):
         raise RuntimeError("checker down")
 
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=broken_checker,
-                                 args=config(tmp_path), train_dataset=dataset(), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=broken_checker,
+        args=config(tmp_path),
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+    )
     with pytest.raises(RuntimeError, match="checker down"):
         train_and_read_log(trainer, tmp_path)
     records = read_episode_log(tmp_path)
@@ -468,17 +602,25 @@ def test_a_reward_function_that_raises_stops_training_after_its_episodes_are_log
 def test_reward_values_trl_cannot_hold_stop_training_naming_the_function(tmp_path, tokenizer):
     """1e39 is inf in TRL's float32 rewards, and made the group's advantages silently zero (issue 29, N5); a wrong
     count failed in a bare zip() (N4)."""
+
     def overflowing(prompts, completions, **kwargs):
         return [1e39] + [0.0] * (len(prompts) - 1)
 
     def short(prompts, completions, **kwargs):
         return [0.0]
 
-    for func, message in ((overflowing, r"'overflowing' returned 1e\+39 for episode 0"),
-                          (short, r"'short' returned 1 rewards for 2 episodes")):
-        trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=func,
-                                     args=config(tmp_path / func.__name__), train_dataset=dataset(),
-                                     processing_class=tokenizer)
+    for func, message in (
+        (overflowing, r"'overflowing' returned 1e\+39 for episode 0"),
+        (short, r"'short' returned 1 rewards for 2 episodes"),
+    ):
+        trainer = AgenticGRPOTrainer(
+            build_tiny_model(tokenizer),
+            agent=tool_agent,
+            reward_funcs=func,
+            args=config(tmp_path / func.__name__),
+            train_dataset=dataset(),
+            processing_class=tokenizer,
+        )
         with pytest.raises(ValueError, match=message):
             train_and_read_log(trainer, tmp_path / func.__name__)
         assert len(read_episode_log(tmp_path / func.__name__)) == 2
@@ -516,29 +658,51 @@ class StopAfter:
 
 
 def resumable_trainer(output_dir, tokenizer, callbacks=None):
-    leveled = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Task {i}."}], "difficulty": 1 + i % 2}
-                                 for i in range(8)])
-    args = config(
-        output_dir, max_steps=5, save_strategy="steps", save_steps=3,  # checkpoints at steps 3 and 5
-        per_device_train_batch_size=4, num_generations=2,  # 2 tasks x 2 episodes a step
-        num_iterations=2,  # each generation trains 2 steps (at 0, 2, 4): the checkpoint at 3 is mid-way through one
-        task_sampling="adaptive", target_difficulty=2,
-        alarm_window=1, alarm_min_split_rate=0.75,  # low_split_rate holds at some steps and not at others
-        held_out_eval_steps=2, held_out_num_samples=2,  # at steps 0, 2, 4 and 5: none at the checkpoint
-        logging_steps=4, logging_first_step=True,  # logs at 1 and 4: steps 2-3's metrics wait across the checkpoint
-        disable_tqdm=True, temperature=1.5,
+    leveled = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Task {i}."}], "difficulty": 1 + i % 2} for i in range(8)]
     )
-    return AgenticGRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=two_call_agent,
-                              reward_funcs=parity_reward, args=args, train_dataset=leveled,
-                              eval_dataset=leveled.select(range(2)), processing_class=tokenizer, callbacks=callbacks)
+    args = config(
+        output_dir,
+        max_steps=5,
+        save_strategy="steps",
+        save_steps=3,  # checkpoints at steps 3 and 5
+        per_device_train_batch_size=4,
+        num_generations=2,  # 2 tasks x 2 episodes a step
+        num_iterations=2,  # each generation trains 2 steps (at 0, 2, 4): the checkpoint at 3 is mid-way through one
+        task_sampling="adaptive",
+        target_difficulty=2,
+        alarm_window=1,
+        alarm_min_split_rate=0.75,  # low_split_rate holds at some steps and not at others
+        held_out_eval_steps=2,
+        held_out_num_samples=2,  # at steps 0, 2, 4 and 5: none at the checkpoint
+        logging_steps=4,
+        logging_first_step=True,  # logs at 1 and 4: steps 2-3's metrics wait across the checkpoint
+        disable_tqdm=True,
+        temperature=1.5,
+    )
+    return AgenticGRPOTrainer(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        agent=two_call_agent,
+        reward_funcs=parity_reward,
+        args=args,
+        train_dataset=leveled,
+        eval_dataset=leveled.select(range(2)),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 
 
 def deterministic_part(record):
     episode = record["episode"]
     return {
-        "step": record["step"], "mode": record["mode"], "advantage": record["advantage"],
-        "difficulty": record.get("difficulty"), "task": episode["messages"][0]["content"],
-        "task_index": episode["task_index"], "group_index": episode["group_index"], "status": episode["status"],
+        "step": record["step"],
+        "mode": record["mode"],
+        "advantage": record["advantage"],
+        "difficulty": record.get("difficulty"),
+        "task": episode["messages"][0]["content"],
+        "task_index": episode["task_index"],
+        "group_index": episode["group_index"],
+        "status": episode["status"],
         "rewards": episode["metadata"]["rewards"],
         "turns": [(t["prompt_ids"], t["completion_ids"], t["sampling"]["seed"]) for t in episode["turns"]],
     }
@@ -580,8 +744,12 @@ def test_a_resumed_run_is_the_run_that_was_never_interrupted(tmp_path, tokenizer
     def timeless(metrics: dict) -> dict:
         # Left out: wall times, and transformers' own loss bookkeeping, which its checkpoints do not keep (the first
         # `loss` logged after a resume averages the steps since the resume; `train_loss`, those of one train() call).
-        return {k: v for k, v in metrics.items() if k not in ("loss", "train_loss", "total_flos") and not any(
-            word in k for word in ("time", "per_second", "engine/"))}
+        return {
+            k: v
+            for k, v in metrics.items()
+            if k not in ("loss", "train_loss", "total_flos")
+            and not any(word in k for word in ("time", "per_second", "engine/"))
+        }
 
     callbacks = whole.alarms_callback, resumed.alarms_callback
     assert callbacks[1].alarms == callbacks[0].alarms and callbacks[0].alarms  # some alarm fired
@@ -638,8 +806,10 @@ def test_resuming_into_a_dir_with_another_runs_episode_log_leaves_that_log_whole
     other.parent.mkdir(parents=True)
     own = "".join(json.dumps({"step": i, "mode": "train", "note": "x" * 500}) + "\n" for i in range(400))
     other.write_text(own)
-    assert len(own) > json.loads((tmp_path / "a" / "checkpoint-3" / "trl_agentic_state_0.json").read_text())[
-        "episode_log_bytes"]
+    assert (
+        len(own)
+        > json.loads((tmp_path / "a" / "checkpoint-3" / "trl_agentic_state_0.json").read_text())["episode_log_bytes"]
+    )
     resumed = resumable_trainer(tmp_path / "b", tokenizer)
     with caplog.at_level("WARNING", logger="trl_agentic"):
         try:
@@ -651,8 +821,13 @@ def test_resuming_into_a_dir_with_another_runs_episode_log_leaves_that_log_whole
 
 
 def test_tiny_model_names_work_in_python_as_on_the_command_line(tmp_path):
-    trainer = AgenticGRPOTrainer("tiny:qwen2_5:32x1", agent=tool_agent, reward_funcs=length_reward,
-                                 args=config(tmp_path), train_dataset=dataset(2))
+    trainer = AgenticGRPOTrainer(
+        "tiny:qwen2_5:32x1",
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path),
+        train_dataset=dataset(2),
+    )
     try:
         assert trainer.model.config.hidden_size == 32 and trainer.model.config.num_hidden_layers == 1
         assert trainer.processing_class.chat_template  # its tokenizer, with a real chat template

@@ -69,18 +69,32 @@ def test_agents_written_with_the_anthropic_sdk(server, tmp_path):
     script.write_text(ANTHROPIC_COMMAND)
 
     async def async_agent(client: anthropic.AsyncAnthropic, task):
-        return (await client.messages.create(model="policy", max_tokens=8, messages=[
-            {"role": "user", "content": task["prompt"]}])).content[0].text
+        return (
+            (
+                await client.messages.create(
+                    model="policy", max_tokens=8, messages=[{"role": "user", "content": task["prompt"]}]
+                )
+            )
+            .content[0]
+            .text
+        )
 
     def sync_agent(client: "anthropic.Anthropic", task):
-        return client.messages.create(model="policy", max_tokens=8, messages=[
-            {"role": "user", "content": task["prompt"]}]).content[0].text
+        return (
+            client.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": task["prompt"]}])
+            .content[0]
+            .text
+        )
 
     def unannotated_agent(client, task):
         return sync_agent(client, task)
 
-    agents = [CommandAgent(f"{sys.executable} {script}"), async_agent, sync_agent,
-              CallableAgent(unannotated_agent, client="anthropic")]
+    agents = [
+        CommandAgent(f"{sys.executable} {script}"),
+        async_agent,
+        sync_agent,
+        CallableAgent(unannotated_agent, client="anthropic"),
+    ]
     for agent in agents:
         (episode,) = run(server, resolve_agent(agent))
         assert episode.status == "ok", episode.error
@@ -101,20 +115,36 @@ def test_a_proxy_in_the_environment_does_not_carry_the_agents_model_calls(server
         monkeypatch.delenv(name, raising=False)
 
     async def openai_async(client, task):
-        return (await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4)).choices[0].message.content
+        return (
+            (
+                await client.chat.completions.create(
+                    model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+            )
+            .choices[0]
+            .message.content
+        )
 
     def openai_sync(client, task):
-        return client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=4).choices[0].message.content
+        return (
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            .choices[0]
+            .message.content
+        )
 
     async def anthropic_async(client: anthropic.AsyncAnthropic, task):
-        return (await client.messages.create(model="policy", max_tokens=4, messages=[
-            {"role": "user", "content": "hi"}])).content[0].text
+        return (
+            (await client.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}]))
+            .content[0]
+            .text
+        )
 
     def anthropic_sync(client: anthropic.Anthropic, task):
-        return client.messages.create(model="policy", max_tokens=4, messages=[
-            {"role": "user", "content": "hi"}]).content[0].text
+        return (
+            client.messages.create(model="policy", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            .content[0]
+            .text
+        )
 
     for agent in (openai_async, openai_sync, anthropic_async, anthropic_sync):
         (episode,) = run(server, resolve_agent(agent))
@@ -132,11 +162,13 @@ def process_is_gone(pid: int) -> bool:
 def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tmp_path):
     # The command answers and exits 0, but leaves a child that keeps its stdout open for 30 s.
     script = tmp_path / "agent.sh"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         sleep 30 &
         echo "$!" > child.pid
         echo '{"answer": 42}'
-    """))
+    """)
+    )
     started = time.monotonic()
     (episode,) = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=10)
     assert episode.status == "ok", episode.error
@@ -151,7 +183,7 @@ def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tm
 
 def test_timed_out_command_is_killed_with_its_process_group(server, tmp_path):
     script = tmp_path / "agent.sh"
-    script.write_text("sleep 30 &\necho \"$!\" > child.pid\nsleep 30\n")
+    script.write_text('sleep 30 &\necho "$!" > child.pid\nsleep 30\n')
     started = time.monotonic()
     episodes = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=1.0)
     assert [e.status for e in episodes] == ["timeout"]

@@ -74,9 +74,11 @@ def test_reward_hacking_compares_with_every_earlier_evaluation():
 def test_reward_hacking_holds_held_out_against_training_success_at_the_target_difficulty():
     # Adaptive sampling moved groups from hard to easy tasks: the mean reward rose 0.45 -> 0.65 while the training
     # success at the target difficulty (what the held-out split measures) and held-out success stayed level.
-    history = {"reward": [(s, 0.45 if s <= 50 else 0.65) for s in range(1, 101)],
-               "sampling/target_success": [(s, 0.6) for s in range(1, 101)],
-               "held_out/success": [(0, 0.6), (50, 0.6), (100, 0.6)]}
+    history = {
+        "reward": [(s, 0.45 if s <= 50 else 0.65) for s in range(1, 101)],
+        "sampling/target_success": [(s, 0.6) for s in range(1, 101)],
+        "held_out/success": [(0, 0.6), (50, 0.6), (100, 0.6)],
+    }
     assert names(history) == []
     # Success at the target rising while held-out success does not: the alarm, naming what it compared.
     history["sampling/target_success"] = [(s, 0.6 if s <= 50 else 0.8) for s in range(1, 101)]
@@ -92,9 +94,11 @@ def test_reward_hacking_holds_held_out_against_training_success_on_tasks_not_see
     # The sampler revisits tasks: success on revisited tasks rose (learned by heart, the demo's seed 0: 0.43 on first
     # visits, 0.56 on revisits at steps 150-200) while success on first visits followed held-out success. Not a gamed
     # checker: no alarm.
-    history = {"sampling/target_success": [(s, 0.4 if s <= 50 else 0.6) for s in range(1, 101)],
-               "sampling/target_success_unseen": [(s, 0.4) for s in range(1, 101, 3)],
-               "held_out/success": [(0, 0.4), (50, 0.4), (100, 0.41)]}
+    history = {
+        "sampling/target_success": [(s, 0.4 if s <= 50 else 0.6) for s in range(1, 101)],
+        "sampling/target_success_unseen": [(s, 0.4) for s in range(1, 101, 3)],
+        "held_out/success": [(0, 0.4), (50, 0.4), (100, 0.41)],
+    }
     assert names(history) == []
     # Success on new tasks rising while held-out success does not: the training checker pays for something the
     # held-out one does not.
@@ -124,17 +128,22 @@ def test_reward_hacking_allows_for_the_noise_of_both_measurements():
     assert reward_hacking(gamed, held_out, held_out_episodes=small) is not None
     assert reward_hacking(steady, held_out) is not None
     # Through the callback's history: `held_out/episodes` is what it records with each evaluation.
-    history = {"sampling/target_success": noisy, "held_out/success": held_out,
-               "held_out/episodes": [(s, float(n)) for s, n in small]}
+    history = {
+        "sampling/target_success": noisy,
+        "held_out/success": held_out,
+        "held_out/episodes": [(s, float(n)) for s, n in small],
+    }
     assert names(history) == []
-    assert names({**history, "sampling/target_success": steady,
-                  "held_out/episodes": [(s, 5000.0) for s, _ in small]}) == ["reward_hacking"]
+    assert names(
+        {**history, "sampling/target_success": steady, "held_out/episodes": [(s, 5000.0) for s, _ in small]}
+    ) == ["reward_hacking"]
 
 
 def test_length_drift_fires_on_growing_episodes_without_reward():
     history = healthy_history()
-    longer = with_series(history, "episodes/sampled_tokens_mean",
-                         lambda step, value: value * (1 + max(0, step - 40) / 20))  # 35 -> ~100 tokens by step 78
+    longer = with_series(
+        history, "episodes/sampled_tokens_mean", lambda step, value: value * (1 + max(0, step - 40) / 20)
+    )  # 35 -> ~100 tokens by step 78
     assert names(longer) == ["length_drift"]
     more_turns = with_series(history, "episodes/turns_mean", lambda step, value: value + max(0, step - 50) / 10)
     alarms = check_alarms(more_turns)
@@ -147,8 +156,9 @@ def test_length_drift_fires_on_growing_episodes_without_reward():
 def test_malformed_tool_call_and_unscorable_spikes():
     history = healthy_history()
     last = history["reward"][-1][0]
-    malformed = with_series(history, "episodes/malformed_tool_calls_mean",
-                            lambda step, value: 0.8 if step > last - 5 else value)  # 0.8 of ~1.9 calls
+    malformed = with_series(
+        history, "episodes/malformed_tool_calls_mean", lambda step, value: 0.8 if step > last - 5 else value
+    )  # 0.8 of ~1.9 calls
     assert names(malformed) == ["malformed_tool_calls"]
     failing = with_series(history, "episodes/unscorable", lambda step, value: 0.3 if step > last - 5 else value)
     assert names(failing) == ["unscorable_episodes"]
@@ -185,15 +195,17 @@ def test_malformed_tool_calls_compares_like_with_like_across_difficulties():
     # in twenty, and neither rate moves. Over the last 5 steps the sampler draws 3-digit tasks 3 groups in 8 instead
     # of 1 in 8: the pooled rate rises 0.11 -> 0.22, but at every difficulty the policy writes calls as well as before.
     steady = {2: 0.05, 3: 0.5}
-    moved = by_level_history(30, lambda step: steady,
-                             lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 7 / 8, 3: 1 / 8})
+    moved = by_level_history(
+        30, lambda step: steady, lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 7 / 8, 3: 1 / 8}
+    )
     without_levels = {k: v for k, v in moved.items() if not k.startswith("sampling/")}
     assert names(without_levels) == ["malformed_tool_calls"]  # pooled: the mix looks like a breakage
     assert names(moved) == []
     # The policy breaks at one difficulty (2-digit calls 0.05 -> 0.25 of calls) at an unchanged mix: it fires, and the
     # evidence compares the rate seen with the one expected from each difficulty's earlier rate.
-    broken = by_level_history(30, lambda step: {2: 0.25 if step > 25 else 0.05, 3: 0.5},
-                              lambda step: {2: 7 / 8, 3: 1 / 8})
+    broken = by_level_history(
+        30, lambda step: {2: 0.25 if step > 25 else 0.05, 3: 0.5}, lambda step: {2: 7 / 8, 3: 1 / 8}
+    )
     alarms = check_alarms(broken)
     assert [a.name for a in alarms] == ["malformed_tool_calls"]
     after, before = 7 / 8 * 0.25 + 1 / 8 * 0.5, 7 / 8 * 0.05 + 1 / 8 * 0.5
@@ -201,8 +213,9 @@ def test_malformed_tool_calls_compares_like_with_like_across_difficulties():
     assert alarms[0].evidence["before"] == pytest.approx(before)
     assert "at each difficulty" in alarms[0].message
     # A difficulty first drawn in the last steps has no earlier rate to compare with: its calls are left out.
-    new_level = by_level_history(30, lambda step: {2: 0.05, 3: 0.9},
-                                 lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 1.0, 3: 0.0})
+    new_level = by_level_history(
+        30, lambda step: {2: 0.05, 3: 0.9}, lambda step: {2: 5 / 8, 3: 3 / 8} if step > 25 else {2: 1.0, 3: 0.0}
+    )
     assert names(new_level) == []
 
 
@@ -211,8 +224,7 @@ def test_malformed_tool_calls_needs_more_than_a_few_groups_can_produce_by_chance
     # call with "4 * 1."), so the alarm counts groups, not calls: one 1-digit group a step, broken five steps running
     # (the 1-digit rate 0.1 -> 1.0), moves the whole rate by 0.11 but is within 3 standard errors of what five groups
     # of a 0.1 rate can give.
-    few = by_level_history(30, lambda step: {1: 1.0 if step > 25 else 0.1, 2: 0.05},
-                           lambda step: {1: 1 / 8, 2: 7 / 8})
+    few = by_level_history(30, lambda step: {1: 1.0 if step > 25 else 0.1, 2: 0.05}, lambda step: {1: 1 / 8, 2: 7 / 8})
     assert names(few) == []
     assert names(few, AlarmSettings(noise_z=2.0)) == ["malformed_tool_calls"]
     # Logged without group counts (before they were logged), the calls count as independent.
@@ -238,17 +250,28 @@ def test_low_split_rate():
 
 
 def test_history_from_log_history_skips_eval_and_non_numbers():
-    log_history = [{"reward": 0.5, "step": 1, "eval_reward": 0.1, "note": "x"}, {"reward": None, "step": 2},
-                   {"train_runtime": 3.0, "step": 2}]
+    log_history = [
+        {"reward": 0.5, "step": 1, "eval_reward": 0.1, "note": "x"},
+        {"reward": None, "step": 2},
+        {"train_runtime": 3.0, "step": 2},
+    ]
     assert history_from_log_history(log_history) == {"reward": [(1, 0.5)], "train_runtime": [(2, 3.0)]}
 
 
 def test_history_from_episode_records_recomputes_the_trainer_metrics():
     def record(step, task, sample, reward, status="ok"):
         turn = {"completion_ids": [1, 2], "logprobs": [-0.5, -1.5], "malformed_tool_call": sample == 0}
-        return {"step": step, "mode": "train", "episode": {
-            "task_index": task, "group_index": sample, "turns": [turn], "status": status,
-            "metadata": {"rewards": {"f": reward}}}}
+        return {
+            "step": step,
+            "mode": "train",
+            "episode": {
+                "task_index": task,
+                "group_index": sample,
+                "turns": [turn],
+                "status": status,
+                "metadata": {"rewards": {"f": reward}},
+            },
+        }
 
     records = [record(1, 0, 0, 1.0), record(1, 1, 1, 0.0), record(1, 2, 0, None, "timeout"), record(1, 3, 1, None)]
     history = history_from_episode_records(records)
@@ -263,6 +286,7 @@ def test_episode_records_with_difficulties_hold_each_level_to_its_own_rates_like
     break, or whose episodes time out, more often raises the pooled rates with no change in the policy: with each
     record's difficulty the recomputed alarms compare like with like, as the run's do; without it, they would report
     spikes. A real rise at the target, at an unchanged mix, still fires."""
+
     def records(step, levels, target_timeouts=0):
         out = []
         for group, level in enumerate(levels):
@@ -271,10 +295,21 @@ def test_episode_records_with_difficulties_hold_each_level_to_its_own_rates_like
             for sample in range(8):
                 turn = {"completion_ids": [1, 2], "logprobs": [-0.5, -0.5], "malformed_tool_call": sample < broken}
                 unscorable = sample >= 8 - timeouts
-                out.append({"step": step, "mode": "train", "difficulty": level, "target": level == 2, "episode": {
-                    "task_index": group * 8 + sample, "group_index": sample, "turns": [turn],
-                    "status": "timeout" if unscorable else "ok",
-                    "metadata": {"rewards": {"f": None if unscorable else float(sample % 2)}}}})
+                out.append(
+                    {
+                        "step": step,
+                        "mode": "train",
+                        "difficulty": level,
+                        "target": level == 2,
+                        "episode": {
+                            "task_index": group * 8 + sample,
+                            "group_index": sample,
+                            "turns": [turn],
+                            "status": "timeout" if unscorable else "ok",
+                            "metadata": {"rewards": {"f": None if unscorable else float(sample % 2)}},
+                        },
+                    }
+                )
         return out
 
     def alarms(log):
@@ -310,7 +345,9 @@ def test_callback_logs_warns_once_clears_and_writes_the_summary(tmp_path):
     assert logged == [0, 0, 1, 1, 0, 0, 0, 0, 0, 1]  # 3-step means: fires at 3, clears at 5, fires again at 10
     assert len([w for w in caught if issubclass(w.category, TrainingAlarm)]) == 2
     assert [(a["name"], a["step"], a["last_step"]) for a in callback.alarms] == [
-        ("low_split_rate", 3, 4), ("low_split_rate", 10, 10)]
+        ("low_split_rate", 3, 4),
+        ("low_split_rate", 10, 10),
+    ]
     summary = json.loads((tmp_path / "alarms.json").read_text())
     assert summary["alarms"] == callback.alarms and summary["checks"] == list(ALARM_NAMES)
 
@@ -344,27 +381,129 @@ def test_reward_hacking_stays_silent_on_a_healthy_runs_swings():
     # per-step values say. The default is 3.
     steps = [s for s in range(1, 101) if s != 91]
     values = [
-        0.3125, 0.0938, 0.25, 0.25, 0.4583, 0.1875, 0.5, 0.3125, 0.2812, 0.3125, 0.5417, 0.2917,
-        0.3333, 0.5312, 0.4375, 0.375, 0.5, 0.1667, 0.6667, 0.2917, 0.4375, 0.5, 0.3333, 0.5,
-        0.5625, 0.4583, 0.4583, 0.7083, 0.5, 0.4688, 0.2917, 0.5, 0.5625, 0.75, 0.4375, 0.625,
-        0.75, 0.6875, 0.4583, 0.5938, 0.4167, 0.7917, 0.2917, 0.5417, 0.3438, 0.7083, 0.5, 0.4583,
-        0.5417, 0.8125, 0.5938, 0.7083, 0.625, 0.0, 0.375, 0.5625, 0.5833, 0.0, 0.4583, 0.5625,
-        0.25, 0.5312, 0.625, 0.5, 0.0625, 0.5, 0.4688, 0.6875, 0.625, 0.625, 0.125, 0.625,
-        0.5625, 0.4583, 0.375, 0.5625, 0.6667, 0.4583, 0.25, 0.75, 0.625, 0.3125, 0.6562, 0.75,
-        0.7083, 0.6875, 0.5, 0.6667, 0.75, 0.75, 1.0, 0.8125, 0.625, 0.625, 0.875, 0.6875,
-        0.875, 0.8125, 0.6875,
+        0.3125,
+        0.0938,
+        0.25,
+        0.25,
+        0.4583,
+        0.1875,
+        0.5,
+        0.3125,
+        0.2812,
+        0.3125,
+        0.5417,
+        0.2917,
+        0.3333,
+        0.5312,
+        0.4375,
+        0.375,
+        0.5,
+        0.1667,
+        0.6667,
+        0.2917,
+        0.4375,
+        0.5,
+        0.3333,
+        0.5,
+        0.5625,
+        0.4583,
+        0.4583,
+        0.7083,
+        0.5,
+        0.4688,
+        0.2917,
+        0.5,
+        0.5625,
+        0.75,
+        0.4375,
+        0.625,
+        0.75,
+        0.6875,
+        0.4583,
+        0.5938,
+        0.4167,
+        0.7917,
+        0.2917,
+        0.5417,
+        0.3438,
+        0.7083,
+        0.5,
+        0.4583,
+        0.5417,
+        0.8125,
+        0.5938,
+        0.7083,
+        0.625,
+        0.0,
+        0.375,
+        0.5625,
+        0.5833,
+        0.0,
+        0.4583,
+        0.5625,
+        0.25,
+        0.5312,
+        0.625,
+        0.5,
+        0.0625,
+        0.5,
+        0.4688,
+        0.6875,
+        0.625,
+        0.625,
+        0.125,
+        0.625,
+        0.5625,
+        0.4583,
+        0.375,
+        0.5625,
+        0.6667,
+        0.4583,
+        0.25,
+        0.75,
+        0.625,
+        0.3125,
+        0.6562,
+        0.75,
+        0.7083,
+        0.6875,
+        0.5,
+        0.6667,
+        0.75,
+        0.75,
+        1.0,
+        0.8125,
+        0.625,
+        0.625,
+        0.875,
+        0.6875,
+        0.875,
+        0.8125,
+        0.6875,
     ]
     success = list(zip(steps, values))
     held_out, episodes = [(0, 0.235), (50, 0.515), (100, 0.53)], [(0, 200), (50, 200), (100, 200)]
     assert reward_hacking(success, held_out, held_out_episodes=episodes, noise_z=2.0) is not None  # the false alarm
     assert reward_hacking(success, held_out, held_out_episodes=episodes) is None
-    assert names({"sampling/target_success_unseen": success, "held_out/success": held_out,
-                  "held_out/episodes": [(s, float(n)) for s, n in episodes]}) == []
+    assert (
+        names(
+            {
+                "sampling/target_success_unseen": success,
+                "held_out/success": held_out,
+                "held_out/episodes": [(s, float(n)) for s, n in episodes],
+            }
+        )
+        == []
+    )
 
 
 def tasks(start, n):
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} * {i + 3}?"}],
-                               "answer": str(i * (i + 3))} for i in range(start, start + n)])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"What is {i} * {i + 3}?"}], "answer": str(i * (i + 3))}
+            for i in range(start, start + n)
+        ]
+    )
 
 
 def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path):
@@ -372,14 +511,29 @@ def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path
     args = AgenticGRPOConfig(
         # A big lr: the tiny model games it in ~8-15 steps. With 12 steps, 3 of 12 seeds had not yet gamed it (one CI
         # run failed so); with 20, the alarm fired on 12 of 12 seeds.
-        output_dir=str(tmp_path), max_steps=20, learning_rate=5e-2,
-        num_generations=4, per_device_train_batch_size=8, max_completion_length=8,  # 2 tasks x 4 episodes per step
-        held_out_eval_steps=5, alarm_window=3,  # held-out at steps 0, 5, 10, 15, 20; 3-step means
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=20,
+        learning_rate=5e-2,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=8,  # 2 tasks x 4 episodes per step
+        held_out_eval_steps=5,
+        alarm_window=3,  # held-out at steps 0, 5, 10, 15, 20; 3-step means
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
     )
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=one_call_agent, reward_funcs=answer_looks_like_a_number, args=args,
-        train_dataset=tasks(10, 8), processing_class=tokenizer,
+        build_tiny_model(tokenizer),
+        agent=one_call_agent,
+        reward_funcs=answer_looks_like_a_number,
+        args=args,
+        train_dataset=tasks(10, 8),
+        processing_class=tokenizer,
         eval_dataset=tasks(50, 4),  # held out: never trained on
     )
     # The held-out evaluation uses the trainer's agent with a strict checker (a custom AlarmsCallback could pass any).
@@ -392,15 +546,27 @@ def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path
 
     logs = [entry for entry in trainer.state.log_history if "reward" in entry]
     # The TRL metric names the detectors read (a rename in TRL would silence them).
-    assert {"reward", "frac_reward_zero_std", "entropy", "episodes/sampled_tokens_mean", "episodes/turns_mean",
-            "episodes/malformed_tool_calls_mean", "episodes/status_ok"} <= logs[0].keys()
+    assert {
+        "reward",
+        "frac_reward_zero_std",
+        "entropy",
+        "episodes/sampled_tokens_mean",
+        "episodes/turns_mean",
+        "episodes/malformed_tool_calls_mean",
+        "episodes/status_ok",
+    } <= logs[0].keys()
     assert max(entry["reward"] for entry in logs) - logs[0]["reward"] > 0.5  # the training reward was gamed...
     held_out = {step: value for step, value in trainer.alarms_callback.history["held_out/success"]}
     assert dict(trainer.alarms_callback.history["held_out/episodes"]) == {0: 4.0, 5: 4.0, 10: 4.0, 15: 4.0, 20: 4.0}
     assert sorted(held_out) == [0, 5, 10, 15, 20] and set(held_out.values()) == {0.0}  # ...held-out success was not
     # Logged with the step's metrics (the evaluation before training arrives with the first log).
     assert {entry["step"]: entry["held_out/success"] for entry in logs if "held_out/success" in entry} == {
-        1: 0.0, 5: 0.0, 10: 0.0, 15: 0.0, 20: 0.0}
+        1: 0.0,
+        5: 0.0,
+        10: 0.0,
+        15: 0.0,
+        20: 0.0,
+    }
     fired = {alarm["name"]: alarm for alarm in trainer.alarms}
     assert "reward_hacking" in fired and fired["reward_hacking"]["step"] in (5, 10, 15, 20)
     assert logs[-1]["alarms/reward_hacking"] == 1.0 and logs[0]["alarms/reward_hacking"] == 0.0

@@ -154,10 +154,20 @@ def test_a_call_decoding_across_a_weight_update_records_the_version_of_each_toke
 
 
 def test_rows_carry_each_sampled_tokens_version_and_their_oldest():
-    t0 = Turn(0, prompt_ids=[1, 2], completion_ids=[10, 11], logprobs=[-0.1, -0.2], finish_reason="stop",
-              policy_version=3)
-    t1 = Turn(1, prompt_ids=[1, 2, 10, 11, 5], completion_ids=[12, 13], logprobs=[-0.3, -0.4], finish_reason="stop",
-              prompt_source="continued", parent_turn=0, policy_version=3, token_versions=[3, 4])
+    t0 = Turn(
+        0, prompt_ids=[1, 2], completion_ids=[10, 11], logprobs=[-0.1, -0.2], finish_reason="stop", policy_version=3
+    )
+    t1 = Turn(
+        1,
+        prompt_ids=[1, 2, 10, 11, 5],
+        completion_ids=[12, 13],
+        logprobs=[-0.3, -0.4],
+        finish_reason="stop",
+        prompt_source="continued",
+        parent_turn=0,
+        policy_version=3,
+        token_versions=[3, 4],
+    )
     row = episode_to_rows([t0, t1]).rows[0]
     assert row.env_mask == [1, 1, 0, 1, 1]
     assert row.versions == [3, 3, -1, 3, 4]
@@ -170,9 +180,12 @@ def test_rows_carry_each_sampled_tokens_version_and_their_oldest():
 
 def test_async_training_trains_every_token_within_the_bound_from_groups_started_together(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
         args=config(tmp_path, async_rollouts=True, max_staleness=1, max_steps=4, per_device_train_batch_size=4),
-        train_dataset=dataset(8), processing_class=tokenizer,
+        train_dataset=dataset(8),
+        processing_class=tokenizer,
     )
     records = train_and_read_log(trainer, tmp_path)
     # `step` is the optimizer step that trained the episode; 2 groups of 2 a step; 8 tasks, each drawn once.
@@ -194,20 +207,32 @@ def test_async_training_trains_every_token_within_the_bound_from_groups_started_
     logs = [entry for entry in trainer.state.log_history if "async/staleness_max" in entry]
     assert len(logs) == 4
     assert all(entry["async/dropped_groups"] == 0 and entry["async/staleness_max"] <= 1 for entry in logs)
-    assert all(k in logs[0] for k in ("async/staleness_mean", "async/trainer_wait_s", "async/producer_wait_s",
-                                      "async/in_flight_episodes", "sampling/importance_sampling_ratio/mean"))
+    assert all(
+        k in logs[0]
+        for k in (
+            "async/staleness_mean",
+            "async/trainer_wait_s",
+            "async/producer_wait_s",
+            "async/in_flight_episodes",
+            "sampling/importance_sampling_ratio/mean",
+        )
+    )
     assert trainer._producer is None  # stopped with train()
     # `trl-agentic inspect` shows each episode's start version and staleness.
     summary, _ = build_viewer_data(load_records(find_episode_files(tmp_path)[0]))
     assert [(e["step"], e["staleness"]) for e in summary["episodes"]] == [
-        (r["step"], r["episode"]["metadata"]["staleness"]) for r in records]
+        (r["step"], r["episode"]["metadata"]["staleness"]) for r in records
+    ]
 
 
 def test_max_staleness_0_never_runs_ahead_and_the_correction_is_then_the_identity(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
         args=config(tmp_path, async_rollouts=True, max_staleness=0, max_steps=3, per_device_train_batch_size=4),
-        train_dataset=dataset(8), processing_class=tokenizer,
+        train_dataset=dataset(8),
+        processing_class=tokenizer,
     )
     records = train_and_read_log(trainer, tmp_path)
     assert all(set(trained_versions(r)) == {r["step"]} for r in records)
@@ -248,11 +273,23 @@ def test_a_two_version_batch_trains_with_trls_correction_exactly_as_computed_by_
     `r_t = exp(logp_t - old_t)` and `w`, TRL's importance-sampling weight of the row (default `sequence_mask`:
     `exp(sum_t(old_t - behaviour_t))`, zeroed beyond `vllm_importance_sampling_clip_max`). Its gradient, computed by
     hand from the batch and an independent forward, is the trainer's."""
-    args = config(tmp_path, async_rollouts=True, max_staleness=1, max_steps=2, per_device_train_batch_size=4,
-                  learning_rate=1e-3, vllm_importance_sampling_clip_max=1e9)  # no row masked: every term is checked
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=straddling_agent,
-                                 reward_funcs=sampled_tokens_reward, args=args, train_dataset=dataset(8),
-                                 processing_class=tokenizer)
+    args = config(
+        tmp_path,
+        async_rollouts=True,
+        max_staleness=1,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        vllm_importance_sampling_clip_max=1e9,
+    )  # no row masked: every term is checked
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=straddling_agent,
+        reward_funcs=sampled_tokens_reward,
+        args=args,
+        train_dataset=dataset(8),
+        processing_class=tokenizer,
+    )
     TRAINER["trainer"] = trainer
     first = next(trainer._task_batches())  # the tasks the producer draws first (the sampler is seeded)
     TRAINER["first_batch"] = {trainer.train_dataset[i]["prompt"][0]["content"] for i in first}
@@ -307,20 +344,38 @@ def test_a_two_version_batch_trains_with_trls_correction_exactly_as_computed_by_
 
 def resumable(output_dir, tokenizer, sampling, callbacks=None):
     extra = {}
-    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "difficulty": 1 + i % 2}
-                               for i in range(6)])
+    train = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "difficulty": 1 + i % 2} for i in range(6)]
+    )
     if sampling == "adaptive":  # the sampler draws ahead of what it has observed; held-out evaluation beside it
         extra = dict(task_sampling="adaptive", target_difficulty=2, held_out_eval_steps=2, held_out_num_samples=2)
-    args = config(output_dir, async_rollouts=True, max_staleness=1, max_steps=5, save_strategy="steps",
-                  save_steps=2, per_device_train_batch_size=4, disable_tqdm=True, **extra)
-    return AgenticGRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=tool_agent,
-                              reward_funcs=length_reward, args=args, train_dataset=train,
-                              eval_dataset=train.select(range(2)), processing_class=tokenizer, callbacks=callbacks)
+    args = config(
+        output_dir,
+        async_rollouts=True,
+        max_staleness=1,
+        max_steps=5,
+        save_strategy="steps",
+        save_steps=2,
+        per_device_train_batch_size=4,
+        disable_tqdm=True,
+        **extra,
+    )
+    return AgenticGRPOTrainer(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=train,
+        eval_dataset=train.select(range(2)),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 
 
 @pytest.mark.parametrize("sampling", ["uniform", "adaptive"])
-def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(tmp_path, tokenizer,
-                                                                                           sampling):
+def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(
+    tmp_path, tokenizer, sampling
+):
     """A checkpoint keeps the producer's batches drawn but not trained (their tasks, not their episodes): the resumed
     run generates them again and trains them at the steps the stopped run would have, nothing twice, nothing lost."""
     whole = resumable(tmp_path / "whole", tokenizer, sampling)

@@ -95,8 +95,9 @@ def test_truncated_completion_gets_the_end_of_turn_as_glue(renderers, family, en
     renderer = renderers[family]
     ids = renderer.tokenizer.encode("hello wor", add_special_tokens=False)  # cut by max_tokens: no end-of-turn
     answer = {"role": "assistant", "content": "hello wor"}
-    continuation = continue_with(renderer, [{"role": "user", "content": "hi"}], ids, answer,
-                                 [{"role": "user", "content": "go"}], None)
+    continuation = continue_with(
+        renderer, [{"role": "user", "content": "hi"}], ids, answer, [{"role": "user", "content": "go"}], None
+    )
     assert continuation.glue == [renderer.tokenizer.convert_tokens_to_ids(end_of_turn)]
 
 
@@ -144,8 +145,9 @@ def test_parse_tool_call(renderers, family):
     renderer = renderers[family]
     ids = renderer.tokenizer.encode(tool_call_text(family, "7 * 6"), add_special_tokens=False)
     ids.append(renderer.tokenizer.eos_token_id)
-    message, malformed = renderer.parse(ids, renderer.render([{"role": "user", "content": "7*6?"}], [CALCULATOR_TOOL]),
-                                        [CALCULATOR_TOOL])
+    message, malformed = renderer.parse(
+        ids, renderer.render([{"role": "user", "content": "7*6?"}], [CALCULATOR_TOOL]), [CALCULATOR_TOOL]
+    )
     assert not malformed
     assert message["content"] is None
     (call,) = message["tool_calls"]
@@ -168,7 +170,6 @@ def test_parse_plain_malformed_and_tools_off(renderers):
     assert not malformed and "tool_calls" not in message and message["content"].startswith("<tool_call>")
 
 
-
 def test_unreadable_tool_call_keeps_the_reasoning_split(renderers):
     """A reply whose tool call cannot be read is text, split as a readable reply is: the reasoning apart, the rest
     (the call's markup included) as content, stripped (issue #29: the whole text, `<think>` and all, was the content,
@@ -181,8 +182,11 @@ def test_unreadable_tool_call_keeps_the_reasoning_split(renderers):
     split = {"role": "assistant", "content": "Let me. " + broken, "reasoning_content": "Add them."}
     for text, with_tools, without_tools in [
         (reasoned, split, split),  # without tools, Responses and Messages split the reasoning alike
-        ("  Let me. " + broken, {"role": "assistant", "content": "Let me. " + broken},
-         {"role": "assistant", "content": "  Let me. " + broken}),  # no reasoning: the text as decoded
+        (
+            "  Let me. " + broken,
+            {"role": "assistant", "content": "Let me. " + broken},
+            {"role": "assistant", "content": "  Let me. " + broken},
+        ),  # no reasoning: the text as decoded
     ]:
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         assert renderer.parse(ids, prompt, tools) == (with_tools, True)
@@ -190,21 +194,39 @@ def test_unreadable_tool_call_keeps_the_reasoning_split(renderers):
         assert renderer.parse(ids, prompt, None, split_reasoning=True) == (without_tools, False)
     # gpt-oss's template drops text outside its regions: an unreadable reply is the decoded text, none of it lost.
     harmony = ChatRenderer(harmony_tokenizer())
-    ids = harmony.tokenizer.encode('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe'
-                                   '<|channel|>commentary json<|message|>{"x": 1<|call|>', add_special_tokens=False)
+    ids = harmony.tokenizer.encode(
+        "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe"
+        '<|channel|>commentary json<|message|>{"x": 1<|call|>',
+        add_special_tokens=False,
+    )
     prompt = harmony.render([{"role": "user", "content": "Probe 1."}], [PROBE_TOOL])
-    assert harmony.parse(ids, prompt, [PROBE_TOOL]) == ({"role": "assistant", "content": harmony.tokenizer.decode(
-        ids, skip_special_tokens=True)}, True)
+    assert harmony.parse(ids, prompt, [PROBE_TOOL]) == (
+        {"role": "assistant", "content": harmony.tokenizer.decode(ids, skip_special_tokens=True)},
+        True,
+    )
+
 
 def test_reserialized_messages_compare_equal():
     """What agents send back (arguments as a JSON string with other key order and spacing, `null` fields, list
     content, regenerated ids, dropped reasoning) is the same message as the one we returned."""
-    ours = {"role": "assistant", "content": None, "reasoning_content": "think",
-            "tool_calls": [{"id": "call_1", "type": "function",
-                            "function": {"name": "f", "arguments": '{"a": 1, "b": [1, 2]}'}}]}
-    theirs = {"role": "assistant", "content": None, "refusal": None, "audio": None, "function_call": None,
-              "tool_calls": [{"id": "call_x", "type": "function",
-                              "function": {"name": "f", "arguments": '{"b":[1,2],"a":1}'}}]}
+    ours = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "think",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": [1, 2]}'}}
+        ],
+    }
+    theirs = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [
+            {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": '{"b":[1,2],"a":1}'}}
+        ],
+    }
     assert comparable_message(template_message(ours)) == comparable_message(template_message(theirs))
     # What templates read is kept: reasoning, ids, content joined from text parts.
     normalized = template_message(ours)
@@ -231,18 +253,35 @@ def test_common_prefix_length():
 TRL_TEMPLATES = sorted((Path(trl.__file__).parent / "chat_templates").glob("*.jinja"))
 QWEN3_TEMPLATES = [p for p in TRL_TEMPLATES if p.name.startswith("qwen3")]
 WRAPPED = "<tool_response>\n42\n</tool_response>"  # what Qwen3's templates take for a tool turn
-ADVERSARIAL = [WRAPPED, "Is <tool_response> a tag? Close it with </tool_response>.",
-               "<think>\nPlan first.\n</think>\n\nGo on.", "What is 6 * 7?"]
-PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+ADVERSARIAL = [
+    WRAPPED,
+    "Is <tool_response> a tag? Close it with </tool_response>.",
+    "<think>\nPlan first.\n</think>\n\nGo on.",
+    "What is 6 * 7?",
+]
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    },
+}
 
 
 def adversarial_conversation(users, reasoning="Let me think.", system=False):
     """A tool loop with three user messages (`users`) and reasoning on every assistant turn. (A continuation whose new
     messages hold an assistant message, not ours, shows a moved "last query" in the reasoning it renders.)"""
+
     def call(k):
-        return {"role": "assistant", "content": "", "reasoning_content": reasoning, "tool_calls": [
-            {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}]}
+        return {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": reasoning,
+            "tool_calls": [
+                {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}
+            ],
+        }
 
     def tool(k):
         return {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"}
@@ -252,8 +291,23 @@ def adversarial_conversation(users, reasoning="Let me think.", system=False):
 
     messages = [{"role": "system", "content": "Be brief."}] if system else []
     first, second, third = ({"role": "user", "content": content} for content in users)
-    messages += [first, call(0), tool(0), answer(1), second, call(2), tool(2), call(3), tool(3), answer(4), third,
-                 call(5), tool(5), call(6), tool(6)]
+    messages += [
+        first,
+        call(0),
+        tool(0),
+        answer(1),
+        second,
+        call(2),
+        tool(2),
+        call(3),
+        tool(3),
+        answer(4),
+        third,
+        call(5),
+        tool(5),
+        call(6),
+        tool(6),
+    ]
     return messages
 
 
@@ -285,10 +339,17 @@ def assert_windows_equal_whole_renders(tokenizer, conversations):
 def test_windows_equal_whole_renders_when_user_messages_hold_template_tags(template):
     tokenizer = copy.deepcopy(build_tiny_tokenizer("qwen3"))
     tokenizer.chat_template = template.read_text(encoding="utf-8")
-    conversations = [adversarial_conversation(users) for users in [
-        (WRAPPED, ADVERSARIAL[3], WRAPPED), (WRAPPED, WRAPPED, ADVERSARIAL[3]), (WRAPPED, ADVERSARIAL[2], WRAPPED),
-        (ADVERSARIAL[1], ADVERSARIAL[3], WRAPPED), (ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]),
-        (ADVERSARIAL[3], WRAPPED, WRAPPED)]]
+    conversations = [
+        adversarial_conversation(users)
+        for users in [
+            (WRAPPED, ADVERSARIAL[3], WRAPPED),
+            (WRAPPED, WRAPPED, ADVERSARIAL[3]),
+            (WRAPPED, ADVERSARIAL[2], WRAPPED),
+            (ADVERSARIAL[1], ADVERSARIAL[3], WRAPPED),
+            (ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]),
+            (ADVERSARIAL[3], WRAPPED, WRAPPED),
+        ]
+    ]
     conversations.append(adversarial_conversation((WRAPPED, ADVERSARIAL[3], WRAPPED), system=True))
     windowed, whole = assert_windows_equal_whole_renders(tokenizer, conversations)
     assert windowed.incremental  # the windows were used (the probe kept them on)...
@@ -298,34 +359,59 @@ def test_windows_equal_whole_renders_when_user_messages_hold_template_tags(templ
 def byte_tokenizer(template: str) -> PreTrainedTokenizerFast:
     """A tokenizer without merges whose added tokens are the template's tags: enough to compare renderings of any
     template token for token, built in milliseconds."""
-    specials = set(re.findall(r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>]{1,40}｜>|<(?:start|end)_of_turn>|<\|[a-z_]{1,30}>"
-                              r"|<[a-z_]{1,30}\|>|<\|?[A-Z_]{3,40}\|?>|</s>", template))
+    specials = set(
+        re.findall(
+            r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>]{1,40}｜>|<(?:start|end)_of_turn>|<\|[a-z_]{1,30}>"
+            r"|<[a-z_]{1,30}\|>|<\|?[A-Z_]{3,40}\|?>|</s>",
+            template,
+        )
+    )
     texts = set(re.findall(r"</?[a-z_]{2,30}>", template)) - specials
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in sorted(specials)] +
-                                 [AddedToken("<bos>", special=True, normalized=False)])
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in sorted(specials)]
+        + [AddedToken("<bos>", special=True, normalized=False)]
+    )
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in sorted(texts)])
-    ends = ["<|im_end|>", "<|eot_id|>", "<|return|>", "<end_of_turn>", "<|END_OF_TURN_TOKEN|>",
-            "<｜end▁of▁sentence｜>", "<turn|>", "<|end|>", "</s>", "<|eot|>", "<|user|>"]
+    ends = [
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|return|>",
+        "<end_of_turn>",
+        "<|END_OF_TURN_TOKEN|>",
+        "<｜end▁of▁sentence｜>",
+        "<turn|>",
+        "<|end|>",
+        "</s>",
+        "<|eot|>",
+        "<|user|>",
+    ]
     eos = next((t for t in ends if t in specials), "<bos>")
-    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, bos_token="<bos>",
-                                           clean_up_tokenization_spaces=False)
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=eos, bos_token="<bos>", clean_up_tokenization_spaces=False
+    )
     hf_tokenizer.chat_template = template
     return hf_tokenizer
 
 
 def test_windows_equal_whole_renders_on_every_trl_template():
     """A small fuzz: every chat template TRL ships, adversarial user messages, with and without reasoning."""
-    conversations = [adversarial_conversation(users, reasoning, system) for users, reasoning, system in [
-        ((WRAPPED, ADVERSARIAL[3], WRAPPED), "Hmm.", False), ((ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]), None, True),
-        ((ADVERSARIAL[3], ADVERSARIAL[0], ADVERSARIAL[2]), "Hmm.", True)]]
+    conversations = [
+        adversarial_conversation(users, reasoning, system)
+        for users, reasoning, system in [
+            ((WRAPPED, ADVERSARIAL[3], WRAPPED), "Hmm.", False),
+            ((ADVERSARIAL[2], WRAPPED, ADVERSARIAL[1]), None, True),
+            ((ADVERSARIAL[3], ADVERSARIAL[0], ADVERSARIAL[2]), "Hmm.", True),
+        ]
+    ]
     windowed_templates = []
     for template in TRL_TEMPLATES:
-        windowed, _ = assert_windows_equal_whole_renders(byte_tokenizer(template.read_text(encoding="utf-8")),
-                                                         conversations)
+        windowed, _ = assert_windows_equal_whole_renders(
+            byte_tokenizer(template.read_text(encoding="utf-8")), conversations
+        )
         if windowed.incremental:
             windowed_templates.append(template.stem)
     assert len(windowed_templates) >= len(TRL_TEMPLATES) // 2, windowed_templates
@@ -337,19 +423,23 @@ def harmony_tokenizer() -> PreTrainedTokenizerFast:
     return add_response_schema(tokenizer)
 
 
-@pytest.mark.parametrize("family,stops", [("qwen2_5", {"<|im_end|>"}), ("qwen3", {"<|im_end|>"}),
-                                          ("llama3_2", {"<|eot_id|>", "<|eom_id|>"})])
+@pytest.mark.parametrize(
+    "family,stops", [("qwen2_5", {"<|im_end|>"}), ("qwen3", {"<|im_end|>"}), ("llama3_2", {"<|eot_id|>", "<|eom_id|>"})]
+)
 def test_stop_tokens_of_the_tiny_families(renderers, family, stops):
     tokenizer = renderers[family].tokenizer
     assert renderers[family].end_of_turn_ids == {tokenizer.convert_tokens_to_ids(t) for t in stops}
 
 
-@pytest.mark.parametrize("template,stops", [
-    ("gptoss", {"<|return|>", "<|call|>"}),  # harmony: <|end|> closes a message inside the turn (the analysis)
-    ("phi3", {"<|end|>"}),  # ...and Phi-3's turn
-    ("gemma4", {"<turn|>", "<|tool_response>"}),  # a Gemma 4 tool call stops where the response would begin
-    ("deepseekv3", {"<｜end▁of▁sentence｜>"}),
-])
+@pytest.mark.parametrize(
+    "template,stops",
+    [
+        ("gptoss", {"<|return|>", "<|call|>"}),  # harmony: <|end|> closes a message inside the turn (the analysis)
+        ("phi3", {"<|end|>"}),  # ...and Phi-3's turn
+        ("gemma4", {"<turn|>", "<|tool_response>"}),  # a Gemma 4 tool call stops where the response would begin
+        ("deepseekv3", {"<｜end▁of▁sentence｜>"}),
+    ],
+)
 def test_stop_tokens_come_from_the_template(template, stops):
     tokenizer = byte_tokenizer((Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text("utf-8"))
     renderer = ChatRenderer(tokenizer)
@@ -365,8 +455,10 @@ def test_harmony_continuation_splices_at_the_end_of_the_sampled_message():
     history = [{"role": "user", "content": "Probe 1."}]
     prompt = renderer.render(history, tools)
     assert tokenizer.decode(prompt).endswith("<|start|>assistant")
-    sampled = ('<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe<|channel|>'
-               'commentary json<|message|>{"x": 1}<|call|>')
+    sampled = (
+        "<|channel|>analysis<|message|>Call it.<|end|><|start|>assistant to=functions.probe<|channel|>"
+        'commentary json<|message|>{"x": 1}<|call|>'
+    )
     ids = tokenizer.encode(sampled, add_special_tokens=False)
     message, malformed = renderer.parse(ids, prompt, tools)
     assert not malformed and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"x": 1}
@@ -377,11 +469,13 @@ def test_harmony_continuation_splices_at_the_end_of_the_sampled_message():
     assert continuation.glue == []
     assert full[len(full) - len(continuation.suffix) :] == continuation.suffix
     assert tokenizer.decode(continuation.suffix) == (
-        '<|start|>functions.probe to=assistant<|channel|>commentary<|message|>"2"<|end|><|start|>assistant')
+        '<|start|>functions.probe to=assistant<|channel|>commentary<|message|>"2"<|end|><|start|>assistant'
+    )
     # The final answer ends with <|return|>; the next request renders it closed by <|end|>.
     prompt = prompt + ids + continuation.suffix
-    sampled = ("<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>It is 2."
-               "<|return|>")
+    sampled = (
+        "<|channel|>analysis<|message|>Done.<|end|><|start|>assistant<|channel|>final<|message|>It is 2.<|return|>"
+    )
     ids = tokenizer.encode(sampled, add_special_tokens=False)
     message, malformed = renderer.parse(ids, prompt, tools)
     assert not malformed and message["content"] == "It is 2."

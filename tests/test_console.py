@@ -12,19 +12,35 @@ from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
 def test_a_step_line_shows_what_matters_and_the_alarms_that_fire():
-    logs = {"loss": 0.01, "reward": 0.4167, "reward_std": 0.3, "sampling/split_rate": 0.75, "held_out/success": 0.55,
-            "episodes/unscorable": 0.0625, "episodes/sampled_tokens_mean": 41.25, "step_time": 2.31,
-            "alarms/low_split_rate": 1.0, "alarms/entropy_collapse": 0.0, "completions/mean_length": 12.0}
-    assert step_line(logs, 12, 300) == ("step  12/300  reward 0.42 ±0.30  split 0.75  held-out 0.55  unscorable 0.06  "
-                                        "tokens/episode 41.2  2.31 s/step  ALARM low_split_rate")
+    logs = {
+        "loss": 0.01,
+        "reward": 0.4167,
+        "reward_std": 0.3,
+        "sampling/split_rate": 0.75,
+        "held_out/success": 0.55,
+        "episodes/unscorable": 0.0625,
+        "episodes/sampled_tokens_mean": 41.25,
+        "step_time": 2.31,
+        "alarms/low_split_rate": 1.0,
+        "alarms/entropy_collapse": 0.0,
+        "completions/mean_length": 12.0,
+    }
+    assert step_line(logs, 12, 300) == (
+        "step  12/300  reward 0.42 ±0.30  split 0.75  held-out 0.55  unscorable 0.06  "
+        "tokens/episode 41.2  2.31 s/step  ALARM low_split_rate"
+    )
     assert step_line({"train_runtime": 3.0, "train_loss": 0.1}, 300, 300) is None  # the end-of-training summary
 
 
 def test_training_prints_one_line_per_step_and_keeps_every_metric(tmp_path, capsys):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
-        args=config(tmp_path, max_steps=2, disable_tqdm=True), train_dataset=dataset(4), processing_class=tokenizer,
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path, max_steps=2, disable_tqdm=True),
+        train_dataset=dataset(4),
+        processing_class=tokenizer,
     )
     kinds = [type(cb) for cb in trainer.callback_handler.callbacks]
     assert StepLinePrinter in kinds and PrinterCallback not in kinds and ProgressCallback not in kinds
@@ -40,8 +56,12 @@ def test_training_prints_one_line_per_step_and_keeps_every_metric(tmp_path, caps
     assert len(logged) == 2 and len(logged[0]) > 40  # the loggers still get every metric
 
     with_bar = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=tool_agent, reward_funcs=length_reward,
-        args=config(tmp_path / "bar", max_steps=1), train_dataset=dataset(2), processing_class=tokenizer,
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(tmp_path / "bar", max_steps=1),
+        train_dataset=dataset(2),
+        processing_class=tokenizer,
     )
     with_bar.close()
     assert StepLines in [type(cb) for cb in with_bar.callback_handler.callbacks]
@@ -53,7 +73,8 @@ def test_trls_whole_episode_warning_becomes_one_line(caplog):
     with caplog.at_level(logging.WARNING, logger="trl.trainer.grpo_trainer"):
         logging.getLogger("trl.trainer.grpo_trainer").warning(
             f"All reward functions returned None for the following kwargs:\n{{'episodes': '{episode_text}'}}\n"
-            "Please ensure that at least one reward function returns a valid reward.")
+            "Please ensure that at least one reward function returns a valid reward."
+        )
         logging.getLogger("trl.trainer.grpo_trainer").warning("y" * 5000)
     first, second = caplog.records
     assert "episodes/unscorable" in first.getMessage() and len(first.getMessage()) < 400

@@ -23,8 +23,9 @@ def model(tokenizer):
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_streamed_chunks_concatenate_to_the_output_and_arrive_before_it(tokenizer, model):
@@ -36,8 +37,9 @@ def test_streamed_chunks_concatenate_to_the_output_and_arrive_before_it(tokenize
         def on_token(ids, logprobs):
             events[i].append((list(ids), list(logprobs), task.done()))
 
-        task = asyncio.ensure_future(engine.generate(prompts[i], SamplingParams(max_tokens=6 + i, seed=i),
-                                                     on_token=on_token))
+        task = asyncio.ensure_future(
+            engine.generate(prompts[i], SamplingParams(max_tokens=6 + i, seed=i), on_token=on_token)
+        )
         output = await task
         events[i].append(("done", len(output.token_ids)))
         return output
@@ -58,8 +60,9 @@ def test_streamed_chunks_concatenate_to_the_output_and_arrive_before_it(tokenize
 
 
 def alone(engine, prompt, sampling):
-    return TransformersEngine(engine.model, pad_token_id=engine.pad_token_id,
-                              prefix_cache_bytes=0).generate_batch([prompt], [sampling])[0]
+    return TransformersEngine(engine.model, pad_token_id=engine.pad_token_id, prefix_cache_bytes=0).generate_batch(
+        [prompt], [sampling]
+    )[0]
 
 
 async def join_while_running(engine, running, joiners, after_tokens=5):
@@ -133,8 +136,11 @@ def test_a_cancelled_request_leaves_the_batch(tokenizer, model):
 
     async def main():
         streamed = asyncio.Event()
-        doomed = asyncio.ensure_future(engine.generate(prompt, SamplingParams(max_tokens=3000, stop_token_ids=[]),
-                                                       on_token=lambda ids, lps: streamed.set()))
+        doomed = asyncio.ensure_future(
+            engine.generate(
+                prompt, SamplingParams(max_tokens=3000, stop_token_ids=[]), on_token=lambda ids, lps: streamed.set()
+            )
+        )
         await streamed.wait()
         doomed.cancel()  # the client disconnected
         # A request queued after the cancellation: by the time it is done (several steps), the row is gone.
@@ -156,8 +162,9 @@ def test_requests_sent_together_to_an_idle_engine_are_admitted_together(tokenize
 
     async def together():
         try:
-            await asyncio.gather(*[engine.generate([10 + i, 20, 30], SamplingParams(max_tokens=2, seed=i))
-                                   for i in range(16)])
+            await asyncio.gather(
+                *[engine.generate([10 + i, 20, 30], SamplingParams(max_tokens=2, seed=i)) for i in range(16)]
+            )
         finally:
             await engine.stop()  # the worker thread ends: the next round starts a fresh one
 

@@ -21,8 +21,17 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.mark.timeout(420)
 def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     output_dir, cache_dir = tmp_path / "out", tmp_path / "cache"
-    command = [sys.executable, "-m", "trl_agentic.cli", "demo", "--smoke", "--output-dir", str(output_dir),
-               "--cache-dir", str(cache_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "trl_agentic.cli",
+        "demo",
+        "--smoke",
+        "--output-dir",
+        str(output_dir),
+        "--cache-dir",
+        str(cache_dir),
+    ]
     env = {**os.environ, "TRL_AGENTIC_CACHE": str(tmp_path / "unused")}
     result = subprocess.run(command, capture_output=True, text=True, timeout=200, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -48,8 +57,12 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     # (which is the demo's own: the "before" figure is the alarms' step-0 value, the "after" their last step).
     assert summary["settings"]["task_sampling"] == "adaptive" and summary["settings"]["levels"] == [1, 2, 3]
     logs = [record for record in summary["log_history"] if "reward" in record]
-    missing = {r["step"]: [k for k in ("sampling/split_rate", "sampling/difficulty_mean", "alarms/reward_hacking")
-                           if k not in r] for r in logs}
+    missing = {
+        r["step"]: [
+            k for k in ("sampling/split_rate", "sampling/difficulty_mean", "alarms/reward_hacking") if k not in r
+        ]
+        for r in logs
+    }
     assert not any(missing.values()), (missing, logs)
     assert all(1.0 <= r["sampling/difficulty_mean"] <= 3.0 for r in logs)
     # the training reward: the checker and the cut-off penalty (truncated episodes stay in the loss)
@@ -78,8 +91,15 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     assert "split_rate" in summary and "alarms:" in result.stdout
 
     plots = {os.path.basename(p) for p in summary["plots"]}
-    assert {"reward.png", "held_out_success.png", "completion_length.png", "frac_reward_zero_std.png",
-            "tool_calls.png", "episode_status.png", "learning_signal.png"} <= plots
+    assert {
+        "reward.png",
+        "held_out_success.png",
+        "completion_length.png",
+        "frac_reward_zero_std.png",
+        "tool_calls.png",
+        "episode_status.png",
+        "learning_signal.png",
+    } <= plots
     for path in summary["plots"]:
         data = open(path, "rb").read()
         assert data[:8] == PNG_MAGIC and len(data) > 1024, path
@@ -125,8 +145,11 @@ def check_serve_command(command: str, tmp_path):
         port = s.getsockname()[1]
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "trl_agentic.cli", *argv[1:], "--port", str(port),
-                                    "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trl_agentic.cli", *argv[1:], "--port", str(port), "--log-level", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while True:
@@ -153,14 +176,30 @@ def test_plot_training_curves_writes_one_png_per_metric(tmp_path):
     from trl_agentic.plots import plot_training_curves
 
     history = [
-        {"step": s, "reward": s / 10, "kl": 0.01 * s, "completions/mean_length": 30.0 + s,
-         "frac_reward_zero_std": 0.5, "episodes/tool_calls_mean": 1.0, "episodes/malformed_tool_calls_mean": 0.0,
-         "episodes/status_ok": 0.75, "episodes/status_timeout": 0.25, "episodes/status_agent_error": 0.0}
+        {
+            "step": s,
+            "reward": s / 10,
+            "kl": 0.01 * s,
+            "completions/mean_length": 30.0 + s,
+            "frac_reward_zero_std": 0.5,
+            "episodes/tool_calls_mean": 1.0,
+            "episodes/malformed_tool_calls_mean": 0.0,
+            "episodes/status_ok": 0.75,
+            "episodes/status_timeout": 0.25,
+            "episodes/status_agent_error": 0.0,
+        }
         for s in range(1, 11)
     ] + [{"step": 10, "train_runtime": 1.0}]  # TRL's final record has no metrics
     paths = plot_training_curves(history, {0: 0.2, 5: 0.4, 10: 0.6}, tmp_path / "plots")
-    assert [p.name for p in paths] == ["reward.png", "held_out_success.png", "kl.png", "completion_length.png",
-                                       "frac_reward_zero_std.png", "tool_calls.png", "episode_status.png"]
+    assert [p.name for p in paths] == [
+        "reward.png",
+        "held_out_success.png",
+        "kl.png",
+        "completion_length.png",
+        "frac_reward_zero_std.png",
+        "tool_calls.png",
+        "episode_status.png",
+    ]
     # With the sampling metrics: the learning-signal plot (split rate, sampled difficulty, held-out success).
     for record in history[:-1]:
         record.update({"sampling/split_rate": 0.6, "sampling/difficulty_mean": 1.5})
@@ -186,7 +225,9 @@ def test_split_rate_line_for_runs_shorter_than_its_window(steps):
         assert signal["steps"] == 0 and line is None
     elif steps == 25:
         assert signal["steps"] == 5 and signal["lowest_window_mean"] is None
-        assert line == "split rate (groups whose rewards differ) after step 20: mean 80%"  # steps 21-25: 1, .5, 1, .5, 1
+        assert (
+            line == "split rate (groups whose rewards differ) after step 20: mean 80%"
+        )  # steps 21-25: 1, .5, 1, .5, 1
     else:
         assert signal["steps"] == 20 and signal["lowest_window_mean"] == pytest.approx(0.75)
         assert line == "split rate (groups whose rewards differ) after step 20: mean 75%, lowest 10-step mean 75%"
@@ -226,8 +267,12 @@ def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_targe
 
     class Half:
         def __init__(self, success, episodes, malformed, mean_turns):
-            self.result = {"success": success, "episodes": episodes, "malformed_tool_calls": malformed,
-                           "mean_turns": mean_turns}
+            self.result = {
+                "success": success,
+                "episodes": episodes,
+                "malformed_tool_calls": malformed,
+                "mean_turns": mean_turns,
+            }
             self.seeds = []
 
         def evaluate(self, model=None, seed=0):
@@ -282,8 +327,9 @@ def test_grpo_tasks_leave_out_the_warm_starts_demonstrations():
     demonstrations = warm_start_demonstrations(suite, settings)
     demonstrated = {d["messages"][1]["content"] for d in demonstrations}
     dataset = grpo_tasks(suite, settings, demonstrations)
-    questions = {level: [row["prompt"][-1]["content"] for row in dataset if row["difficulty"] == level]
-                 for level in (1, 2, 3)}
+    questions = {
+        level: [row["prompt"][-1]["content"] for row in dataset if row["difficulty"] == level] for level in (1, 2, 3)
+    }
     # the target and the harder level: nothing the warm start saw, and enough distinct tasks for 300 steps' ~1,200
     # groups (half of them revisits) to be mostly first visits
     assert not demonstrated & set(questions[2]) and not demonstrated & set(questions[3])
@@ -316,8 +362,13 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     settings = DemoSettings(decay_steps=decay_steps)
     config = grpo_config(settings, tmp_path)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
-    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=config.get_warmup_steps(
-        settings.steps), num_training_steps=settings.steps, scheduler_specific_kwargs=config.lr_scheduler_kwargs)
+    scheduler = get_scheduler(
+        config.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=config.get_warmup_steps(settings.steps),
+        num_training_steps=settings.steps,
+        scheduler_specific_kwargs=config.lr_scheduler_kwargs,
+    )
     rates = []
     for _ in range(settings.steps):
         rates.append(scheduler.get_last_lr()[0])
@@ -326,7 +377,7 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     peak = settings.learning_rate
     assert rates[0] == 0.0 and rates[settings.warmup_steps // 2] == pytest.approx(peak / 2)
     stable_end = settings.steps - decay_steps
-    assert all(r == pytest.approx(peak) for r in rates[settings.warmup_steps:stable_end])
+    assert all(r == pytest.approx(peak) for r in rates[settings.warmup_steps : stable_end])
     if decay_steps:
         assert rates[stable_end + decay_steps // 2] == pytest.approx(peak / 2)
         assert rates[-1] == pytest.approx(peak / decay_steps)  # the last step still learns a little

@@ -122,7 +122,8 @@ def test_tool_loop_round_trip(tool_server, tool_model):
     t0, t1 = episode.turns[:2]
     between = t1.prompt_ids[len(t0.prompt_ids) + len(t0.completion_ids) :]
     assert tool_model.tokenizer.decode(between) == (
-        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def collect_stream(stream):
@@ -150,8 +151,15 @@ def test_stream_equals_non_stream(request, policy):
     """Same request and seed, streamed and not: the joined deltas equal the message and the recorded Turns are
     identical (what is recorded never depends on streaming)."""
     server = request.getfixturevalue(f"{policy}_server")
-    kwargs = {"model": "policy", "max_tokens": 24, "seed": 7, "messages": [
-        {"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]}
+    kwargs = {
+        "model": "policy",
+        "max_tokens": 24,
+        "seed": 7,
+        "messages": [
+            {"role": "system", "content": "Use the calculator."},
+            {"role": "user", "content": "What is 2 + 3?"},
+        ],
+    }
     if policy == "tool":
         kwargs.update(tools=[CALCULATOR_TOOL], temperature=0.0)
     plain_session, client = episode_client(server)
@@ -161,10 +169,12 @@ def test_stream_equals_non_stream(request, policy):
     content, calls, finish, usage, chunks = collect_stream(stream)
 
     assert content == (plain.message.content or "") and finish == plain.finish_reason
-    expected_calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                      for c in plain.message.tool_calls or []]
+    expected_calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in plain.message.tool_calls or []
+    ]
     assert [{k: v for k, v in c.items() if k != "id"} for c in calls] == [
-        {k: v for k, v in c.items() if k != "id"} for c in expected_calls]
+        {k: v for k, v in c.items() if k != "id"} for c in expected_calls
+    ]
     if policy == "tool":
         assert finish == "tool_calls" and calls[0]["name"] == "calculator"
         assert json.loads(calls[0]["arguments"]) == {"expression": "2 + 3"}
@@ -197,8 +207,13 @@ def test_stream_wire_format(random_server):
     """Raw SSE: `data:` lines of chat.completion.chunk, a usage chunk only when asked for, then `data: [DONE]`."""
     for include_usage in (True, False):
         session = random_server.open_episode()
-        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
-                "stream_options": {"include_usage": include_usage}}
+        body = {
+            "model": "policy",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": include_usage},
+        }
         headers = {"Authorization": f"Bearer {session.key}"}
         with httpx.stream("POST", f"{random_server.base_url}/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -229,8 +244,17 @@ def test_content_parts_and_null_assistant_content(random_server):
 
     session, client = episode_client(random_server)
     history = as_text + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "calculator", "arguments": '{"expression": "2 + 3"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "2 + 3"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "5"}]},
     ]
     response = client.chat.completions.create(model="policy", messages=history, tools=[CALCULATOR_TOOL], max_tokens=2)
@@ -245,8 +269,13 @@ def test_tool_choice(tool_server, tool_model):
     results = {}
     for choice in ("auto", "none", "required", named):
         response = client.chat.completions.create(
-            model="policy", messages=question, tools=[CALCULATOR_TOOL], tool_choice=choice, temperature=0.0,
-            max_tokens=48)
+            model="policy",
+            messages=question,
+            tools=[CALCULATOR_TOOL],
+            tool_choice=choice,
+            temperature=0.0,
+            max_tokens=48,
+        )
         results[json.dumps(choice)] = response.choices[0]
     assert results['"auto"'].message.tool_calls[0].function.name == "calculator"
     # "none": the model's text comes back as content, never parsed into a call.
@@ -264,8 +293,12 @@ def test_tool_choice(tool_server, tool_model):
 
     session, client = episode_client(tool_server)
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model="policy", messages=question, tools=[CALCULATOR_TOOL],
-                                       tool_choice={"type": "function", "function": {"name": "search"}})
+        client.chat.completions.create(
+            model="policy",
+            messages=question,
+            tools=[CALCULATOR_TOOL],
+            tool_choice={"type": "function", "function": {"name": "search"}},
+        )
     assert error.value.status_code == 400 and "search" in error.value.body["message"]
     assert tool_server.close_episode(session.episode.id).turns == []
 
@@ -275,28 +308,46 @@ def test_named_tool_choice_is_enforced_where_the_model_would_answer(tool_server,
     next call still continues token-exactly from the forced turn."""
     messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 2 + 3?"}]
     session, client = episode_client(tool_server)
-    first = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
-                                           temperature=0.0, max_tokens=48).choices[0].message
+    first = (
+        client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=48
+        )
+        .choices[0]
+        .message
+    )
     assert first.tool_calls
-    messages += [first.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
-    free = client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL],
-                                          temperature=0.0, max_tokens=48).choices[0]
+    messages += [
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"},
+    ]
+    free = client.chat.completions.create(
+        model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=48
+    ).choices[0]
     assert free.message.tool_calls is None  # on its own the model answers
     forced = client.chat.completions.create(
-        model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=48,
-        tool_choice={"type": "function", "function": {"name": "calculator"}}).choices[0]
+        model="policy",
+        messages=messages,
+        tools=[CALCULATOR_TOOL],
+        temperature=0.0,
+        max_tokens=48,
+        tool_choice={"type": "function", "function": {"name": "calculator"}},
+    ).choices[0]
     assert forced.finish_reason == "tool_calls" and forced.message.tool_calls[0].function.name == "calculator"
-    messages += [forced.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": forced.message.tool_calls[0].id, "content": "5"}]
-    client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0,
-                                   max_tokens=8)
+    messages += [
+        forced.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": forced.message.tool_calls[0].id, "content": "5"},
+    ]
+    client.chat.completions.create(
+        model="policy", messages=messages, tools=[CALCULATOR_TOOL], temperature=0.0, max_tokens=8
+    )
     episode = tool_server.close_episode(session.episode.id)
     forced_turn, last = episode.turns[2], episode.turns[3]
     assert forced_turn.forced_tokens > 0 and not forced_turn.malformed_tool_call
     assert last.prompt_source == "continued" and last.parent_turn == 2
     assert last.prompt_ids[: len(forced_turn.prompt_ids) + len(forced_turn.completion_ids)] == (
-        forced_turn.prompt_ids + forced_turn.completion_ids)
+        forced_turn.prompt_ids + forced_turn.completion_ids
+    )
+
 
 def test_n_choices_record_one_turn_each(random_server):
     session, client = episode_client(random_server)
@@ -328,13 +379,18 @@ def test_an_episode_opened_with_a_seed_samples_from_it_whatever_else_runs(random
 
     first = [{"role": "user", "content": "Tell me something."}]
     opened = {name: open_episode({"seed": seed}).json() for name, seed in (("a", 5), ("b", 5), ("c", 6))}
-    clients = {name: openai.OpenAI(base_url=o["base_url"], api_key=o["key"], max_retries=0, timeout=60)
-               for name, o in opened.items()}
+    clients = {
+        name: openai.OpenAI(base_url=o["base_url"], api_key=o["key"], max_retries=0, timeout=60)
+        for name, o in opened.items()
+    }
     answers = {name: [] for name in opened}
 
     def call(name, **kwargs):
-        messages = first if not answers[name] else first + [{"role": "assistant", "content": answers[name][-1]},
-                                                            {"role": "user", "content": "More."}]
+        messages = (
+            first
+            if not answers[name]
+            else first + [{"role": "assistant", "content": answers[name][-1]}, {"role": "user", "content": "More."}]
+        )
         reply = clients[name].chat.completions.create(model="policy", messages=messages, max_tokens=6, **kwargs)
         answers[name].append(reply.choices[0].message.content)
 
@@ -345,7 +401,8 @@ def test_an_episode_opened_with_a_seed_samples_from_it_whatever_else_runs(random
     loose = random_server.open_episode()  # no seed: the engine's
     repeated = first + [{"role": "assistant", "content": answers["a"][1]}, {"role": "user", "content": "More."}]
     openai.OpenAI(base_url=random_server.base_url, api_key=loose.key, max_retries=0).chat.completions.create(
-        model="policy", messages=repeated, max_tokens=6, seed=3)  # a's last request
+        model="policy", messages=repeated, max_tokens=6, seed=3
+    )  # a's last request
     episodes = {name: random_server.close_episode(o["id"]) for name, o in opened.items()}
     loose = random_server.close_episode(loose.episode.id)
 
@@ -355,7 +412,11 @@ def test_an_episode_opened_with_a_seed_samples_from_it_whatever_else_runs(random
     assert ids("b") == ids("a")[:3] and ids("c") != ids("b")
     assert ids("a")[0] != ids("a")[1]  # the choices of a call sample apart
     assert [turn.sampling["seed"] for turn in episodes["a"].turns] == [
-        derive_seed(5, 0), derive_seed(5, 0), derive_seed(5, 1), 3]  # recorded: each call's first choice's seed
+        derive_seed(5, 0),
+        derive_seed(5, 0),
+        derive_seed(5, 1),
+        3,
+    ]  # recorded: each call's first choice's seed
     assert loose.turns[0].prompt_ids == episodes["a"].turns[3].prompt_ids
     assert loose.turns[0].completion_ids == ids("a")[3]
     # The seed is an int64, as a request's is.
@@ -370,15 +431,26 @@ def test_stop_strings(random_server, random_policy):
     full = client.chat.completions.create(model="policy", messages=messages, max_tokens=24, seed=11)
     text = full.choices[0].message.content
     # A stop string from the middle of what this seed samples (ASCII, so it decodes the same token by token).
-    start = next(i for i in range(4, len(text) - 2) if text[i : i + 2].isascii() and not text[i : i + 2].isspace()
-                 and text[i : i + 2].strip() == text[i : i + 2])
+    start = next(
+        i
+        for i in range(4, len(text) - 2)
+        if text[i : i + 2].isascii() and not text[i : i + 2].isspace() and text[i : i + 2].strip() == text[i : i + 2]
+    )
     stop = text[start : start + 2]
-    stopped = client.chat.completions.create(model="policy", messages=messages, max_tokens=24, seed=11,
-                                             stop=["@@never@@", stop])
+    stopped = client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=24, seed=11, stop=["@@never@@", stop]
+    )
     assert stopped.choices[0].message.content == text[: text.find(stop)]
     assert stopped.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model="policy", messages=messages, max_tokens=24, seed=11, stop=stop,
-                                              stream=True, stream_options={"include_usage": True})
+    streamed = client.chat.completions.create(
+        model="policy",
+        messages=messages,
+        max_tokens=24,
+        seed=11,
+        stop=stop,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     content, _, finish, usage, chunks = collect_stream(streamed)
     assert (content, finish) == (stopped.choices[0].message.content, "stop") and chunks > 3
     assert usage.completion_tokens == stopped.usage.completion_tokens
@@ -396,8 +468,14 @@ def test_stop_strings(random_server, random_policy):
 
 def test_logprobs_and_top_logprobs(random_server):
     session, client = episode_client(random_server)
-    response = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=6, logprobs=True, top_logprobs=3, seed=5)
+    response = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        seed=5,
+    )
     content = response.choices[0].logprobs.content
     (turn,) = random_server.close_episode(session.episode.id).turns
     assert [entry.logprob for entry in content] == turn.logprobs
@@ -406,8 +484,9 @@ def test_logprobs_and_top_logprobs(random_server):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
     session, client = episode_client(random_server)
-    response = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2)
+    response = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert response.choices[0].logprobs is None
     random_server.close_episode(session.episode.id)
 
@@ -419,8 +498,9 @@ def test_recorded_logprobs_match_the_models_scoring(random_server, random_policy
     session, client = episode_client(random_server)
     messages = [{"role": "user", "content": "Count with me."}]
     for k in range(3):
-        response = client.chat.completions.create(model="policy", messages=messages, max_tokens=10,
-                                                  temperature=temperature, seed=k)
+        response = client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=10, temperature=temperature, seed=k
+        )
         messages += [response.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"{k}"}]
     episode = random_server.close_episode(session.episode.id)
     assert_chained(episode)
@@ -443,8 +523,9 @@ def test_models_route_and_episode_path(random_server):
 def test_trainer_sampling_overrides_the_request(start_server, random_policy):
     server = start_server(*random_policy, overrides=SamplingOverrides(temperature=0.0, top_p=0.9, max_tokens=3))
     session, client = episode_client(server)
-    response = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
-                                              temperature=1.7, top_p=0.5, max_tokens=50)
+    response = client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], temperature=1.7, top_p=0.5, max_tokens=50
+    )
     (turn,) = server.close_episode(session.episode.id).turns
     assert response.usage.completion_tokens <= 3
     assert (turn.sampling["temperature"], turn.sampling["top_p"], turn.sampling["max_tokens"]) == (0.0, 0.9, 3)

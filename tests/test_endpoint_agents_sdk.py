@@ -69,7 +69,8 @@ def test_agents_sdk_tool_task(server):
         parent = episode.turns[k - 1]
         assert (turn.prompt_source, turn.parent_turn, turn.fork_reason) == ("continued", k - 1, None)
         assert turn.prompt_ids[: len(parent.prompt_ids) + len(parent.completion_ids)] == (
-            parent.prompt_ids + parent.completion_ids)
+            parent.prompt_ids + parent.completion_ids
+        )
     # What the SDK sent: its own system message, its tool schema (strict), our tool call echoed back, the tool result.
     last = episode.turns[-1]
     assert last.request_messages[0] == {"role": "system", "content": TOOL_SYSTEM_PROMPT}
@@ -78,7 +79,9 @@ def test_agents_sdk_tool_task(server):
     returned = [t.response_message for t in episode.turns[:2]]
     assert [m["tool_calls"][0]["id"] for m in echoed] == [m["tool_calls"][0]["id"] for m in returned]
     assert [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in echoed] == [
-        {"expression": "2 + 3"}, {"expression": "5 * 4"}]
+        {"expression": "2 + 3"},
+        {"expression": "5 * 4"},
+    ]
     assert [m["content"] for m in last.request_messages if m["role"] == "tool"] == ["5", "20"]
 
 
@@ -103,6 +106,7 @@ def default_provider(monkeypatch, request):
         return session
 
     return point_at
+
 
 def calculator_tool(calls):
     @function_tool
@@ -132,7 +136,8 @@ def assert_episode_continues(episode):
         assert turn.prompt_ids[: len(exact)] == exact
     (row,) = episode_to_rows(episode.turns).rows
     assert [t for t, mask in zip(row.completion_ids, row.env_mask) if mask] == [
-        t for turn in episode.turns for t in turn.completion_ids]
+        t for turn in episode.turns for t in turn.completion_ids
+    ]
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
@@ -141,8 +146,13 @@ def test_agents_sdk_default_provider_speaks_responses(server, default_provider, 
     set_tracing_disabled(True)
     session = default_provider(server)
     calls = []
-    agent = Agent(name="calculator agent", instructions=TOOL_SYSTEM_PROMPT, tools=[calculator_tool(calls)],
-                  model="policy", model_settings=ModelSettings(temperature=0.0, max_tokens=48))
+    agent = Agent(
+        name="calculator agent",
+        instructions=TOOL_SYSTEM_PROMPT,
+        tools=[calculator_tool(calls)],
+        model="policy",
+        model_settings=ModelSettings(temperature=0.0, max_tokens=48),
+    )
     result = asyncio.run(run_default_provider(agent, "What is (2 + 3) * 4?", streamed))
     episode = server.close_episode(session.episode.id, result=result.final_output)
 
@@ -166,8 +176,9 @@ def test_agents_sdk_default_provider_round_trips_reasoning(start_server, default
     server = start_server(ScriptedEngine(tokenizer, lambda prompt: next(script)), tokenizer)
     session = default_provider(server)
     calls = []
-    agent = Agent(name="calculator agent", instructions=TOOL_SYSTEM_PROMPT, tools=[calculator_tool(calls)],
-                  model="policy")
+    agent = Agent(
+        name="calculator agent", instructions=TOOL_SYSTEM_PROMPT, tools=[calculator_tool(calls)], model="policy"
+    )
     result = asyncio.run(run_default_provider(agent, "What is 2 + 3?", streamed))
     episode = server.close_episode(session.episode.id)
     assert result.final_output == "The answer is 5." and calls == ["2 + 3"]
@@ -183,8 +194,13 @@ def test_agents_sdk_in_process_agent_over_two_rollouts(server):
     set_tracing_disabled(True)
 
     async def agent(client, task):
-        bot = Agent(name="calculator agent", instructions=TOOL_SYSTEM_PROMPT, tools=[calculator_tool([])],
-                    model="policy", model_settings=ModelSettings(temperature=0.0, max_tokens=48))
+        bot = Agent(
+            name="calculator agent",
+            instructions=TOOL_SYSTEM_PROMPT,
+            tools=[calculator_tool([])],
+            model="policy",
+            model_settings=ModelSettings(temperature=0.0, max_tokens=48),
+        )
         run_config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
         return (await Runner.run(bot, task["question"], max_turns=6, run_config=run_config)).final_output
 

@@ -52,8 +52,9 @@ def post(server, path, key, content: bytes, timeout=30):
 
 
 def admin(server, method, path, **kwargs):
-    return httpx.request(method, f"{server.url}{path}", headers={"Authorization": f"Bearer {server.admin_token}"},
-                         timeout=30, **kwargs)
+    return httpx.request(
+        method, f"{server.url}{path}", headers={"Authorization": f"Bearer {server.admin_token}"}, timeout=30, **kwargs
+    )
 
 
 def test_out_of_range_seed_is_400_and_its_batch_mates_are_served(start_server, tokenizer):
@@ -66,10 +67,14 @@ def test_out_of_range_seed_is_400_and_its_batch_mates_are_served(start_server, t
 
     async def send_all():
         async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*[
-                client.post(f"{server.base_url}/chat/completions", json=body,
-                            headers={"Authorization": f"Bearer {s.key}"})
-                for s, body in zip(sessions, bodies)])
+            return await asyncio.gather(
+                *[
+                    client.post(
+                        f"{server.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {s.key}"}
+                    )
+                    for s, body in zip(sessions, bodies)
+                ]
+            )
 
     statuses = [r.status_code for r in asyncio.run(send_all())]
     assert statuses == [200, 400, 200, 400, 200]
@@ -91,8 +96,9 @@ def test_agent_supplied_fields_cannot_destroy_the_trace(start_server, tokenizer)
         b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": -Infinity}',
         b'{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": 1e999}',
         ('{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % deep).encode(),
-        ('{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % ("[" * 5000 + "]" * 5000))
-        .encode(),
+        (
+            '{"model": "policy", "messages": [{"role": "user", "content": "hi"}], "x": %s}' % ("[" * 5000 + "]" * 5000)
+        ).encode(),
     ]
     for body in hostile:
         response = post(server, "/v1/chat/completions", session.key, body)
@@ -100,13 +106,24 @@ def test_agent_supplied_fields_cannot_destroy_the_trace(start_server, tokenizer)
         assert response.json()["error"]["code"] == "invalid_json"
 
     # Whatever reached the trace in-process (a result, a recorded field) is written as valid JSON too.
-    session.record(Turn(index=0, prompt_ids=[1], completion_ids=[2], logprobs=[float("nan")], finish_reason="stop",
-                        requested_sampling={"x": json.loads(deep), "y": float("inf"), "z": "\ud800"},
-                        response_message={"role": "assistant", "content": "ok"}), [], None)
+    session.record(
+        Turn(
+            index=0,
+            prompt_ids=[1],
+            completion_ids=[2],
+            logprobs=[float("nan")],
+            finish_reason="stop",
+            requested_sampling={"x": json.loads(deep), "y": float("inf"), "z": "\ud800"},
+            response_message={"role": "assistant", "content": "ok"},
+        ),
+        [],
+        None,
+    )
     fetched = admin(server, "GET", f"/admin/episodes/{session.episode.id}")
     assert fetched.status_code == 200 and len(fetched.json()["turns"]) == 2
-    closed = admin(server, "POST", f"/admin/episodes/{session.episode.id}/close",
-                   json={"result": {"answer": [[[[1]]]]}})
+    closed = admin(
+        server, "POST", f"/admin/episodes/{session.episode.id}/close", json={"result": {"answer": [[[[1]]]]}}
+    )
     assert closed.status_code == 200
     episode = Episode.from_dict(json.loads(closed.content, parse_constant=pytest.fail))  # strict JSON: no NaN
     assert len(episode.turns) == 2 and episode.turns[0].requested_sampling["user"] == "agent-7"
@@ -121,8 +138,9 @@ def test_token_budget_counts_calls_in_flight(start_server, tokenizer):
 
     async def eight_calls():
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
-        return await asyncio.gather(*[client.chat.completions.create(**hello(max_tokens=20)) for _ in range(8)],
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            *[client.chat.completions.create(**hello(max_tokens=20)) for _ in range(8)], return_exceptions=True
+        )
 
     results = asyncio.run(eight_calls())
     served = [r for r in results if not isinstance(r, Exception)]
@@ -185,8 +203,11 @@ def test_disconnected_call_is_cancelled_and_its_retry_continues_the_episode(star
 
 
 def test_open_episodes_are_capped_and_idle_ones_closed(tokenizer):
-    app = create_app(ScriptedEngine(tokenizer, lambda prompt: "Fine."), ChatRenderer(tokenizer),
-                     EndpointSettings(max_open_episodes=2, episode_idle_timeout=1.5))
+    app = create_app(
+        ScriptedEngine(tokenizer, lambda prompt: "Fine."),
+        ChatRenderer(tokenizer),
+        EndpointSettings(max_open_episodes=2, episode_idle_timeout=1.5),
+    )
     with EndpointServer(app) as server:
         opened = [admin(server, "POST", "/admin/episodes", json={}) for _ in range(3)]
         assert [r.status_code for r in opened[:2]] == [200, 200]

@@ -21,8 +21,9 @@ TURNS = 3
 @pytest.fixture(scope="module")
 def served(start_server):
     tokenizer = build_tiny_tokenizer("qwen2_5")
-    engine = TransformersEngine(build_tiny_model(tokenizer).eval(), pad_token_id=tokenizer.pad_token_id,
-                                max_batch_size=32, batch_wait_s=0.01)
+    engine = TransformersEngine(
+        build_tiny_model(tokenizer).eval(), pad_token_id=tokenizer.pad_token_id, max_batch_size=32, batch_wait_s=0.01
+    )
     return start_server(engine, tokenizer), engine, tokenizer
 
 
@@ -36,8 +37,10 @@ def test_concurrent_episodes_are_complete_disjoint_and_batched(served):
         messages = [{"role": "user", "content": f"Episode {i} begins."}]
         for k in range(TURNS):
             response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6, seed=i)
-            messages += [response.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": f"Episode {i} turn {k}."}]
+            messages += [
+                response.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": f"Episode {i} turn {k}."},
+            ]
         await client.close()
         return messages
 

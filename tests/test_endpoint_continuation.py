@@ -24,10 +24,18 @@ FAMILIES = ["qwen2_5", "llama3_2", "qwen3"]
 END_OF_TURN = {"qwen2_5": "<|im_end|>", "llama3_2": "<|eot_id|>", "qwen3": "<|im_end|>"}
 # What the template puts between the end-of-turn of an assistant message and the next message's header.
 JUNCTION = {"qwen2_5": "\n<|im_start|>", "llama3_2": "<|start_header_id|>", "qwen3": "\n<|im_start|>"}
-TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "required": ["expression"],
-                   "properties": {"expression": {"type": "string"}, "precision": {"type": "integer"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "required": ["expression"],
+            "properties": {"expression": {"type": "string"}, "precision": {"type": "integer"}},
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +130,13 @@ def test_random_model_episode_with_truncations(start_server, tokenizers, family)
     client = client_for(server, session)
     messages = [{"role": "user", "content": "Let us begin."}]
     for k in range(6):
-        response = client.chat.completions.create(model="policy", messages=messages, tools=[TOOL], max_tokens=5,
-                                                  seed=k)
+        response = client.chat.completions.create(model="policy", messages=messages, tools=[TOOL], max_tokens=5, seed=k)
         messages.append(echo(response.choices[0].message))
-        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"} if k % 2 == 0
-                        else {"role": "user", "content": f"Go on ({k})."})
+        messages.append(
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"result {k}"}
+            if k % 2 == 0
+            else {"role": "user", "content": f"Go on ({k})."}
+        )
     episode = server.close_episode(session.episode.id)
     assert len(episode.turns) == 6 and episode.num_forks == 0
     assert any(t.finish_reason == "length" for t in episode.turns[:-1])
@@ -138,10 +148,12 @@ def test_qwen3_new_user_message_after_reasoning_forks(start_server, tokenizers):
     """Qwen3's template drops the reasoning of assistant turns before the last user message. A tool loop keeps it
     (continued); a new user message after two reasoning turns changes how the first renders: a recorded fork."""
     tokenizer = tokenizers["qwen3"]
-    script = [tool_call_text("qwen3", {"expression": "1 + 1"}, "Think first."),
-              "<think>\nDone.\n</think>\n\nIt is 2.",
-              tool_call_text("qwen3", {"expression": "2 + 2"}, "Again."),
-              "<think>\nDone.\n</think>\n\nIt is 4."]
+    script = [
+        tool_call_text("qwen3", {"expression": "1 + 1"}, "Think first."),
+        "<think>\nDone.\n</think>\n\nIt is 2.",
+        tool_call_text("qwen3", {"expression": "2 + 2"}, "Again."),
+        "<think>\nDone.\n</think>\n\nIt is 4.",
+    ]
     server = scripted_server(start_server, tokenizer, script)
     session = server.open_episode()
     client = client_for(server, session)
@@ -183,8 +195,9 @@ def test_history_rewrite_side_call_and_tool_change_are_forks(start_server, token
     main.append({"role": "user", "content": "Second question."})
     main.append(call(main))  # turn 1: continues 0
     # A side call (a title request sharing nothing with the episode).
-    call([{"role": "system", "content": "Write a title."},
-          {"role": "user", "content": "A chat about questions."}])  # turn 2
+    call(
+        [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "A chat about questions."}]
+    )  # turn 2
     # The main line goes on from its own parent, not from the side call.
     main.append({"role": "user", "content": "Third question."})
     main.append(call(main))  # turn 3: continues 1
@@ -196,14 +209,21 @@ def test_history_rewrite_side_call_and_tool_change_are_forks(start_server, token
     episode = server.close_episode(session.episode.id)
     turns = episode.turns
     assert [t.prompt_source for t in turns] == [
-        "rendered", "continued", "rendered", "continued", "rendered", "rendered"]
+        "rendered",
+        "continued",
+        "rendered",
+        "continued",
+        "rendered",
+        "rendered",
+    ]
     assert [t.parent_turn for t in turns] == [None, 0, None, 1, None, None]
     assert [t.fork_reason for t in turns] == [None, None, "side_call", None, "history_rewritten", "tools_changed"]
     assert turns[2].drift == 0  # nothing shared: nothing to drift from
     assert turns[4].drift > 0 and turns[5].drift > 0
     assert episode.num_forks == 3
     assert turns[3].prompt_ids[: len(turns[1].prompt_ids) + len(turns[1].completion_ids)] == (
-        turns[1].prompt_ids + turns[1].completion_ids)
+        turns[1].prompt_ids + turns[1].completion_ids
+    )
     # A rewritten history is rendered fresh: exactly what the template gives for the messages sent.
     renderer = ChatRenderer(tokenizer)
     expected = renderer.render([{"role": m["role"], "content": m["content"]} for m in compacted], None)

@@ -9,19 +9,34 @@ from trl_agentic.endpoint.encoding import TextEncoder
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
 
-TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 def conversations():
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2 + 3"}}}],
+    }
     yield [{"role": "user", "content": "Hi"}]
-    yield [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "2 + 3?"}, call,
-           {"role": "tool", "content": "5"}, {"role": "user", "content": "  é e\u0301 ﬁ\n\n\t<tool_call> 12 34"}]
-    yield [{"role": "user", "content": "<|im_end|><|eot_id|> typed by the agent"},
-           {"role": "assistant", "content": " spaced <|im_start|>", "reasoning_content": "thought"}]
+    yield [
+        {"role": "system", "content": "Use the calculator."},
+        {"role": "user", "content": "2 + 3?"},
+        call,
+        {"role": "tool", "content": "5"},
+        {"role": "user", "content": "  é e\u0301 ﬁ\n\n\t<tool_call> 12 34"},
+    ]
+    yield [
+        {"role": "user", "content": "<|im_end|><|eot_id|> typed by the agent"},
+        {"role": "assistant", "content": " spaced <|im_start|>", "reasoning_content": "thought"},
+    ]
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "llama3_2", "qwen3"])
@@ -51,19 +66,32 @@ def small_tokenizer(pre_tokenizer, normalizer=None):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
 
 
-@pytest.mark.parametrize("pre_tokenizer,normalizer,cut", [
-    (pre_tokenizers.Metaspace(prepend_scheme="first"), None, False),  # only the input's start is marked: whole texts
-    (pre_tokenizers.Metaspace(prepend_scheme="always"), None, True),
-    (pre_tokenizers.ByteLevel(add_prefix_space=True), None, True),
-    (pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFC(), True),
-])
+@pytest.mark.parametrize(
+    "pre_tokenizer,normalizer,cut",
+    [
+        (
+            pre_tokenizers.Metaspace(prepend_scheme="first"),
+            None,
+            False,
+        ),  # only the input's start is marked: whole texts
+        (pre_tokenizers.Metaspace(prepend_scheme="always"), None, True),
+        (pre_tokenizers.ByteLevel(add_prefix_space=True), None, True),
+        (pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.NFC(), True),
+    ],
+)
 def test_pieces_are_cut_only_where_they_add_up(pre_tokenizer, normalizer, cut):
     tokenizer = small_tokenizer(pre_tokenizer, normalizer)
     encode = TextEncoder(tokenizer)
     assert (encode._cut is not None) == cut
     assert "<eat>" not in encode._cut_after  # strips the whitespace after it: never a cut
-    for text in ["<s>hello world</s> x<tool>  é e\u0301</s>\n<s>y", "x<eat>  hello</s>  world", " ", "",
-                 "hello</s>", "</s></s>hello"]:
+    for text in [
+        "<s>hello world</s> x<tool>  é e\u0301</s>\n<s>y",
+        "x<eat>  hello</s>  world",
+        " ",
+        "",
+        "hello</s>",
+        "</s></s>hello",
+    ]:
         expected = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert encode(text) == expected and encode(text) == expected, text
 

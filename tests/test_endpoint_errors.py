@@ -85,14 +85,16 @@ SCHEMA_VIOLATIONS = {
     "tool without function": hello(tools=[{"type": "function"}]),
     "unknown tool_choice": hello(tool_choice="sometimes", tools=[CALCULATOR_TOOL]),
     "required without tools": hello(tool_choice="required"),
-    "named function not in tools": hello(tools=[CALCULATOR_TOOL],
-                                         tool_choice={"type": "function", "function": {"name": "search"}}),
+    "named function not in tools": hello(
+        tools=[CALCULATOR_TOOL], tool_choice={"type": "function", "function": {"name": "search"}}
+    ),
     "messages not a list": hello(messages="hi"),
     "body is a list": [1, 2],
     "stream not a bool": hello(stream="yes please"),
     # These were answered 500 (an AttributeError in the validator) or broke the engine batch (issue #9).
-    "tool_choice function not an object": hello(tools=[CALCULATOR_TOOL],
-                                                tool_choice={"type": "function", "function": "calculator"}),
+    "tool_choice function not an object": hello(
+        tools=[CALCULATOR_TOOL], tool_choice={"type": "function", "function": "calculator"}
+    ),
     "tool_choice without type": hello(tools=[CALCULATOR_TOOL], tool_choice={"function": {"name": "calculator"}}),
     "seed past int64": hello(seed=2**64),
     "seed before int64": hello(seed=-(2**63) - 1),
@@ -103,8 +105,9 @@ SCHEMA_VIOLATIONS = {
 
 @pytest.mark.parametrize("case", list(SCHEMA_VIOLATIONS))
 def test_schema_violations_are_400(server, session, case):
-    error = assert_error(post(server, "/v1/chat/completions", session.key, SCHEMA_VIOLATIONS[case]), 400,
-                         "invalid_request")
+    error = assert_error(
+        post(server, "/v1/chat/completions", session.key, SCHEMA_VIOLATIONS[case]), 400, "invalid_request"
+    )
     assert error["param"] is None or isinstance(error["param"], str)
     assert session.episode.turns == []
 
@@ -118,8 +121,15 @@ def test_json_that_cannot_be_written_back_is_400(server, session):
     """Nesting past the limit (5,000 deep raised RecursionError: 500), non-finite numbers, integers past Python's digit
     limit and lone surrogates are refused at the boundary, on every route that reads JSON."""
     body = json.dumps(hello())[:-1]
-    for extra in ('"x": ' + "[" * 5000 + "]" * 5000, '"x": ' + "[" * 65 + "]" * 65, '"temperature": NaN',
-                  '"x": Infinity', '"x": 1e400', '"x": ' + "9" * 5000, '"user": "\\ud800"'):
+    for extra in (
+        '"x": ' + "[" * 5000 + "]" * 5000,
+        '"x": ' + "[" * 65 + "]" * 65,
+        '"temperature": NaN',
+        '"x": Infinity',
+        '"x": 1e400',
+        '"x": ' + "9" * 5000,
+        '"user": "\\ud800"',
+    ):
         content = f"{body}, {extra}}}".encode()
         assert_error(post(server, "/v1/chat/completions", session.key, content=content), 400, "invalid_json")
     nested = ("[" * 5000 + "]" * 5000).encode()
@@ -137,8 +147,12 @@ def test_unknown_model_is_404(server, session):
 
 def test_missing_or_wrong_key_is_401(server):
     assert_error(post(server, "/v1/chat/completions", None, hello()), 401, "missing_api_key", "authentication_error")
-    assert_error(post(server, "/v1/chat/completions", None, hello(), headers={"Authorization": "Basic abc"}), 401,
-                 "missing_api_key", "authentication_error")
+    assert_error(
+        post(server, "/v1/chat/completions", None, hello(), headers={"Authorization": "Basic abc"}),
+        401,
+        "missing_api_key",
+        "authentication_error",
+    )
     client = openai.OpenAI(base_url=server.base_url, api_key="sk-ep-guessed", max_retries=0, timeout=10)
     with pytest.raises(openai.AuthenticationError) as error:
         client.chat.completions.create(**hello())
@@ -148,8 +162,9 @@ def test_missing_or_wrong_key_is_401(server):
     # A closed episode's key stops working.
     session = server.open_episode()
     server.close_episode(session.episode.id)
-    assert_error(post(server, "/v1/chat/completions", session.key, hello()), 401, "invalid_api_key",
-                 "authentication_error")
+    assert_error(
+        post(server, "/v1/chat/completions", session.key, hello()), 401, "invalid_api_key", "authentication_error"
+    )
 
 
 def test_server_error_keeps_the_keep_alive_connection_usable(start_server):
@@ -168,9 +183,12 @@ def test_server_error_keeps_the_keep_alive_connection_usable(start_server):
     connection.connect()
     socket_before = connection.sock
     for session, content in ((sessions[0], "explode"), (sessions[1], "hi"), (sessions[0], "hi")):
-        connection.request("POST", "/v1/chat/completions", json.dumps(hello(messages=[
-            {"role": "user", "content": content}])), {"Authorization": f"Bearer {session.key}",
-                                                      "Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(hello(messages=[{"role": "user", "content": content}])),
+            {"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         body = json.loads(response.read())
         if content == "explode":
@@ -192,8 +210,9 @@ def test_path_route_is_a_capability_url_that_refuses_another_episodes_key(server
         assert post(server, path, key, hello()).status_code == 200, key
     for key in (other.key, "sk-ep-guessed"):
         assert_error(post(server, path, key, hello()), 401, "invalid_api_key", "authentication_error")
-        response = httpx.get(f"{server.url}/episodes/{mine.episode.id}/v1/models",
-                             headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        response = httpx.get(
+            f"{server.url}/episodes/{mine.episode.id}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10
+        )
         assert_error(response, 401, "invalid_api_key", "authentication_error")
     assert len(server.close_episode(mine.episode.id).turns) == 4
     assert server.close_episode(other.episode.id).turns == []
@@ -231,10 +250,17 @@ def test_body_too_large_is_413(server, session):
 def test_admin_routes_need_the_admin_token(server, session):
     for key in (session.key, None, "sk-admin-wrong"):
         assert_error(post(server, "/admin/episodes", key, {}), 401, "invalid_admin_token", "authentication_error")
-        assert_error(post(server, f"/admin/episodes/{session.episode.id}/close", key, {}), 401, "invalid_admin_token",
-                     "authentication_error")
-    response = httpx.get(f"{server.url}/admin/episodes/{session.episode.id}",
-                         headers={"Authorization": f"Bearer {session.key}"}, timeout=10)
+        assert_error(
+            post(server, f"/admin/episodes/{session.episode.id}/close", key, {}),
+            401,
+            "invalid_admin_token",
+            "authentication_error",
+        )
+    response = httpx.get(
+        f"{server.url}/admin/episodes/{session.episode.id}",
+        headers={"Authorization": f"Bearer {session.key}"},
+        timeout=10,
+    )
     assert_error(response, 401, "invalid_admin_token", "authentication_error")
     assert server.registry.by_id(session.episode.id) is session  # still open
 
@@ -281,8 +307,13 @@ def test_template_errors_are_400(start_server):
     tokenizer = build_tiny_tokenizer("llama3_2")
     server = start_server(ScriptedEngine(tokenizer, lambda prompt: "ok"), tokenizer)
     session = server.open_episode()
-    two_calls = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": f"c{i}", "type": "function", "function": {"name": "calculator", "arguments": "{}"}} for i in range(2)]}
+    two_calls = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "calculator", "arguments": "{}"}} for i in range(2)
+        ],
+    }
     body = hello(messages=[{"role": "user", "content": "a"}, two_calls], tools=[CALCULATOR_TOOL])
     error = assert_error(post(server, "/v1/chat/completions", session.key, body), 400, "template_error")
     assert "single tool-calls" in error["message"]
@@ -306,13 +337,15 @@ def test_error_storm_then_normal_service(server):
 
     async def storm():
         async with httpx.AsyncClient(timeout=20) as client:
+
             async def send(path, key, kwargs):
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
                 content = json.dumps(kwargs["body"]).encode() if "body" in kwargs else kwargs["content"]
                 return await client.post(f"{server.url}{path}", content=content, headers=headers)
 
             requests = [send(*b) for b in bad * 6] + [
-                send("/v1/chat/completions", session.key, {"body": hello()}) for _ in range(6)]
+                send("/v1/chat/completions", session.key, {"body": hello()}) for _ in range(6)
+            ]
             return await asyncio.gather(*requests)
 
     responses = asyncio.run(storm())

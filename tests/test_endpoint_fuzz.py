@@ -20,37 +20,99 @@ from trl_agentic.trace import Episode
 NUM_CASES = 300
 SEED = 1234
 
-FIELDS = ["model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-          "stop", "n", "seed", "logprobs", "top_logprobs", "stream", "stream_options", "parallel_tool_calls", "user",
-          "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "metadata", "extra"]
+FIELDS = [
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "n",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "stream",
+    "stream_options",
+    "parallel_tool_calls",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "response_format",
+    "metadata",
+    "extra",
+]
 
 
 def base_bodies() -> list[dict]:
     call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "1"}'}}
     return [
         {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-        {"model": "policy", "messages": [{"role": "system", "content": "Use tools."},
-                                         {"role": "user", "content": "2+3"}],
-         "tools": [CALCULATOR_TOOL], "tool_choice": "auto", "max_tokens": 8},
-        {"model": "policy", "messages": [{"role": "user", "content": "2+3"}, {"role": "assistant", "content": None,
-                                                                             "tool_calls": [call]},
-                                         {"role": "tool", "tool_call_id": "call_0", "content": "1"}],
-         "tools": [CALCULATOR_TOOL], "max_tokens": 8, "seed": 7, "n": 2},
-        {"model": "policy", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-         "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
-         "stop": ["\n"], "max_tokens": 8},
+        {
+            "model": "policy",
+            "messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "2+3"}],
+            "tools": [CALCULATOR_TOOL],
+            "tool_choice": "auto",
+            "max_tokens": 8,
+        },
+        {
+            "model": "policy",
+            "messages": [
+                {"role": "user", "content": "2+3"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": "1"},
+            ],
+            "tools": [CALCULATOR_TOOL],
+            "max_tokens": 8,
+            "seed": 7,
+            "n": 2,
+        },
+        {
+            "model": "policy",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 2,
+            "stop": ["\n"],
+            "max_tokens": 8,
+        },
     ]
 
 
 def hostile_value(rng: random.Random):
     choices = [
-        lambda: None, lambda: True, lambda: 0, lambda: -1, lambda: 2**63, lambda: 2**64, lambda: -(2**63) - 1,
-        lambda: 10**30, lambda: "__HUGE_INT__", lambda: 0.5, lambda: -1e308, lambda: float("nan"),
-        lambda: float("inf"), lambda: "", lambda: "x" * rng.randint(1, 3000), lambda: "\ud800", lambda: "é🙂\u0000",
-        lambda: [], lambda: {}, lambda: [rng.randint(0, 9)] * rng.randint(1, 5), lambda: {"type": "function"},
-        lambda: {"type": "function", "function": "calculator"}, lambda: {"function": {"name": 3}},
-        lambda: f"__DEEP_{rng.choice([10, 63, 64, 65, 200, 999, 5000])}__", lambda: ["auto", "none", "required"],
-        lambda: [{"role": "user"}], lambda: [{"role": "tool", "content": "x"}], lambda: {"include_usage": "x"},
+        lambda: None,
+        lambda: True,
+        lambda: 0,
+        lambda: -1,
+        lambda: 2**63,
+        lambda: 2**64,
+        lambda: -(2**63) - 1,
+        lambda: 10**30,
+        lambda: "__HUGE_INT__",
+        lambda: 0.5,
+        lambda: -1e308,
+        lambda: float("nan"),
+        lambda: float("inf"),
+        lambda: "",
+        lambda: "x" * rng.randint(1, 3000),
+        lambda: "\ud800",
+        lambda: "é🙂\u0000",
+        lambda: [],
+        lambda: {},
+        lambda: [rng.randint(0, 9)] * rng.randint(1, 5),
+        lambda: {"type": "function"},
+        lambda: {"type": "function", "function": "calculator"},
+        lambda: {"function": {"name": 3}},
+        lambda: f"__DEEP_{rng.choice([10, 63, 64, 65, 200, 999, 5000])}__",
+        lambda: ["auto", "none", "required"],
+        lambda: [{"role": "user"}],
+        lambda: [{"role": "tool", "content": "x"}],
+        lambda: {"include_usage": "x"},
     ]
     return rng.choice(choices)()
 
@@ -86,8 +148,11 @@ def encode(rng: random.Random, body: dict) -> bytes:
 
 def sampled_choices(response: httpx.Response) -> int:
     if response.headers["content-type"].startswith("text/event-stream"):
-        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:])
+            for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         return sum(1 for chunk in chunks for choice in chunk["choices"] if choice["finish_reason"] is not None)
     return len(response.json()["choices"])
 
@@ -102,9 +167,11 @@ def test_fuzzed_request_bodies_never_get_a_5xx_and_leave_the_trace_intact(server
     rng = random.Random(SEED)
     session = server.open_episode()
     admin = {"Authorization": f"Bearer {server.admin_token}"}
-    routes = [("/v1/chat/completions", {"Authorization": f"Bearer {session.key}"}),
-              (f"/episodes/{session.episode.id}/v1/chat/completions", {}),
-              ("/admin/episodes", admin)]
+    routes = [
+        ("/v1/chat/completions", {"Authorization": f"Bearer {session.key}"}),
+        (f"/episodes/{session.episode.id}/v1/chat/completions", {}),
+        ("/admin/episodes", admin),
+    ]
     statuses, recorded = [], 0
     with httpx.Client(base_url=server.url, timeout=30) as client:  # one keep-alive connection throughout
         bodies = base_bodies()

@@ -49,8 +49,21 @@ def script_for(family):
     reasoning = "Let me see." if family == "qwen3" else None
     calls = [tool_call_text(family, {"expression": f"{k} + 1", "precision": k}, reasoning) for k in range(12)]
     answers = [(f"<think>\nDone {k}.\n</think>\n\n" if family == "qwen3" else "") + f"It is {k}." for k in range(6)]
-    return [calls[0], calls[1], answers[0], calls[2], "A title.", calls[3], answers[1], calls[4],
-            "a long answer that max_tokens cuts", calls[5], calls[6], calls[7], answers[2]]
+    return [
+        calls[0],
+        calls[1],
+        answers[0],
+        calls[2],
+        "A title.",
+        calls[3],
+        answers[1],
+        calls[4],
+        "a long answer that max_tokens cuts",
+        calls[5],
+        calls[6],
+        calls[7],
+        answers[2],
+    ]
 
 
 def run_episode(server):
@@ -60,8 +73,11 @@ def run_episode(server):
     client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
 
     def call(messages, tools=(TOOL,), **kwargs):
-        message = client.chat.completions.create(model="policy", messages=messages, tools=list(tools),
-                                                 **kwargs).choices[0].message
+        message = (
+            client.chat.completions.create(model="policy", messages=messages, tools=list(tools), **kwargs)
+            .choices[0]
+            .message
+        )
         messages.append(echo(message))
         return message
 
@@ -100,13 +116,25 @@ def test_incremental_path_records_what_the_full_path_records(serve, tokenizers, 
     incremental = run_episode(incremental_server)
 
     def recorded(episode):
-        return [(t.prompt_ids, t.completion_ids, t.logprobs, t.finish_reason, t.prompt_source, t.parent_turn,
-                 t.fork_reason, t.drift) for t in episode.turns]
+        return [
+            (
+                t.prompt_ids,
+                t.completion_ids,
+                t.logprobs,
+                t.finish_reason,
+                t.prompt_source,
+                t.parent_turn,
+                t.fork_reason,
+                t.drift,
+            )
+            for t in episode.turns
+        ]
 
     assert recorded(incremental) == recorded(full)
     rows_full, rows_incremental = episode_to_rows(full.turns).rows, episode_to_rows(incremental.turns).rows
     assert [(r.prompt_ids, r.completion_ids, r.env_mask) for r in rows_incremental] == [
-        (r.prompt_ids, r.completion_ids, r.env_mask) for r in rows_full]
+        (r.prompt_ids, r.completion_ids, r.env_mask) for r in rows_full
+    ]
     # The episode exercises what it claims: continuations, a side call, a rewrite, a tool change, a cut completion.
     reasons = [t.fork_reason for t in incremental.turns]
     assert {"side_call", "history_rewritten", "tools_changed"} <= set(reasons)
@@ -149,10 +177,12 @@ def test_per_call_work_does_not_grow_with_the_episode(serve, tokenizers):
 
 def respond_by_prompt(tokenizer):
     """A deterministic model: a tool call or an answer, chosen and worded by the prompt's length."""
+
     def respond(prompt):
         if len(prompt) % 3 == 0:
             return f"It is {len(prompt)}."
         return tool_call_text("qwen2_5", {"expression": f"{len(prompt)} + 1"})
+
     return respond
 
 
@@ -162,8 +192,11 @@ def random_episode_bodies(rng, answer_of):
     bool, nested, two at once), reorders an old message's keys, goes back, or sends an invalid old message (a 400,
     then undone). Returns nothing: `answer_of` sees (and records) every call."""
     messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 1 + 1?"}]
-    ops = ["continue"] * 5 + ["retry", "edit_last", "rewrite", "declared", "extra", "reorder", "back", "invalid",
-                              "parts", "side"] + rng.choice([["retype"] * 3, ["swap"] * 3])
+    ops = (
+        ["continue"] * 5
+        + ["retry", "edit_last", "rewrite", "declared", "extra", "reorder", "back", "invalid", "parts", "side"]
+        + rng.choice([["retype"] * 3, ["swap"] * 3])
+    )
     for step in range(16):
         op = rng.choice(ops)
         body = json.loads(json.dumps(messages))
@@ -175,8 +208,21 @@ def random_episode_bodies(rng, answer_of):
         elif op == "declared":
             body[old]["name"] = f"n{step}"
         elif op == "extra":
-            body[old].update(rng.choice([{"x": "a"}, {"x": 1}, {"x": 1.0}, {"x": True}, {"x": ["a"]}, {"x": {"y": 1}},
-                                         {"x": "a", "y": "b"}, {"y": "b", "x": "a"}, {"refusal": None}]))
+            body[old].update(
+                rng.choice(
+                    [
+                        {"x": "a"},
+                        {"x": 1},
+                        {"x": 1.0},
+                        {"x": True},
+                        {"x": ["a"]},
+                        {"x": {"y": 1}},
+                        {"x": "a", "y": "b"},
+                        {"y": "b", "x": "a"},
+                        {"refusal": None},
+                    ]
+                )
+            )
         elif op == "retype":  # equal in Python, not in JSON: 1 == 1.0 == True
             body[old]["x"] = {"int": 1.0, "float": True}.get(type(body[old].get("x")).__name__, 1)
         elif op == "swap":  # two extra fields, then the same two in the other order
@@ -220,8 +266,9 @@ def test_reused_message_prefix_records_and_answers_what_validating_every_message
     from trl_agentic.endpoint import chat_completions
 
     tokenizer = tokenizers["qwen2_5"]
-    server = EndpointServer(create_app(ScriptedEngine(tokenizer, respond_by_prompt(tokenizer)),
-                                       ChatRenderer(tokenizer))).start()
+    server = EndpointServer(
+        create_app(ScriptedEngine(tokenizer, respond_by_prompt(tokenizer)), ChatRenderer(tokenizer))
+    ).start()
     try:
         with httpx.Client(timeout=30) as http:
             statuses, longest = [], 0
@@ -233,11 +280,15 @@ def test_reused_message_prefix_records_and_answers_what_validating_every_message
 
                     def answer_of(messages):
                         body = {"model": "policy", "messages": messages, "tools": [TOOL], "max_tokens": 64}
-                        response = http.post(f"{server.base_url}/chat/completions", json=body,
-                                             headers={"Authorization": f"Bearer {session.key}"})
+                        response = http.post(
+                            f"{server.base_url}/chat/completions",
+                            json=body,
+                            headers={"Authorization": f"Bearer {session.key}"},
+                        )
                         answer = response.json()
-                        answers.append((response.status_code, {k: v for k, v in answer.items()
-                                                               if k not in ("id", "created")}))
+                        answers.append(
+                            (response.status_code, {k: v for k, v in answer.items() if k not in ("id", "created")})
+                        )
                         message = answer["choices"][0]["message"] if response.status_code == 200 else None
                         reused.append(len(session.chat_prefix.raw) if session.chat_prefix else 0)
                         return response.status_code, message
@@ -266,8 +317,9 @@ def test_an_invalid_message_in_the_resent_prefix_is_the_400_it_was_without_the_r
 
     tokenizer = tokenizers["qwen2_5"]
     script = (tool_call_text("qwen2_5", {"expression": "1 + 1"}) for _ in itertools.count())
-    server = EndpointServer(create_app(ScriptedEngine(tokenizer, lambda prompt: next(script)),
-                                       ChatRenderer(tokenizer))).start()
+    server = EndpointServer(
+        create_app(ScriptedEngine(tokenizer, lambda prompt: next(script)), ChatRenderer(tokenizer))
+    ).start()
     try:
         with httpx.Client(timeout=30) as http:
             errors = {}
@@ -276,15 +328,19 @@ def test_an_invalid_message_in_the_resent_prefix_is_the_400_it_was_without_the_r
                 session = server.open_episode()
 
                 def post(messages):
-                    return http.post(f"{server.base_url}/chat/completions", headers={"Authorization": f"Bearer "
-                                                                                                      f"{session.key}"},
-                                     json={"model": "policy", "messages": messages, "tools": [TOOL]})
+                    return http.post(
+                        f"{server.base_url}/chat/completions",
+                        headers={"Authorization": f"Bearer {session.key}"},
+                        json={"model": "policy", "messages": messages, "tools": [TOOL]},
+                    )
 
                 messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "Add."}]
                 for k in range(4):
                     message = post(messages).json()["choices"][0]["message"]
-                    messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
-                                           "content": str(k)}]
+                    messages += [
+                        message,
+                        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": str(k)},
+                    ]
                 turns = session.episode.turns
                 if reuse:  # the later turns record the very dicts the earlier ones did, not copies
                     assert turns[3].request_messages[2] is turns[1].request_messages[2]
@@ -300,7 +356,10 @@ def test_an_invalid_message_in_the_resent_prefix_is_the_400_it_was_without_the_r
                 assert post(messages).status_code == 200  # still the same episode, unharmed
             assert [r.json() for r in errors[True]] == [r.json() for r in errors[False]]
             assert [r.json()["error"]["param"] for r in errors[True]] == [
-                "messages.3.content.str", "messages.2.tool_calls.0.function.arguments.str", "messages.1.role",
-                "messages.9"]
+                "messages.3.content.str",
+                "messages.2.tool_calls.0.function.arguments.str",
+                "messages.1.role",
+                "messages.9",
+            ]
     finally:
         server.stop()

@@ -45,9 +45,18 @@ def test_settings_reach_the_app(tokenizer):
     engine = build_engine(build_tiny_model(tokenizer), tokenizer, max_batch_size=8, batch_wait_ms=20.0)
     assert (engine.max_batch_size, engine.batch_wait_s, engine.pad_token_id) == (8, 0.02, tokenizer.pad_token_id)
 
-    app = create_endpoint_app(engine, tokenizer, temperature=0.5, top_p=0.9, top_k=0, max_tokens=16, max_turns=3,
-                              max_episode_tokens=40, chat_template_kwargs={"enable_thinking": False},
-                              admin_token="sk-admin-test")
+    app = create_endpoint_app(
+        engine,
+        tokenizer,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=0,
+        max_tokens=16,
+        max_turns=3,
+        max_episode_tokens=40,
+        chat_template_kwargs={"enable_thinking": False},
+        admin_token="sk-admin-test",
+    )
     settings = app.state.settings
     assert settings.served_model_names == [SERVED_MODEL_NAME] and settings.admin_token == "sk-admin-test"
     assert (settings.overrides.temperature, settings.overrides.top_p, settings.overrides.max_tokens) == (0.5, 0.9, 16)

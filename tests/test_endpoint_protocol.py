@@ -8,7 +8,7 @@ import pytest
 from trl_agentic.endpoint.protocol import MAX_JSON_DEPTH, _nests_deeper_than, parse_json_body
 
 
-TRICKY = ['[', ']', '{', '}', '"', '\\', '\\"', '"]', '\\\\', '[[{{', 'a"b', '\\u005b', 'é', '\n', '']
+TRICKY = ["[", "]", "{", "}", '"', "\\", '\\"', '"]', "\\\\", "[[{{", 'a"b', "\\u005b", "é", "\n", ""]
 
 
 def depth(value) -> int:

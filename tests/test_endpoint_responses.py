@@ -50,13 +50,16 @@ def assert_token_exact(episode, tokenizer, family, wire_format):
     last = episode.turns[-1]
     assert row.prompt_ids + row.completion_ids == last.prompt_ids + last.completion_ids
     assert [t for t, mask in zip(row.completion_ids, row.env_mask) if mask] == [
-        t for turn in episode.turns for t in turn.completion_ids]
+        t for turn in episode.turns for t in turn.completion_ids
+    ]
     assert [lp for lp, mask in zip(row.logprobs, row.env_mask) if mask] == [
-        lp for turn in episode.turns for lp in turn.logprobs]
+        lp for turn in episode.turns for lp in turn.logprobs
+    ]
 
 
-@pytest.mark.parametrize(("family", "stream"), [("qwen2_5", False), ("llama3_2", True), ("qwen3", False),
-                                                ("qwen3", True)])
+@pytest.mark.parametrize(
+    ("family", "stream"), [("qwen2_5", False), ("llama3_2", True), ("qwen3", False), ("qwen3", True)]
+)
 def test_responses_tool_loop_continues_every_turn(start_server, tokenizers, family, stream):
     """Two tool calls and an answer; the agent sends our output items back (reasoning included) with its
     function_call_output items: three turns, each continuing the last."""
@@ -112,11 +115,16 @@ def test_previous_response_id_continues_within_the_episode(start_server, tokeniz
     client = client_for(server, session)
     first = client.responses.create(model="policy", input="What is 1 + 1?", tools=[RESPONSES_TOOL])
     (call,) = first.output
-    second = client.responses.create(model="policy", previous_response_id=first.id, tools=[RESPONSES_TOOL],
-                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2"}])
+    second = client.responses.create(
+        model="policy",
+        previous_response_id=first.id,
+        tools=[RESPONSES_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "2"}],
+    )
     assert second.output_text == "It is 2." and second.previous_response_id == first.id
-    third = client.responses.create(model="policy", previous_response_id=second.id, tools=[RESPONSES_TOOL],
-                                    input="Thanks.", store=False)
+    third = client.responses.create(
+        model="policy", previous_response_id=second.id, tools=[RESPONSES_TOOL], input="Thanks.", store=False
+    )
     with pytest.raises(openai.BadRequestError) as error:  # not stored: not retrievable
         client.responses.create(model="policy", previous_response_id=third.id, input="Again.")
     assert error.value.body["code"] == "previous_response_not_found"
@@ -138,23 +146,44 @@ def test_length_cut_is_incomplete(start_server, tokenizers):
     assert server.close_episode(session.episode.id).turns[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"input": "Hi."}, 400, "model"),
-    ({"model": "gpt-4o", "input": "Hi."}, 404, "model"),
-    ({"model": "policy", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
-     "input[0].content[0]"),
-    ({"model": "policy", "input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
-    ({"model": "policy", "input": [{"type": "function_call", "call_id": "c"}]}, 400, "input[0].name"),
-    ({"model": "policy", "input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
-    ({"model": "policy", "input": "Hi.", "tools": [{"type": "namespace", "name": "ns",
-                                                    "tools": [{"type": "web_search"}]}]}, 400, "tools[0].tools[0]"),
-    ({"model": "policy", "input": "Hi.", "tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "x"}},
-     400, "tool_choice"),
-    ({"model": "policy", "input": "Hi.", "max_output_tokens": 0}, 400, "max_output_tokens"),
-    ({"model": "policy", "input": "Hi.", "temperature": 3}, 400, "temperature"),
-    ({"model": "policy", "input": []}, 400, "input"),
-    ({"model": "policy", "input": "Hi.", "conversation": "conv_1"}, 400, "conversation"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": "Hi."}, 400, "model"),
+        ({"model": "gpt-4o", "input": "Hi."}, 404, "model"),
+        (
+            {"model": "policy", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            400,
+            "input[0].content[0]",
+        ),
+        ({"model": "policy", "input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+        ({"model": "policy", "input": [{"type": "function_call", "call_id": "c"}]}, 400, "input[0].name"),
+        ({"model": "policy", "input": [{"role": "tool", "content": "x"}]}, 400, "input[0].role"),
+        (
+            {
+                "model": "policy",
+                "input": "Hi.",
+                "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}],
+            },
+            400,
+            "tools[0].tools[0]",
+        ),
+        (
+            {
+                "model": "policy",
+                "input": "Hi.",
+                "tools": [RESPONSES_TOOL],
+                "tool_choice": {"type": "function", "name": "x"},
+            },
+            400,
+            "tool_choice",
+        ),
+        ({"model": "policy", "input": "Hi.", "max_output_tokens": 0}, 400, "max_output_tokens"),
+        ({"model": "policy", "input": "Hi.", "temperature": 3}, 400, "temperature"),
+        ({"model": "policy", "input": []}, 400, "input"),
+        ({"model": "policy", "input": "Hi.", "conversation": "conv_1"}, 400, "conversation"),
+    ],
+)
 def test_bad_requests_get_a_4xx_in_openai_shape(start_server, tokenizers, body, status, param):
     tokenizer = tokenizers["qwen2_5"]
     server = scripted_server(start_server, tokenizer, itertools.repeat("Hi."))
@@ -174,7 +203,8 @@ def test_keys_and_path_route(start_server, tokenizers):
     assert by_path.responses.create(model="policy", input="Hello.").output_text == "Hi."
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base_url, api_key="sk-ep-wrong", max_retries=0).responses.create(
-            model="policy", input="Hello.")
+            model="policy", input="Hello."
+        )
     episode = server.close_episode(session.episode.id)
     assert [t.wire_format for t in episode.turns] == ["responses"]
 
@@ -207,20 +237,43 @@ def test_fuzzed_responses_bodies_never_get_a_5xx(start_server, tokenizers):
     call = {"type": "function_call", "call_id": "call_0", "name": "calculator", "arguments": '{"expression": "1"}'}
     bodies = [
         {"model": "policy", "input": "hi", "max_output_tokens": 8},
-        {"model": "policy", "instructions": "Use tools.", "tools": [RESPONSES_TOOL], "tool_choice": "auto",
-         "input": [{"role": "user", "content": [{"type": "input_text", "text": "2+3"}]},
-                   {"type": "reasoning", "id": "rs_0", "summary": [{"type": "summary_text", "text": "t"}]},
-                   {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
-                   call, {"type": "function_call_output", "call_id": "call_0", "output": "1"}],
-         "stream": True, "max_output_tokens": 8},
+        {
+            "model": "policy",
+            "instructions": "Use tools.",
+            "tools": [RESPONSES_TOOL],
+            "tool_choice": "auto",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "2+3"}]},
+                {"type": "reasoning", "id": "rs_0", "summary": [{"type": "summary_text", "text": "t"}]},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
+                call,
+                {"type": "function_call_output", "call_id": "call_0", "output": "1"},
+            ],
+            "stream": True,
+            "max_output_tokens": 8,
+        },
     ]
-    fields = ["model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-              "store", "stream", "previous_response_id", "parallel_tool_calls", "include", "text", "extra"]
+    fields = [
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "store",
+        "stream",
+        "previous_response_id",
+        "parallel_tool_calls",
+        "include",
+        "text",
+        "extra",
+    ]
     refused = 0
     with httpx.Client(base_url=server.url, timeout=30) as client:  # one keep-alive connection throughout
         for content in fuzz_cases(random.Random(SEED), bodies, fields, "input", 150):
-            response = client.post("/v1/responses", content=content,
-                                   headers={"Authorization": f"Bearer {session.key}"})
+            response = client.post("/v1/responses", content=content, headers={"Authorization": f"Bearer {session.key}"})
             assert response.status_code < 500, (content[:300], response.text[:500])
             refused += response.status_code >= 400
             if response.status_code >= 400:

@@ -25,8 +25,18 @@ def free_port() -> int:
 def test_parser_defaults_and_overrides():
     args = make_parser().parse_args(["--model", "tiny:qwen2_5"])
     assert (args.host, args.port, args.served_model_name, args.temperature) == ("127.0.0.1", 8000, "policy", None)
-    args = make_parser().parse_args(["--model", "m", "--temperature", "0.7", "--max-turns", "4",
-                                     "--chat-template-kwargs", '{"enable_thinking": false}'])
+    args = make_parser().parse_args(
+        [
+            "--model",
+            "m",
+            "--temperature",
+            "0.7",
+            "--max-turns",
+            "4",
+            "--chat-template-kwargs",
+            '{"enable_thinking": false}',
+        ]
+    )
     assert (args.temperature, args.max_turns, args.chat_template_kwargs) == (0.7, 4, {"enable_thinking": False})
 
 
@@ -35,7 +45,9 @@ def start_serve(log, *flags, env=None) -> tuple[subprocess.Popen, str]:
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "trl_agentic.cli", "serve", "--model", "tiny:qwen2_5", "--port", str(port), *flags],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -67,18 +79,21 @@ def test_serve_process(tmp_path):
         assert f"curl -s -X POST {url}/admin/episodes -H 'Authorization: Bearer {token}'" in printed
 
         admin = {"Authorization": f"Bearer {token}"}
-        opened = httpx.post(f"{url}/admin/episodes", json={"task_index": 3, "metadata": {"task": "demo"}},
-                            headers=admin, timeout=10).json()
+        opened = httpx.post(
+            f"{url}/admin/episodes", json={"task_index": 3, "metadata": {"task": "demo"}}, headers=admin, timeout=10
+        ).json()
         assert opened["base_url"] == f"{url}/v1" and opened["key"].startswith("sk-ep-")
         client = openai.OpenAI(base_url=opened["base_url"], api_key=opened["key"], max_retries=0, timeout=60)
-        response = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}],
-                                                  max_tokens=50)
+        response = client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "Hello!"}], max_tokens=50
+        )
         assert response.usage.completion_tokens <= 8  # --max-tokens caps what the request asked for
         running = httpx.get(f"{url}/admin/episodes/{opened['id']}", headers=admin, timeout=10).json()
         assert running["status"] == "running" and len(running["turns"]) == 1
 
-        closed = httpx.post(f"{url}/admin/episodes/{opened['id']}/close", json={"result": {"answer": 42}},
-                            headers=admin, timeout=10)
+        closed = httpx.post(
+            f"{url}/admin/episodes/{opened['id']}/close", json={"result": {"answer": 42}}, headers=admin, timeout=10
+        )
         assert closed.status_code == 200
         episode = Episode.from_dict(closed.json())
         assert episode.id == opened["id"] and episode.task_index == 3 and episode.metadata == {"task": "demo"}
@@ -100,9 +115,18 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
     assert (args.max_open_episodes, args.episode_idle_timeout) == (4096, 1800.0)  # bounded by default
     token = "sk-admin-chosen-by-the-user"
     log = tmp_path / "serve.log"
-    process, url = start_serve(log, "--max-tokens", "4", "--log-level", "info", "--max-open-episodes", "1",
-                               "--episode-idle-timeout", "60",
-                               env={**os.environ, "TRL_AGENTIC_ADMIN_TOKEN": token})
+    process, url = start_serve(
+        log,
+        "--max-tokens",
+        "4",
+        "--log-level",
+        "info",
+        "--max-open-episodes",
+        "1",
+        "--episode-idle-timeout",
+        "60",
+        env={**os.environ, "TRL_AGENTIC_ADMIN_TOKEN": token},
+    )
     try:
         admin = {"Authorization": f"Bearer {token}"}
         opened = httpx.post(f"{url}/admin/episodes", json={}, headers=admin, timeout=10).json()
@@ -111,8 +135,12 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
         client = openai.OpenAI(base_url=opened["path_base_url"], api_key="EMPTY", max_retries=0, timeout=60)
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}])
         # The Gemini API takes its key in the query string too: the access log must not print it
-        gemini = httpx.post(f"{url}/v1beta/models/policy:generateContent", params={"key": opened["key"]},
-                            json={"contents": [{"role": "user", "parts": [{"text": "Hello!"}]}]}, timeout=60)
+        gemini = httpx.post(
+            f"{url}/v1beta/models/policy:generateContent",
+            params={"key": opened["key"]},
+            json={"contents": [{"role": "user", "parts": [{"text": "Hello!"}]}]},
+            timeout=60,
+        )
         assert gemini.status_code == 200, gemini.text
         assert httpx.post(f"{url}/admin/episodes/{opened['id']}/close", headers=admin, timeout=10).status_code == 200
         time.sleep(0.5)  # let the access log reach the file

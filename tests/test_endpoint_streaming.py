@@ -93,8 +93,9 @@ def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, s
             body["tools"] = tools
         if not stream:
             message = client.chat.completions.create(**body).choices[0].message
-            return message.content or "", [(c.function.name, json.loads(c.function.arguments))
-                                           for c in message.tool_calls or []]
+            return message.content or "", [
+                (c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []
+            ]
         arguments = {}
         for chunk in client.chat.completions.create(**body, stream=True):
             for choice in chunk.choices:
@@ -125,14 +126,23 @@ def ask(client, wire_format, stream, on_text=lambda: None, tools=None, seed=3, s
                         response = event.response
         calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
         return (text if stream else response.output_text), calls
-    body = {"model": "policy", "max_tokens": kwargs.pop("max_tokens", 64),
-            "messages": [{"role": "user", "content": question}],
-            "extra_body": {"seed": seed, **kwargs}}  # this anthropic release takes no `temperature` argument
+    body = {
+        "model": "policy",
+        "max_tokens": kwargs.pop("max_tokens", 64),
+        "messages": [{"role": "user", "content": question}],
+        "extra_body": {"seed": seed, **kwargs},
+    }  # this anthropic release takes no `temperature` argument
     if system:
         body["system"] = system
     if tools:
-        body["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                          "input_schema": t["function"]["parameters"]} for t in tools]
+        body["tools"] = [
+            {
+                "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"],
+            }
+            for t in tools
+        ]
     if not stream:
         message = client.messages.create(**body)
     else:
@@ -169,7 +179,12 @@ def test_text_streams_while_the_model_samples(random_server, random_policy, wire
 def test_streamed_tool_calls_equal_the_answer_and_no_markup_leaks(tool_server, wire_format):
     session = tool_server.open_episode()
     client = client_for(tool_server, session, wire_format)
-    kwargs = {"temperature": 0.0, "tools": [CALCULATOR_TOOL], "system": TOOL_SYSTEM_PROMPT, "question": "What is 2 + 3?"}
+    kwargs = {
+        "temperature": 0.0,
+        "tools": [CALCULATOR_TOOL],
+        "system": TOOL_SYSTEM_PROMPT,
+        "question": "What is 2 + 3?",
+    }
     plain = ask(client, wire_format, stream=False, **kwargs)
     streamed = ask(client, wire_format, stream=True, **kwargs)
     assert streamed == plain
@@ -183,11 +198,21 @@ def test_streamed_tool_calls_equal_the_answer_and_no_markup_leaks(tool_server, w
 def test_client_hanging_up_mid_stream_stops_sampling(random_server, random_policy):
     _, _, gate = random_policy
     session = random_server.open_episode()
-    body = {"model": "policy", "messages": [{"role": "user", "content": PROMPT}], "seed": 3, "stream": True,
-            "max_tokens": 64}
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "seed": 3,
+        "stream": True,
+        "max_tokens": 64,
+    }
     gate.arm()
-    with httpx.stream("POST", f"{random_server.base_url}/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {session.key}"}) as response:
+    with httpx.stream(
+        "POST",
+        f"{random_server.base_url}/chat/completions",
+        json=body,
+        timeout=120,
+        headers={"Authorization": f"Bearer {session.key}"},
+    ) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break  # the first text: hang up
@@ -223,8 +248,9 @@ def test_answer_stream_holds_partial_characters_markup_and_stop_strings(random_p
     assert "".join(d.text for d in deltas) == "naïve 🙂 café" and len(deltas) > 3
 
     deltas.clear()
-    stream = AnswerStream(0, tokenizer, deltas.append, response_template=tokenizer.response_template,
-                          tools=[CALCULATOR_TOOL])
+    stream = AnswerStream(
+        0, tokenizer, deltas.append, response_template=tokenizer.response_template, tools=[CALCULATOR_TOOL]
+    )
     text = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
     for token in tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]:
         stream.feed([token])
@@ -261,15 +287,17 @@ BROKEN_CALLS = {
     "infinity": '<tool_call>\n{"name": "calculator", "arguments": {"expression": 1e999}}\n</tool_call>',
     "lone_surrogate": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "\\ud800"}}\n</tool_call>',
     "broken_json": 'Let me. <tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>',
-    "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": ' + "7" * 4301
-                    + "}}\n</tool_call>",
+    "huge_integer": '<tool_call>\n{"name": "calculator", "arguments": {"expression": '
+    + "7" * 4301
+    + "}}\n</tool_call>",
 }
 
 
 @pytest.mark.parametrize("case", BROKEN_CALLS)
 @pytest.mark.parametrize("wire_format", FORMATS)
-def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(start_server, random_policy, wire_format,
-                                                                          case):
+def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(
+    start_server, random_policy, wire_format, case
+):
     # The streaming parser's error escaped the stream's feed: an internal error, and no turn recorded.
     _, tokenizer, _ = random_policy
     engine = FeedingEngine(tokenizer, lambda prompt: BROKEN_CALLS[case], max_context_length=16384)
@@ -282,8 +310,11 @@ def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(start_s
     assert streamed == plain == (BROKEN_CALLS[case], [])  # the raw text, as the model wrote it
     first, second = server.close_episode(session.episode.id).turns
     assert first.malformed_tool_call and second.malformed_tool_call
-    assert (second.completion_ids, second.finish_reason) == (first.completion_ids, first.finish_reason) == (
-        tokenizer.encode(BROKEN_CALLS[case], add_special_tokens=False) + [tokenizer.eos_token_id], "stop")
+    assert (
+        (second.completion_ids, second.finish_reason)
+        == (first.completion_ids, first.finish_reason)
+        == (tokenizer.encode(BROKEN_CALLS[case], add_special_tokens=False) + [tokenizer.eos_token_id], "stop")
+    )
     assert second.response_message == first.response_message
 
 
@@ -292,7 +323,7 @@ def test_broken_tool_call_is_answered_and_recorded_alike_streamed_or_not(start_s
 SPECIAL_TOKEN_ANSWERS = {
     "text": "Hello<|im_start|> world",
     "text_then_call": 'Hi<|im_start|> there <tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n'
-                      "</tool_call>",
+    "</tool_call>",
     "broken_call": 'Hi<|im_start|> there <tool_call>\n{"name": "calculator"\n</tool_call>',
 }
 
@@ -312,8 +343,11 @@ def test_special_token_in_the_answer_streams_what_is_recorded(start_server, rand
     streamed = ask(client, wire_format, stream=True, tools=tools, max_tokens=200)
     assert streamed == plain
     first, second = server.close_episode(session.episode.id).turns
-    assert first.response_message == {**second.response_message, "tool_calls": first.response_message.get(
-        "tool_calls")} if tools and case == "text_then_call" else second.response_message
+    assert (
+        first.response_message == {**second.response_message, "tool_calls": first.response_message.get("tool_calls")}
+        if tools and case == "text_then_call"
+        else second.response_message
+    )
     assert streamed[0] == (second.response_message["content"] or "")
 
 
@@ -326,8 +360,11 @@ def ask_reasoned(client, wire_format, stream, question, tools=None):
             body["tools"] = tools
         if not stream:
             message = client.chat.completions.create(**body).choices[0].message
-            return (getattr(message, "reasoning_content", None) or "", message.content or "",
-                    [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []])
+            return (
+                getattr(message, "reasoning_content", None) or "",
+                message.content or "",
+                [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []],
+            )
         arguments = {}
         for chunk in client.chat.completions.create(**body, stream=True):
             for choice in chunk.choices:
@@ -343,8 +380,9 @@ def ask_reasoned(client, wire_format, stream, question, tools=None):
             body["tools"] = [{"type": "function", **t["function"]} for t in tools]
         if not stream:
             response = client.responses.create(**body)
-            reasoning = "".join(part.text for item in response.output if item.type == "reasoning"
-                                for part in item.content or [])
+            reasoning = "".join(
+                part.text for item in response.output if item.type == "reasoning" for part in item.content or []
+            )
             text = response.output_text
         else:
             with client.responses.stream(**body) as events:
@@ -359,8 +397,14 @@ def ask_reasoned(client, wire_format, stream, question, tools=None):
         return reasoning, text, calls
     body = {"model": "policy", "max_tokens": 200, "messages": [{"role": "user", "content": question}]}
     if tools:
-        body["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
-                          "input_schema": t["function"]["parameters"]} for t in tools]
+        body["tools"] = [
+            {
+                "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "input_schema": t["function"]["parameters"],
+            }
+            for t in tools
+        ]
     if not stream:
         message = client.messages.create(**body)
         reasoning = "".join(b.thinking for b in message.content if b.type == "thinking")
@@ -385,9 +429,9 @@ REASONED_ANSWERS = {
     "whitespace_then_reasoning": "\n<think>\nAdd them.\n</think>\n\n" + BROKEN,
     "whitespace_then_text": "  Let me. " + BROKEN,
     "nan_call": '<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": NaN}}'
-                "\n</tool_call>",
+    "\n</tool_call>",
     "call": '<think>\nAdd them.\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}'
-            "\n</tool_call>",
+    "\n</tool_call>",
     "text": "<think>\nAdd them.\n</think>\n\nIt is 5.",
 }
 
@@ -437,8 +481,11 @@ def test_reasoning_then_unreadable_tool_call_streams_what_is_recorded(thinking_s
     answered = [(case, answer) for case, answer in REASONED_ANSWERS.items() if answers[case] is not None]
     for k, (case, answer) in enumerate(answered):
         first, second = turns[2 * k : 2 * k + 2]
-        assert first.completion_ids == second.completion_ids == tokenizer.encode(answer, add_special_tokens=False) + [
-            tokenizer.eos_token_id]
+        assert (
+            first.completion_ids
+            == second.completion_ids
+            == tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        )
         for turn in (first, second):  # the recorded answer, as the agent got it (and sends it back)
             message = turn.response_message
             assert (message.get("reasoning_content") or "", message["content"] or "") == answers[case][:2], case
@@ -458,8 +505,15 @@ def test_answer_stream_adds_up_to_the_parsed_reasoning_and_content(thinking_toke
     ids = tokenizer.encode(REASONED_ANSWERS[case], add_special_tokens=False) + [tokenizer.eos_token_id]
     message, _ = renderer.parse(ids, prompt, tools, split_reasoning=True)
     deltas = []
-    stream = AnswerStream(0, tokenizer, deltas.append, response_template=tokenizer.response_template,
-                          prefix_ids=renderer.prompt_tail(prompt), tools=tools, strip_content=tools is not None)
+    stream = AnswerStream(
+        0,
+        tokenizer,
+        deltas.append,
+        response_template=tokenizer.response_template,
+        prefix_ids=renderer.prompt_tail(prompt),
+        tools=tools,
+        strip_content=tools is not None,
+    )
     for token in ids:
         stream.feed([token])
     stream.finish(message, ids)

@@ -73,21 +73,42 @@ def ids_reward(prompts, completions, completion_ids, **kwargs):
 
 def answered(prompts, completions, environments, answer, **kwargs):
     # Reads the live instances, as TRL reward functions do.
-    return [float(bool(env.expressions) and str(a) in (c[-1].get("content") or ""))
-            for env, c, a in zip(environments, completions, answer, strict=True)]
+    return [
+        float(bool(env.expressions) and str(a) in (c[-1].get("content") or ""))
+        for env, c, a in zip(environments, completions, answer, strict=True)
+    ]
 
 
 def calculator_dataset():
-    return Dataset.from_list([
-        {"prompt": [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 2 + 3?"}],
-         "answer": 5},
-        {"prompt": [{"role": "system", "content": TOOL_SYSTEM_PROMPT},
-                    {"role": "user", "content": "What is (2 + 3) * 4?"}], "answer": 20},
-    ])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "system", "content": TOOL_SYSTEM_PROMPT},
+                    {"role": "user", "content": "What is 2 + 3?"},
+                ],
+                "answer": 5,
+            },
+            {
+                "prompt": [
+                    {"role": "system", "content": TOOL_SYSTEM_PROMPT},
+                    {"role": "user", "content": "What is (2 + 3) * 4?"},
+                ],
+                "answer": 20,
+            },
+        ]
+    )
 
 
-KNOBS = dict(num_generations=2, per_device_train_batch_size=2, use_cpu=True, bf16=False, report_to="none",
-             save_strategy="no", seed=0)
+KNOBS = dict(
+    num_generations=2,
+    per_device_train_batch_size=2,
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    save_strategy="no",
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -157,16 +178,27 @@ def loss_and_gradients(trainer, chunk):
 @pytest.mark.parametrize("beta,max_length", [(0.0, 160), (0.1, 160), (0.0, 56), (0.0, 32)])
 def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta, max_length):
     steps_per_generation = 2  # two micro-batches per generation: TRL computes old logps
-    settings = dict(KNOBS, beta=beta, loss_type="grpo", steps_per_generation=steps_per_generation,
-                    gradient_accumulation_steps=1, temperature=TEMPERATURE, max_completion_length=max_length,
-                    max_tool_calling_iterations=2)
+    settings = dict(
+        KNOBS,
+        beta=beta,
+        loss_type="grpo",
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=1,
+        temperature=TEMPERATURE,
+        max_completion_length=max_length,
+        max_tool_calling_iterations=2,
+    )
     train = calculator_dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]  # RepeatSampler order: each task num_generations times
     reward_funcs = [ids_reward, answered]
 
-    agentic = AgenticGRPOTrainer(tool_policy, environment_factory=CalculatorEnv, reward_funcs=reward_funcs,
-                                 args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
-                                 train_dataset=train)
+    agentic = AgenticGRPOTrainer(
+        tool_policy,
+        environment_factory=CalculatorEnv,
+        reward_funcs=reward_funcs,
+        args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
+        train_dataset=train,
+    )
     batch = [dict(x) for x in inputs]
     try:
         agentic.model.train()
@@ -181,8 +213,13 @@ def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta, max_le
     assert all(ep.status == "ok" for ep in episodes) and (ours["tool_mask"] == 0).any() == (max_length > 32)
     assert ours["advantages"].abs().sum() > 0, "the groups did not split: the comparison would be vacuous"
 
-    vanilla = GRPOTrainer(tool_policy, reward_funcs=reward_funcs, train_dataset=train, environment_factory=CalculatorEnv,
-                          args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings))
+    vanilla = GRPOTrainer(
+        tool_policy,
+        reward_funcs=reward_funcs,
+        train_dataset=train,
+        environment_factory=CalculatorEnv,
+        args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings),
+    )
     vanilla._generate_single_turn, asked = replaying(episodes)
     vanilla.model.train()
     theirs = vanilla._generate_and_score_completions([dict(x) for x in inputs])
@@ -220,9 +257,18 @@ def test_parity_with_trl_environment_factory(tmp_path, tool_policy, beta, max_le
 # tool would overflow it and are dropped, ending the episode (`cut_at_budget`), as TRL drops them.
 TEMPERATURE = 1.0
 EXPECTED_EPISODES = {
-    160: [("stop", False), ("tool_calls", "stop", False), ("tool_calls", "stop", False),
-          ("tool_calls", "tool_calls", "stop", False)],
-    56: [("stop", False), ("tool_calls", "length", False), ("tool_calls", "stop", False), ("tool_calls", "stop", False)],
+    160: [
+        ("stop", False),
+        ("tool_calls", "stop", False),
+        ("tool_calls", "stop", False),
+        ("tool_calls", "tool_calls", "stop", False),
+    ],
+    56: [
+        ("stop", False),
+        ("tool_calls", "length", False),
+        ("tool_calls", "stop", False),
+        ("tool_calls", "stop", False),
+    ],
     32: [("stop", False), ("tool_calls", True), ("tool_calls", True), ("tool_calls", True)],
 }
 
@@ -288,8 +334,9 @@ def scripted_policy(tokenizer):
         rounds = text.count("<tool_response>")
         if "Numbers:" in text:
             if rounds == 0:
-                return "\n".join([call("slow_add", a=2, b=2), call("add", a=1, b=2), call("nope"),
-                                  call("add", a=1, c=2)])
+                return "\n".join(
+                    [call("slow_add", a=2, b=2), call("add", a=1, b=2), call("nope"), call("add", a=1, c=2)]
+                )
             return call("add", a=3, b=4)
         return call("echo", text="") if rounds == 0 else "Done."
 
@@ -297,10 +344,12 @@ def scripted_policy(tokenizer):
 
 
 def router_dataset():
-    return Dataset.from_list([
-        {"prompt": [{"role": "user", "content": "Add the numbers."}], "environment": "adder", "a": 1, "b": 2},
-        {"prompt": [{"role": "user", "content": "Echo something."}], "environment": "echo", "a": 0, "b": 0},
-    ])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": "Add the numbers."}], "environment": "adder", "a": 1, "b": 2},
+            {"prompt": [{"role": "user", "content": "Echo something."}], "environment": "echo", "a": 0, "b": 0},
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -328,9 +377,14 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
         seen.setdefault("prompts", []).append(prompts)
         return [0.0] * len(prompts)
 
-    agentic = AgenticGRPOTrainer(path, environment_factory=factories, reward_funcs=recorder,
-                                 args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
-                                 train_dataset=train, engine=ScriptedEngine(tokenizer, respond))
+    agentic = AgenticGRPOTrainer(
+        path,
+        environment_factory=factories,
+        reward_funcs=recorder,
+        args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
+        train_dataset=train,
+        engine=ScriptedEngine(tokenizer, respond),
+    )
     batch = [dict(x) for x in inputs]
     try:
         agentic.model.train()
@@ -339,8 +393,13 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
         agentic.close()
     episodes = [x["episodes"] for x in batch]
 
-    vanilla = GRPOTrainer(path, reward_funcs=recorder, train_dataset=train, environment_factory=factories,
-                          args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings))
+    vanilla = GRPOTrainer(
+        path,
+        reward_funcs=recorder,
+        train_dataset=train,
+        environment_factory=factories,
+        args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings),
+    )
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         ids = [tokenizer.encode(respond(p), add_special_tokens=False) + [tokenizer.eos_token_id] for p in prompt_ids]
@@ -363,8 +422,10 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
     our_prompts, their_prompts = seen["prompts"]
     assert our_prompts == their_prompts and our_prompts[0][-1]["content"] == "Add the numbers. Numbers: 1 and 2."
     assert tool_messages(our_completions)[0] == [
-        ("add", "3"), ("nope", "{'error': 'Tool nope not found.'}"),
-        ("add", "{'error': \"AdderEnv.add() got an unexpected keyword argument 'c'\"}"), ("slow_add", "4"),
+        ("add", "3"),
+        ("nope", "{'error': 'Tool nope not found.'}"),
+        ("add", "{'error': \"AdderEnv.add() got an unexpected keyword argument 'c'\"}"),
+        ("slow_add", "4"),
     ]
     assert tool_messages(our_completions)[2] == [("echo", "{'error': 'nothing to echo'}")]
     # The reset text reached the prompt; the adder stopped after one round with its second call not run.
@@ -409,13 +470,25 @@ def test_two_training_steps_log_get_reward_under_the_class_name(tmp_path, tiny_p
         assert all(isinstance(env, LengthEnv) for env in environments)
         return [float(len(c[-1].get("content") or "") % 5) for c in completions]
 
-    train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Count {'x' * i}."}], "secret": i}
-                               for i in range(4)])
+    train = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Count {'x' * i}."}], "secret": i} for i in range(4)]
+    )
     trainer = AgenticGRPOTrainer(
-        model, environment_factory=LengthEnv, reward_funcs=length_reward, train_dataset=train,
+        model,
+        environment_factory=LengthEnv,
+        reward_funcs=length_reward,
+        train_dataset=train,
         processing_class=tokenizer,
-        args=AgenticGRPOConfig(output_dir=str(tmp_path), max_steps=2, max_completion_length=6, learning_rate=1e-2,
-                               logging_steps=1, log_episodes=True, reward_weights=[0.5], **KNOBS),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            max_steps=2,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            logging_steps=1,
+            log_episodes=True,
+            reward_weights=[0.5],
+            **KNOBS,
+        ),
     )
     try:
         trainer.train()
@@ -454,8 +527,14 @@ def local_harbor_env():
             return (self._task / "instruction.md").read_text()
 
         def _exec(self, command: str, timeout: int = 10) -> str:
-            done = subprocess.run(["bash", "-c", command], cwd=self._env, capture_output=True, text=True,
-                                  timeout=timeout, env={"PATH": os.environ["PATH"], "HOME": str(self._env)})
+            done = subprocess.run(
+                ["bash", "-c", command],
+                cwd=self._env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env={"PATH": os.environ["PATH"], "HOME": str(self._env)},
+            )
             return (done.stdout + done.stderr) or f"(empty output, rc={done.returncode})"
 
         async def _verify(self) -> float:
@@ -484,17 +563,28 @@ def test_harbor_spec_plugs_in_unchanged(tmp_path, tiny_policy):
         return call("bash", command=f"echo -n {answer} > answer.txt")
 
     trainer = AgenticGRPOTrainer(
-        path, train_dataset=spec.train_dataset, environment_factory=spec.environment_factory,
-        reward_funcs=spec.reward_funcs, engine=ScriptedEngine(tokenizer, respond),
-        args=AgenticGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, steps_per_generation=2,
-                               max_completion_length=64, logging_steps=1, log_episodes=True, **KNOBS),
+        path,
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+        engine=ScriptedEngine(tokenizer, respond),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            max_steps=1,
+            steps_per_generation=2,
+            max_completion_length=64,
+            logging_steps=1,
+            log_episodes=True,
+            **KNOBS,
+        ),
     )
     try:
         trainer.train()
     finally:
         trainer.close()
-    records = [json.loads(line) for line in
-               (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()
+    ]
     rewards = sorted(r["episode"]["metadata"]["rewards"]["_outcome_reward_func"] for r in records)
     assert rewards == [0.0, 0.0, 1.0, 1.0]
     first = records[0]["episode"]["messages"][0]["content"]
@@ -506,8 +596,15 @@ def test_evaluator_runs_an_environment_suite(tool_model):
     suite = environment_suite(CalculatorEnv, calculator_dataset(), reward_funcs=[answered], name="calculator-env")
     assert suite.agent_columns == ("prompt", "answer")
     assert [t["function"]["name"] for t in suite.tools] == ["calculator"]
-    evaluator = Evaluator(tool_model.model, tool_model.tokenizer, suite, calculator_dataset(), num_samples=2,
-                          temperature=0.0, max_tokens=64)  # greedy: the tool model's transcripts
+    evaluator = Evaluator(
+        tool_model.model,
+        tool_model.tokenizer,
+        suite,
+        calculator_dataset(),
+        num_samples=2,
+        temperature=0.0,
+        max_tokens=64,
+    )  # greedy: the tool model's transcripts
     try:
         summary = evaluator.evaluate(seed=0)
     finally:
@@ -533,11 +630,17 @@ def test_configuration_errors_say_how_to_fix_them(tmp_path, tiny_policy):
     with pytest.raises(ValueError, match="No reward source provided"):
         AgenticGRPOTrainer(path, environment_factory=NoReward, args=args, train_dataset=calculator_dataset())
     with pytest.raises(ValueError, match="not both"):
-        AgenticGRPOTrainer(path, agent=lambda client, task: None, environment_factory=CalculatorEnv, args=args,
-                           train_dataset=calculator_dataset())
+        AgenticGRPOTrainer(
+            path,
+            agent=lambda client, task: None,
+            environment_factory=CalculatorEnv,
+            args=args,
+            train_dataset=calculator_dataset(),
+        )
     with pytest.raises(ValueError, match="`environment` column"):
-        AgenticGRPOTrainer(path, environment_factory={"calc": CalculatorEnv}, args=args,
-                           train_dataset=calculator_dataset())
+        AgenticGRPOTrainer(
+            path, environment_factory={"calc": CalculatorEnv}, args=args, train_dataset=calculator_dataset()
+        )
     with pytest.raises(ValueError, match="No reward source provided"):
         AgenticGRPOTrainer(path, agent=lambda client, task: None, args=args, train_dataset=calculator_dataset())
     with pytest.raises(ValueError, match="or `environment_factory=`"):
@@ -548,9 +651,24 @@ def test_configuration_errors_say_how_to_fix_them(tmp_path, tiny_policy):
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "envs" / "environment_factory.py"
     done = subprocess.run(
-        [sys.executable, str(example), "--model", "tiny:qwen2_5", "--steps", "2",
-         "--num-generations", "2", "--max-tokens", "32", "--output-dir", str(tmp_path / "out")],
-        env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(example),
+            "--model",
+            "tiny:qwen2_5",
+            "--steps",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-tokens",
+            "32",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").open()]
@@ -580,10 +698,14 @@ def test_a_crashing_reset_costs_only_its_episode(tmp_path, tiny_policy):
         return [0.0] * len(prompts)
 
     train = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Task {a}."}], "a": a} for a in (0, 1)])
-    trainer = AgenticGRPOTrainer(path, environment_factory=FragileEnv, reward_funcs=recorder, train_dataset=train,
-                                 engine=ScriptedEngine(tokenizer, lambda ids: "Done."),
-                                 args=AgenticGRPOConfig(output_dir=str(tmp_path), max_completion_length=8,
-                                                        steps_per_generation=2, **KNOBS))
+    trainer = AgenticGRPOTrainer(
+        path,
+        environment_factory=FragileEnv,
+        reward_funcs=recorder,
+        train_dataset=train,
+        engine=ScriptedEngine(tokenizer, lambda ids: "Done."),
+        args=AgenticGRPOConfig(output_dir=str(tmp_path), max_completion_length=8, steps_per_generation=2, **KNOBS),
+    )
     batch = [dict(train[i]) for i in (0, 0, 1, 1)]
     try:
         trainer.model.train()
@@ -595,17 +717,28 @@ def test_a_crashing_reset_costs_only_its_episode(tmp_path, tiny_policy):
     assert "no sandbox for task 0" in episodes[0].error and not episodes[0].turns
     assert seen == [0, 0, 1, 1]  # the failed episodes' instances still reach the reward functions...
     assert [ep.metadata["rewards"] for ep in episodes] == [{"recorder": None, "FragileEnv": None}] * 2 + [
-        {"recorder": 0.0, "FragileEnv": 1.0}] * 2  # ... which are unscorable there
+        {"recorder": 0.0, "FragileEnv": 1.0}
+    ] * 2  # ... which are unscorable there
 
 
 def test_asynchronous_rollouts_run_environments_too(tmp_path, tiny_policy):
     path, tokenizer = tiny_policy
     trainer = AgenticGRPOTrainer(
-        path, environment_factory={"adder": AdderEnv, "echo": EchoEnv}, train_dataset=router_dataset(),
+        path,
+        environment_factory={"adder": AdderEnv, "echo": EchoEnv},
+        train_dataset=router_dataset(),
         engine=ScriptedEngine(tokenizer, scripted_policy(tokenizer)),
-        args=AgenticGRPOConfig(output_dir=str(tmp_path), async_rollouts=True, max_staleness=1, max_steps=2,
-                               max_completion_length=128, max_tool_calling_iterations=1, log_episodes=True,
-                               logging_steps=1, **dict(KNOBS, per_device_train_batch_size=4)),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            async_rollouts=True,
+            max_staleness=1,
+            max_steps=2,
+            max_completion_length=128,
+            max_tool_calling_iterations=1,
+            log_episodes=True,
+            logging_steps=1,
+            **dict(KNOBS, per_device_train_batch_size=4),
+        ),
     )
     try:
         trainer.train()
@@ -630,13 +763,17 @@ def test_reward_functions_never_see_an_episode_without_an_instance():
 
     env_a, env_b = AdderEnv(), AdderEnv()
     env_a.reset(a=1, b=2), env_b.reset(a=2, b=2)
-    episodes = [Episode(id="a", status="ok", result=result_of(env_a)), Episode(id="t", status="timeout"),
-                Episode(id="b", status="ok", result=result_of(env_b))]
+    episodes = [
+        Episode(id="a", status="ok", result=result_of(env_a)),
+        Episode(id="t", status="timeout"),
+        Episode(id="b", status="ok", result=result_of(env_b)),
+    ]
 
     def numbers(prompts, completions, environments, answer, **kwargs):
         assert len(prompts) == len(completions) == len(answer) == 2
         return [float(sum(env.numbers)) + a for env, a in zip(environments, answer, strict=True)]
 
-    rewards = with_environments(numbers)(prompts=[[], [], []], completions=[[], [], []], answer=[10, 20, 30],
-                                         episodes=episodes, trainer_state=None)
+    rewards = with_environments(numbers)(
+        prompts=[[], [], []], completions=[[], [], []], answer=[10, 20, 30], episodes=episodes, trainer_state=None
+    )
     assert rewards == [13.0, None, 34.0]

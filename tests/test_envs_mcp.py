@@ -110,11 +110,13 @@ def scripted_model(tokenizer, endings=("",)):
     def respond(prompt_ids):
         text = tokenizer.decode(prompt_ids)
         plan = json.loads(re.search(r"PLAN (\[.*\])", text).group(1))
-        after = text[text.index("PLAN "):]
+        after = text[text.index("PLAN ") :]
         done = after.count("<|im_start|>assistant") - 1  # the assistant messages before the one being generated
         if done < len(plan):
-            return "\n".join(f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
-                             for name, args in plan[done])
+            return "\n".join(
+                f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+                for name, args in plan[done]
+            )
         results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", after, re.S)
         return f"Done: {results[-1] if results else 'nothing'}.{next(endings)}"
 
@@ -167,8 +169,9 @@ def http_kv_url(tmp_path_factory):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(module.server.streamable_http_app(), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(module.server.streamable_http_app(), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -202,10 +205,16 @@ def test_tools_are_offered_called_and_their_results_and_errors_read_by_the_model
         ("get", "kv", {"key": "zz"}, "Error executing tool get: no key 'zz'", True),
     ]
     assert calls[4][:2] == ("get", "kv") and calls[4][4] and "Field required" in calls[4][3]
-    assert calls[5] == ("drop", None, '{}', "Error: unknown tool 'drop'. Available tools: count, crash, env_names, get, "
-                        "pid, put, sleep.", True)
+    assert calls[5] == (
+        "drop",
+        None,
+        "{}",
+        "Error: unknown tool 'drop'. Available tools: count, crash, env_names, get, pid, put, sleep.",
+        True,
+    )
     assert calls[6] == ("count", "kv", {}, "2", False) and result["tool_calls"][6]["structured_content"] == {
-        "result": 2}
+        "result": 2
+    }
 
     # What the model was offered: the server's tools as OpenAI functions, their MCP input schemas as parameters.
     tools = {t["function"]["name"]: t["function"] for t in episode.turns[0].request_tools}
@@ -224,8 +233,7 @@ def test_tools_are_offered_called_and_their_results_and_errors_read_by_the_model
 def test_fresh_servers_per_episode_share_no_state_and_are_gone_when_it_ends(endpoint, kv_server):
     agent = MCPAgent(servers={"kv": kv_server})
     # Four episodes at once: each stores its key, then counts and reads its server's pid.
-    prompts = [plan_prompt([["put", {"key": f"k{i}", "value": "v"}]], [["count", {}]], [["pid", {}]])
-               for i in range(4)]
+    prompts = [plan_prompt([["put", {"key": f"k{i}", "value": "v"}]], [["count", {}]], [["pid", {}]]) for i in range(4)]
     episodes = run(endpoint, agent, prompts)
     assert [e.status for e in episodes] == ["ok"] * 4
     assert [e.result["tool_calls"][1]["content"] for e in episodes] == ["1"] * 4  # nobody else's key
@@ -241,8 +249,9 @@ def test_shared_servers_keep_their_state_across_episodes_and_rollouts_until_clos
     try:
         first = run(endpoint, agent, [plan_prompt([["put", {"key": "a", "value": "1"}]], [["pid", {}]])])
         # A second rollout runs on another event loop: the shared server outlives the first one.
-        second = run(endpoint, agent, [plan_prompt([["put", {"key": "b", "value": "2"}]], [["count", {}]],
-                                                   [["pid", {}]])])
+        second = run(
+            endpoint, agent, [plan_prompt([["put", {"key": "b", "value": "2"}]], [["count", {}]], [["pid", {}]])]
+        )
         assert first[0].status == second[0].status == "ok"
         assert second[0].result["tool_calls"][1]["content"] == "2"  # the first episode's key is still there
         pid = int(first[0].result["tool_calls"][1]["content"])
@@ -261,25 +270,39 @@ def test_shared_servers_keep_their_state_across_episodes_and_rollouts_until_clos
 def test_streamable_http_server_by_url_and_colliding_tool_names(endpoint, kv_server, http_kv_url):
     # Two servers with the same tools: each name is prefixed with its server's.
     agent = MCPAgent(servers={"local": kv_server, "remote": http_kv_url})
-    prompt = plan_prompt([["remote__put", {"key": "a", "value": "web"}]], [["local__count", {}]],
-                         [["remote__get", {"key": "a"}]])
+    prompt = plan_prompt(
+        [["remote__put", {"key": "a", "value": "web"}]], [["local__count", {}]], [["remote__get", {"key": "a"}]]
+    )
     episodes = run(endpoint, agent, [prompt, prompt])
     assert [e.status for e in episodes] == ["ok", "ok"], episodes[0].error
     names = [t["function"]["name"] for t in episodes[0].turns[0].request_tools]
-    assert names == [f"{server}__{tool}" for server in ("local", "remote")
-                     for tool in ("put", "get", "count", "pid", "env_names", "sleep", "crash")]
+    assert names == [
+        f"{server}__{tool}"
+        for server in ("local", "remote")
+        for tool in ("put", "get", "count", "pid", "env_names", "sleep", "crash")
+    ]
     for episode in episodes:
         log = episode.result["tool_calls"]
         assert [(c["server"], c["mcp_tool"], c["content"]) for c in log] == [
-            ("remote", "put", "stored a"), ("local", "count", "0"), ("remote", "get", "web")]
+            ("remote", "put", "stored a"),
+            ("local", "count", "0"),
+            ("remote", "get", "web"),
+        ]
     # The URL's server is the user's: the connection is new each episode, the state is the server's own.
     (episode,) = run(endpoint, MCPAgent(servers={"remote": http_kv_url}), [plan_prompt([["count", {}]])])
     assert episode.result["tool_calls"][0]["content"] == "1"
 
 
 def test_http_server_started_per_episode_on_a_port_of_its_own(endpoint, kv_server):
-    agent = MCPAgent(servers={"kv": {"command": kv_server[0], "args": [*kv_server[1:], "--http", "{port}"],
-                                     "url": "http://127.0.0.1:{port}/mcp"}})
+    agent = MCPAgent(
+        servers={
+            "kv": {
+                "command": kv_server[0],
+                "args": [*kv_server[1:], "--http", "{port}"],
+                "url": "http://127.0.0.1:{port}/mcp",
+            }
+        }
+    )
     prompt = plan_prompt([["put", {"key": "a", "value": "1"}]], [["count", {}]], [["pid", {}]])
     episodes = run(endpoint, agent, [prompt, prompt])
     assert [e.status for e in episodes] == ["ok", "ok"], episodes[0].error
@@ -371,7 +394,9 @@ def test_server_specs_in_every_form_name_the_same_server(kv_server):
 
 def test_tool_names_are_valid_openai_function_names_and_unique():
     assert openai_tool_names([("kv", ["get", "put"]), ("files", ["get", "read.text"])]) == [
-        ["kv__get", "put"], ["files__get", "read_text"]]
+        ["kv__get", "put"],
+        ["files__get", "read_text"],
+    ]
     long = "x" * 70
     assert openai_tool_names([("a", [long, "x" * 64])]) == [["x" * 64, "x" * 62 + "_2"]]
 
@@ -397,8 +422,12 @@ def test_config_errors_say_how_to_fix(kv_server):
 
 
 def counter_dataset(n: int) -> Dataset:
-    return Dataset.from_list([{"prompt": plan_prompt([["put", {"key": f"k{i}", "value": str(i)}]], [["count", {}]]),
-                               "expected": "1"} for i in range(n)])
+    return Dataset.from_list(
+        [
+            {"prompt": plan_prompt([["put", {"key": f"k{i}", "value": str(i)}]], [["count", {}]]), "expected": "1"}
+            for i in range(n)
+        ]
+    )
 
 
 def count_reward(prompts, completions, expected, episodes, **kwargs):
@@ -415,16 +444,32 @@ def test_two_training_steps_on_exactly_the_sampled_tokens(tmp_path, tokenizer, k
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = AgenticGRPOConfig(
-        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 1 task x 2 episodes per step
-        max_steps=2, max_completion_length=64,  # room for a scripted tool call
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no", log_episodes=True, episode_timeout=60, seed=0,
+        output_dir=str(tmp_path),
+        num_generations=2,
+        per_device_train_batch_size=2,  # 1 task x 2 episodes per step
+        max_steps=2,
+        max_completion_length=64,  # room for a scripted tool call
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        learning_rate=1e-2,  # big lr: params must move
+        save_strategy="no",
+        log_episodes=True,
+        episode_timeout=60,
+        seed=0,
     )
     # The scripted model ends its answers in turn with "" and " Counted.": the two episodes of a group differ.
     engine = ScriptedEngine(tokenizer, scripted_model(tokenizer, endings=("", " Counted.")))
-    trainer = AgenticGRPOTrainer(model, agent=MCPAgent(servers={"kv": kv_server}),
-                                 reward_funcs=[count_reward, brevity_reward], args=config,
-                                 train_dataset=counter_dataset(4), processing_class=tokenizer, engine=engine)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=MCPAgent(servers={"kv": kv_server}),
+        reward_funcs=[count_reward, brevity_reward],
+        args=config,
+        train_dataset=counter_dataset(4),
+        processing_class=tokenizer,
+        engine=engine,
+    )
     try:
         trainer.train()
     finally:
@@ -439,8 +484,9 @@ def test_two_training_steps_on_exactly_the_sampled_tokens(tmp_path, tokenizer, k
         assert [t["prompt_source"] for t in turns] == ["rendered", "continued", "continued"]
         (row,) = record["rows"]  # one linear conversation: one row
         sampled = [(tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
-        assert [(tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m] == \
-            sampled
+        assert [
+            (tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m
+        ] == sampled
         # Everything else in the row (the tool results) is the endpoint's rendering, masked, with logprob 0.
         assert all(lp == 0.0 for m, lp in zip(row["env_mask"], row["logprobs"]) if not m)
         assert row["prompt_ids"] + row["completion_ids"] == turns[-1]["prompt_ids"] + turns[-1]["completion_ids"]
@@ -456,8 +502,25 @@ def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):
     from trl_agentic.scripts.eval import main
 
     output = tmp_path / "eval.json"
-    code = main(["--task", f"{EXAMPLE}:SUITE", "--model", "tiny:qwen2_5:64x2", "--size", "2", "--num-samples", "2",
-                 "--max-tokens", "8", "--max-turns", "2", "--output", str(output), "--no-progress"])
+    code = main(
+        [
+            "--task",
+            f"{EXAMPLE}:SUITE",
+            "--model",
+            "tiny:qwen2_5:64x2",
+            "--size",
+            "2",
+            "--num-samples",
+            "2",
+            "--max-tokens",
+            "8",
+            "--max-turns",
+            "2",
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     written = json.loads(output.read_text())
     assert written["episodes"] == 4 and written["status"]["ok"] == 4
@@ -469,8 +532,15 @@ def test_the_example_suite_runs_in_the_evaluator_with_its_servers_tools(tokenize
     from trl_agentic.imports import import_object
 
     suite = import_object(f"{EXAMPLE}:SUITE")
-    evaluator = Evaluator(build_tiny_model(tokenizer), tokenizer, suite, suite.build_dataset("eval", size=2),
-                          num_samples=2, max_tokens=8, max_turns=2)
+    evaluator = Evaluator(
+        build_tiny_model(tokenizer),
+        tokenizer,
+        suite,
+        suite.build_dataset("eval", size=2),
+        num_samples=2,
+        max_tokens=8,
+        max_turns=2,
+    )
     try:
         episodes = evaluator.run(seed=0)
         rewards, _, _ = evaluator.score(episodes)
@@ -485,9 +555,23 @@ def test_the_example_suite_runs_in_the_evaluator_with_its_servers_tools(tokenize
 
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     done = subprocess.run(
-        [sys.executable, EXAMPLE, "--model", "tiny:qwen2_5", "--steps", "2", "--num-generations", "2",
-         "--max-tokens", "16", "--output-dir", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            EXAMPLE,
+            "--model",
+            "tiny:qwen2_5",
+            "--steps",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-tokens",
+            "16",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").open()]

@@ -148,7 +148,7 @@ def scripted_model(tokenizer):
     def respond(prompt_ids):
         text = tokenizer.decode(prompt_ids)
         plan = json.loads(re.search(r"PLAN (\[.*?\])\n?<\|im_end\|>", text).group(1))
-        made = text[text.index("PLAN "):].count("<|im_start|>assistant") - 1  # the last one is the generation prompt
+        made = text[text.index("PLAN ") :].count("<|im_start|>assistant") - 1  # the last one is the generation prompt
         reply = plan[made] if made < len(plan) else "I give up."
         if isinstance(reply, str):
             return reply
@@ -165,7 +165,7 @@ def alternating_model(tokenizer, plans):
 
     def respond(prompt_ids):
         text = tokenizer.decode(prompt_ids)
-        text = text[text.index("<|im_start|>assistant"):]  # the calls made, not the system prompt's format example
+        text = text[text.index("<|im_start|>assistant") :]  # the calls made, not the system prompt's format example
         made = [json.loads(call)["arguments"] for call in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", text, re.S)]
         plan = plans[next(counter) % len(plans)] if not made else next(p for p in plans if p[0] == made[0])
         if len(made) >= len(plan):
@@ -213,23 +213,31 @@ def run(endpoint, agent, tasks, timeout=60.0):
 
 
 def test_tool_format_episode_plays_the_environment_until_done(endpoint, guess):
-    tasks = [{"prompt": plan_prompt({"guess": 4}, {"guess": 6}, {"guess": 5}), "secret": 5},
-             {"prompt": plan_prompt({"guess": 2}), "secret": 2}]
+    tasks = [
+        {"prompt": plan_prompt({"guess": 4}, {"guess": 6}, {"guess": 5}), "secret": 5},
+        {"prompt": plan_prompt({"guess": 2}), "secret": 2},
+    ]
     first, second = run(endpoint, guess, tasks)
     assert first.status == second.status == "ok"
     result = first.result
     assert result["rewards"] == [-0.25, -0.25, 1.0] and result["reward"] == 0.5  # the sum of the step rewards
     assert result["done"] and result["finish"] == "done" and result["steps"] == 3 and result["turns"] == 3
     assert result["actions"] == [{"guess": 4}, {"guess": 6}, {"guess": 5}]
-    assert [o["feedback"] for o in result["observations"]] == ["Guess my number from 1 to 8.", "Higher.", "Lower.",
-                                                               "Correct!"]
+    assert [o["feedback"] for o in result["observations"]] == [
+        "Guess my number from 1 to 8.",
+        "Higher.",
+        "Lower.",
+        "Correct!",
+    ]
     assert second.result["rewards"] == [1.0] and second.result["turns"] == 1
     # The action's schema (the server's /schema) became the one tool offered to the model.
     (tool,) = first.turns[0].request_tools
     assert tool["function"]["name"] == "guess"
     assert tool["function"]["parameters"] == {
-        "type": "object", "required": ["guess"],
-        "properties": {"guess": {"description": "A number from 1 to 8.", "title": "Guess", "type": "integer"}}}
+        "type": "object",
+        "required": ["guess"],
+        "properties": {"guess": {"description": "A number from 1 to 8.", "title": "Guess", "type": "integer"}},
+    }
     # The reset observation follows the task's prompt; each observation answers its call as a tool message.
     messages = first.turns[-1].request_messages
     assert messages[0] == tasks[0]["prompt"][0]
@@ -237,7 +245,8 @@ def test_tool_format_episode_plays_the_environment_until_done(endpoint, guess):
     tool_messages = [m for m in messages if m["role"] == "tool"]
     assert [m["content"] for m in tool_messages] == ["Higher.", "Lower."]
     assert [m["tool_call_id"] for m in tool_messages] == [
-        m["tool_calls"][0]["id"] for m in messages if m["role"] == "assistant"]
+        m["tool_calls"][0]["id"] for m in messages if m["role"] == "assistant"
+    ]
     assert openenv_reward([[]] * 2, [[]] * 2, episodes=[first, second]) == [0.5, 1.0]
 
 
@@ -261,8 +270,14 @@ def test_the_turn_limit_ends_an_episode_scored_with_what_the_environment_gave(en
 
 
 def test_bad_actions_are_errors_the_model_reads_and_the_environment_is_not_stepped(endpoint, guess):
-    tasks = [{"prompt": plan_prompt({"guess": "five"}, {"name": "peek", "arguments": {}}, {"guess": 1, "hint": 2},
-                                    {"guess": 3}, "Done."), "secret": 3}]
+    tasks = [
+        {
+            "prompt": plan_prompt(
+                {"guess": "five"}, {"name": "peek", "arguments": {}}, {"guess": 1, "hint": 2}, {"guess": 3}, "Done."
+            ),
+            "secret": 3,
+        }
+    ]
     (episode,) = run(endpoint, guess, tasks)
     assert episode.status == "ok"
     result = episode.result
@@ -293,8 +308,13 @@ def test_hooks_decide_the_messages_and_the_actions(endpoint, env_dir, guess):
             raise ValueError("say GUESS <n>")
         return GuessAction(guess=int(found.group(1)))
 
-    agent = from_openenv(guess.server_url, action=GuessAction, action_format="text", reply_to_action=reply_to_action,
-                         observation_to_message=lambda observation: f"[env] {observation['feedback']}")
+    agent = from_openenv(
+        guess.server_url,
+        action=GuessAction,
+        action_format="text",
+        reply_to_action=reply_to_action,
+        observation_to_message=lambda observation: f"[env] {observation['feedback']}",
+    )
     (episode,) = run(endpoint, agent, [{"prompt": plan_prompt("hmm", "GUESS 7", "GUESS 6"), "secret": 6}])
     assert episode.status == "ok" and episode.result["rewards"] == [-0.25, 1.0]
     users = [m["content"] for m in episode.turns[-1].request_messages if m["role"] == "user"][1:]
@@ -326,7 +346,8 @@ def test_per_episode_servers_are_fresh_and_gone_after_the_episode(endpoint, env_
 
 
 def test_a_shared_local_server_serves_every_episode_with_a_minimal_environment_and_stops_on_close(
-        endpoint, env_dir, monkeypatch):
+    endpoint, env_dir, monkeypatch
+):
     monkeypatch.setenv("HF_TOKEN", "hf_secret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws_secret")
     agent = from_openenv("toy_envs:app", app_dir=env_dir, env={"GUESS_LABEL": "x"}, inherit_env=["HF_TOKEN"])
@@ -392,9 +413,13 @@ def servers_of(app_dir: str) -> list[int]:
 
 
 def test_environment_failures_fail_their_episode_with_the_reason(endpoint, env_dir, tmp_path):
-    (unreachable,) = run(endpoint, from_openenv("http://127.0.0.1:9", action_format="text",
-                                                reply_to_action=lambda m: {"message": m.get("content")}),
-                         [{"prompt": plan_prompt("hi")}])
+    (unreachable,) = run(
+        endpoint,
+        from_openenv(
+            "http://127.0.0.1:9", action_format="text", reply_to_action=lambda m: {"message": m.get("content")}
+        ),
+        [{"prompt": plan_prompt("hi")}],
+    )
     assert unreachable.status == "agent_error" and "failed on reset" in unreachable.error
     (tmp_path / "broken_env.py").write_text("raise SystemExit('cannot load the word list')\n")
     broken = from_openenv("broken_env:app", app_dir=str(tmp_path))
@@ -409,12 +434,25 @@ def test_environment_failures_fail_their_episode_with_the_reason(endpoint, env_d
 def test_default_messages_and_protocol_from_the_action_schema():
     assert default_observation_to_message({"prompt": "Say hi.", "done": False, "reward": None}) == "Say hi."
     assert default_observation_to_message({"a": 1, "b": "x"}) == '{"a": 1, "b": "x"}'
-    text = _protocol_from_schema({"title": "EchoAction", "required": ["message"],
-                                  "properties": {"message": {"type": "string"}, "metadata": {"type": "object"}}},
-                                 None, None)
+    text = _protocol_from_schema(
+        {
+            "title": "EchoAction",
+            "required": ["message"],
+            "properties": {"message": {"type": "string"}, "metadata": {"type": "object"}},
+        },
+        None,
+        None,
+    )
     assert (text.format, text.text_field, text.tools) == ("text", "message", None)
-    tool = _protocol_from_schema({"title": "MoveAction", "required": ["row", "col"],
-                                  "properties": {"row": {"type": "integer"}, "col": {"type": "integer"}}}, None, None)
+    tool = _protocol_from_schema(
+        {
+            "title": "MoveAction",
+            "required": ["row", "col"],
+            "properties": {"row": {"type": "integer"}, "col": {"type": "integer"}},
+        },
+        None,
+        None,
+    )
     assert tool.format == "tool" and tool.tools[0]["function"]["name"] == "move"
     capacity = _environment_error("reset", "http://x", RuntimeError("Server error: full (code: CAPACITY_REACHED)"))
     assert "max_concurrent_envs=N" in str(capacity) and "per_episode=True" in str(capacity)
@@ -446,17 +484,34 @@ def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_t
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = AgenticGRPOConfig(
-        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 1 task x 2 episodes per step
-        max_steps=2, max_completion_length=64,  # room for a scripted tool call
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no", log_episodes=True, episode_timeout=60, seed=0,
+        output_dir=str(tmp_path),
+        num_generations=2,
+        per_device_train_batch_size=2,  # 1 task x 2 episodes per step
+        max_steps=2,
+        max_completion_length=64,  # room for a scripted tool call
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        learning_rate=1e-2,  # big lr: params must move
+        save_strategy="no",
+        log_episodes=True,
+        episode_timeout=60,
+        seed=0,
         agent_columns=["prompt", "secret"],  # the environment's reset reads `secret`
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Guess."}], "secret": 4}] * 4)
     # A group's two episodes play different plans, so their rewards (and advantages) differ: 1.0 and -0.25 + 1.0
     engine = ScriptedEngine(tokenizer, alternating_model(tokenizer, [[{"guess": 4}], [{"guess": 3}, {"guess": 4}]]))
-    trainer = AgenticGRPOTrainer(model, agent=guess, reward_funcs=guess.reward_funcs, args=config,
-                                 train_dataset=dataset, processing_class=tokenizer, engine=engine)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=guess,
+        reward_funcs=guess.reward_funcs,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        engine=engine,
+    )
     try:
         trainer.train()
     finally:
@@ -468,11 +523,12 @@ def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_t
         episode = record["episode"]
         assert episode["status"] == "ok" and episode["result"]["rewards"] in ([1.0], [-0.25, 1.0])
         turns = episode["turns"]
-        assert [t["prompt_source"] for t in turns] == ["rendered", "continued"][:len(turns)]
+        assert [t["prompt_source"] for t in turns] == ["rendered", "continued"][: len(turns)]
         (row,) = record["rows"]  # one linear conversation: one row
         sampled = [(tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
-        assert [(tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m] == \
-            sampled
+        assert [
+            (tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m
+        ] == sampled
         # Everything else in the row (the observations) is the endpoint's rendering, masked, with logprob 0.
         assert all(lp == 0.0 for m, lp in zip(row["env_mask"], row["logprobs"]) if not m)
         assert row["prompt_ids"] + row["completion_ids"] == turns[-1]["prompt_ids"] + turns[-1]["completion_ids"]
@@ -491,8 +547,20 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "envs", "ope
 
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     main = import_object(f"{EXAMPLE}:main")
-    main(["--model", "tiny:qwen2_5", "--steps", "2", "--num-generations", "2", "--max-tokens", "8",
-          "--output-dir", str(tmp_path)])
+    main(
+        [
+            "--model",
+            "tiny:qwen2_5",
+            "--steps",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-tokens",
+            "8",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").open()]
     assert [r["step"] for r in records] == [0, 0, 1, 1]
     for record in records:
@@ -507,9 +575,25 @@ def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):
     output = tmp_path / "eval.json"
     example = EXAMPLE
     try:
-        code = main(["--task", f"{example}:SUITE", "--model", "tiny:qwen2_5:64x2", "--size", "2", "--num-samples", "2",
-                     "--max-tokens", "8", "--max-turns", "5",  # the example's 5 guesses
-                     "--output", str(output), "--no-progress"])
+        code = main(
+            [
+                "--task",
+                f"{example}:SUITE",
+                "--model",
+                "tiny:qwen2_5:64x2",
+                "--size",
+                "2",
+                "--num-samples",
+                "2",
+                "--max-tokens",
+                "8",
+                "--max-turns",
+                "5",  # the example's 5 guesses
+                "--output",
+                str(output),
+                "--no-progress",
+            ]
+        )
     finally:
         import_object(f"{example}:SUITE").agent.close()  # the example's shared server (else stopped at exit)
     assert code == 0

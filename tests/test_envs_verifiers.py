@@ -66,20 +66,32 @@ def group_size(states) -> list[float]:
 
 
 # Row 1's answer is wrong on purpose (4 * 5 is 20): the scripted model is right, so the checker says 0.
-QUESTIONS = Dataset.from_list([{"question": "What is 2 + 3?", "answer": "5"},
-                               {"question": "What is 4 * 5?", "answer": "21"},
-                               {"question": "Say nothing.", "answer": "0"}])
+QUESTIONS = Dataset.from_list(
+    [
+        {"question": "What is 2 + 3?", "answer": "5"},
+        {"question": "What is 4 * 5?", "answer": "21"},
+        {"question": "Say nothing.", "answer": "0"},
+    ]
+)
 
 
 def single_turn_env():
-    return vf.SingleTurnEnv(dataset=QUESTIONS, system_prompt="Answer.",
-                            rubric=vf.Rubric(funcs=[correct_answer, concise], weights=[1.0, 0.5]))
+    return vf.SingleTurnEnv(
+        dataset=QUESTIONS,
+        system_prompt="Answer.",
+        rubric=vf.Rubric(funcs=[correct_answer, concise], weights=[1.0, 0.5]),
+    )
 
 
 def tool_env(**rubric):
     rubric = rubric or dict(funcs=[correct_answer, concise], weights=[1.0, 0.5])
-    return vf.ToolEnv(dataset=QUESTIONS.select(range(2)), system_prompt="Use the calculator.", tools=[calculator],
-                      max_turns=4, rubric=vf.Rubric(**rubric))
+    return vf.ToolEnv(
+        dataset=QUESTIONS.select(range(2)),
+        system_prompt="Use the calculator.",
+        tools=[calculator],
+        max_turns=4,
+        rubric=vf.Rubric(**rubric),
+    )
 
 
 def scripted_model(tokenizer, wrong_every: int = 0):
@@ -96,8 +108,10 @@ def scripted_model(tokenizer, wrong_every: int = 0):
         expression = question.removeprefix("What is ").removesuffix("?")
         results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, re.S)
         if "<tools>" in text and not results:
-            return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n' \
-                   "</tool_call>"
+            return (
+                f"<tool_call>\n{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}\n"
+                "</tool_call>"
+            )
         value = int(results[-1] if results else calculator(expression))
         answers.append(value)
         if wrong_every and len(answers) % wrong_every == 0:
@@ -170,22 +184,35 @@ def test_tool_env_episodes_are_one_token_exact_row_each(endpoint, tokenizer):
     env = tool_env()
     suite = from_verifiers(env)
     assert [f.__name__ for f in suite.reward_funcs] == [
-        "correct_answer", "concise", "num_turns", "total_tool_calls", "calculator_calls"]
+        "correct_answer",
+        "concise",
+        "num_turns",
+        "total_tool_calls",
+        "calculator_calls",
+    ]
     assert suite.reward_weights == [1.0, 0.5, 0.0, 0.0, 0.0]
     assert suite.tools[0]["function"]["name"] == "calculator"
     rows = env.get_dataset().to_list()
     episodes, rewards, per_func = run(endpoint, suite, rows)
 
-    assert per_func == {"correct_answer": [1.0, 0.0], "concise": [1 / 3, 1 / 3], "num_turns": [2.0, 2.0],
-                        "total_tool_calls": [1.0, 1.0], "calculator_calls": [1.0, 1.0]}
+    assert per_func == {
+        "correct_answer": [1.0, 0.0],
+        "concise": [1 / 3, 1 / 3],
+        "num_turns": [2.0, 2.0],
+        "total_tool_calls": [1.0, 1.0],
+        "calculator_calls": [1.0, 1.0],
+    }
     assert rewards == [1.0 + 0.5 / 3, 0.5 / 3]
     for i, episode in enumerate(episodes):
         assert episode.status == "ok" and episode.result["stop_condition"] == "no_tools_called"
         reward, metrics = run_rollout(verifiers_score(env, verifiers_state(episode)))
         assert reward == rewards[i] and metrics == {name: values[i] for name, values in per_func.items()}
         # The tool ran in the environment, and its result reached the model.
-        assert episode.result["completion"][1] == {"role": "tool", "tool_call_id": episode.result["completion"][0][
-            "tool_calls"][0]["id"], "content": calculator(rows[i]["question"][8:-1])}
+        assert episode.result["completion"][1] == {
+            "role": "tool",
+            "tool_call_id": episode.result["completion"][0]["tool_calls"][0]["id"],
+            "content": calculator(rows[i]["question"][8:-1]),
+        }
         # Token-exact: the second call continued the first, 0 forks, one row whose mask-1 tokens are the sampled ones.
         turns = episode.turns
         assert [t.prompt_source for t in turns] == ["rendered", "continued"] and episode.num_forks == 0
@@ -193,10 +220,11 @@ def test_tool_env_episodes_are_one_token_exact_row_each(endpoint, tokenizer):
         assert row.prompt_ids == turns[0].prompt_ids
         assert row.prompt_ids + row.completion_ids == turns[1].prompt_ids + turns[1].completion_ids
         sampled = [(tok, lp) for t in turns for tok, lp in zip(t.completion_ids, t.logprobs, strict=True)]
-        assert [(tok, lp) for tok, m, lp in zip(row.completion_ids, row.env_mask, row.logprobs, strict=True) if m] \
-            == sampled
+        assert [
+            (tok, lp) for tok, m, lp in zip(row.completion_ids, row.env_mask, row.logprobs, strict=True) if m
+        ] == sampled
         masked = [tok for tok, m in zip(row.completion_ids, row.env_mask, strict=True) if not m]
-        assert masked == turns[1].prompt_ids[len(turns[0].prompt_ids) + len(turns[0].completion_ids):]
+        assert masked == turns[1].prompt_ids[len(turns[0].prompt_ids) + len(turns[0].completion_ids) :]
         assert calculator(rows[i]["question"][8:-1]) in tokenizer.decode(masked)  # the tool result, not trained
     # The episode log keeps the summary; the live state stays in memory.
     logged = Episode.from_json(episodes[0].to_json()).result
@@ -212,8 +240,11 @@ class AreYouSure(vf.MultiTurnEnv):
 
 
 def test_a_multi_turn_env_continues_its_conversation_token_for_token(endpoint):
-    env = AreYouSure(dataset=QUESTIONS.select(range(1)), max_turns=2,
-                     rubric=vf.Rubric(funcs=[correct_answer, concise], weights=[1.0, 0.5]))
+    env = AreYouSure(
+        dataset=QUESTIONS.select(range(1)),
+        max_turns=2,
+        rubric=vf.Rubric(funcs=[correct_answer, concise], weights=[1.0, 0.5]),
+    )
     suite = from_verifiers(env)
     episodes, rewards, per_func = run(endpoint, suite, env.get_dataset().to_list())
     (episode,) = episodes
@@ -236,8 +267,9 @@ def test_group_reward_functions_score_the_rollouts_of_one_example_together(endpo
 
 def test_an_endpoint_failure_fails_the_episode_and_is_not_scored(start_server, tokenizer):
     # The endpoint refuses the second call (max_turns=1): the rollout's error is not the policy's doing.
-    limited = start_server(ScriptedEngine(tokenizer, scripted_model(tokenizer)), tokenizer,
-                           default_limits=EpisodeLimits(max_turns=1))
+    limited = start_server(
+        ScriptedEngine(tokenizer, scripted_model(tokenizer)), tokenizer, default_limits=EpisodeLimits(max_turns=1)
+    )
     suite = from_verifiers(tool_env())
     episodes, rewards, per_func = run(limited, suite, tool_env().get_dataset().to_list())
     assert [e.status for e in episodes] == ["agent_error"] * 2 and rewards == [None, None]
@@ -275,15 +307,32 @@ def test_two_training_steps_log_each_rubric_function(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     config = AgenticGRPOConfig(
-        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 1 example x 2 episodes per step
-        max_steps=2, max_completion_length=64,  # room for a scripted tool call
-        reward_weights=suite.reward_weights, agent_columns=list(suite.agent_columns),
-        use_cpu=True, bf16=False, report_to="none", logging_steps=1, learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no", log_episodes=True, episode_timeout=60, seed=0,
+        output_dir=str(tmp_path),
+        num_generations=2,
+        per_device_train_batch_size=2,  # 1 example x 2 episodes per step
+        max_steps=2,
+        max_completion_length=64,  # room for a scripted tool call
+        reward_weights=suite.reward_weights,
+        agent_columns=list(suite.agent_columns),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        learning_rate=1e-2,  # big lr: params must move
+        save_strategy="no",
+        log_episodes=True,
+        episode_timeout=60,
+        seed=0,
     )
-    trainer = AgenticGRPOTrainer(model, agent=suite.agent, reward_funcs=suite.reward_funcs, args=config,
-                                 train_dataset=suite.build_dataset("train", size=2), processing_class=tokenizer,
-                                 engine=ScriptedEngine(tokenizer, scripted_model(tokenizer, wrong_every=2)))
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=suite.agent,
+        reward_funcs=suite.reward_funcs,
+        args=config,
+        train_dataset=suite.build_dataset("train", size=2),
+        processing_class=tokenizer,
+        engine=ScriptedEngine(tokenizer, scripted_model(tokenizer, wrong_every=2)),
+    )
     try:
         trainer.train()
     finally:
@@ -298,12 +347,15 @@ def test_two_training_steps_log_each_rubric_function(tmp_path, tokenizer):
         assert [t["prompt_source"] for t in turns] == ["rendered", "continued"]
         (row,) = record["rows"]
         sampled = [(tok, lp) for t in turns for tok, lp in zip(t["completion_ids"], t["logprobs"])]
-        assert [(tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m] == \
-            sampled
+        assert [
+            (tok, lp) for tok, m, lp in zip(row["completion_ids"], row["env_mask"], row["logprobs"]) if m
+        ] == sampled
     for metrics in trainer.state.log_history[:2]:
         # Each rubric function logged under its own name; the reward is their sum with the rubric's weights.
-        means = {name: metrics[f"rewards/{name}/mean"] for name in
-                 ("correct_answer", "concise", "num_turns", "total_tool_calls", "calculator_calls")}
+        means = {
+            name: metrics[f"rewards/{name}/mean"]
+            for name in ("correct_answer", "concise", "num_turns", "total_tool_calls", "calculator_calls")
+        }
         assert means["num_turns"] == 2.0 and means["total_tool_calls"] == means["calculator_calls"] == 1.0
         assert means["correct_answer"] == 0.5  # one of the two answers of each step is off by one
         assert metrics["reward"] == pytest.approx(means["correct_answer"] + 0.5 * means["concise"])
@@ -314,8 +366,9 @@ def test_evaluator_and_trl_agentic_eval_by_environment_id(tmp_path, tokenizer, e
     assert suite.name == "verifiers-env" and suite.reward_weights == [1.0, 0.2, 0.0, 0.0, 0.0]
     dataset = suite.build_dataset("eval", size=2)
     model = build_tiny_model(tokenizer)
-    with Evaluator(model, tokenizer, suite, dataset, num_samples=2, max_tokens=8, max_turns=2,
-                   concurrency=4) as evaluator:
+    with Evaluator(
+        model, tokenizer, suite, dataset, num_samples=2, max_tokens=8, max_turns=2, concurrency=4
+    ) as evaluator:
         metrics = evaluator.evaluate(seed=0)
     assert metrics["episodes"] == 4 and metrics["status"]["ok"] == 4 and metrics["mean_turns"] >= 1
     means = metrics["scored_reward_funcs"]
@@ -326,24 +379,55 @@ def test_evaluator_and_trl_agentic_eval_by_environment_id(tmp_path, tokenizer, e
     from trl_agentic.scripts.eval import main
 
     output, episodes_path = tmp_path / "eval.json", tmp_path / "episodes.jsonl"
-    code = main(["--task", "verifiers:verifiers-env", "--model", "tiny:qwen2_5:64x2", "--size", "2",
-                 "--num-samples", "2", "--max-tokens", "8", "--max-turns", "2", "--output", str(output),
-                 "--episodes", str(episodes_path), "--no-progress"])
+    code = main(
+        [
+            "--task",
+            "verifiers:verifiers-env",
+            "--model",
+            "tiny:qwen2_5:64x2",
+            "--size",
+            "2",
+            "--num-samples",
+            "2",
+            "--max-tokens",
+            "8",
+            "--max-turns",
+            "2",
+            "--output",
+            str(output),
+            "--episodes",
+            str(episodes_path),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     written = json.loads(output.read_text())
     assert written["episodes"] == 4
     for line in episodes_path.read_text().splitlines():
         record = json.loads(line)
         if record["reward"] is not None:  # weighted with the rubric's weights (the metrics count 0)
-            assert record["reward"] == pytest.approx(record["rewards"]["correct_answer"]
-                                                     + 0.2 * record["rewards"]["short_reply"])
+            assert record["reward"] == pytest.approx(
+                record["rewards"]["correct_answer"] + 0.2 * record["rewards"]["short_reply"]
+            )
 
 
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path, example_on_path):
     import verifiers_env
 
-    trainer = verifiers_env.main(["--model", "tiny:qwen2_5", "--steps", "2", "--num-generations", "2",
-                                  "--max-tokens", "16", "--output-dir", str(tmp_path)])
+    trainer = verifiers_env.main(
+        [
+            "--model",
+            "tiny:qwen2_5",
+            "--steps",
+            "2",
+            "--num-generations",
+            "2",
+            "--max-tokens",
+            "16",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     assert trainer.state.global_step == 2
     records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").open()]
     assert len(records) == 4 and all(r["episode"]["status"] == "ok" and r["episode"]["turns"] for r in records)
@@ -354,12 +438,38 @@ def test_trl_agentic_train_by_id_takes_the_rubrics_weights_and_the_rows_columns(
     from trl_agentic.recipes import make_parser
     from trl_agentic.scripts.train import run as train
 
-    script_args, training_args, model_args = make_parser().parse_args_and_config([
-        "--task", "verifiers:verifiers-env", "--model_name_or_path", "tiny:qwen2_5", "--output_dir", str(tmp_path),
-        "--max_steps", "1", "--num_generations", "2", "--per_device_train_batch_size", "2",  # 1 task x 2 episodes
-        "--max_completion_length", "8", "--train_size", "2", "--use_cpu", "true", "--bf16", "false",
-        "--report_to", "none", "--save_strategy", "no", "--log_episodes", "true", "--logging_steps", "1",
-    ])
+    script_args, training_args, model_args = make_parser().parse_args_and_config(
+        [
+            "--task",
+            "verifiers:verifiers-env",
+            "--model_name_or_path",
+            "tiny:qwen2_5",
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "1",
+            "--num_generations",
+            "2",
+            "--per_device_train_batch_size",
+            "2",  # 1 task x 2 episodes
+            "--max_completion_length",
+            "8",
+            "--train_size",
+            "2",
+            "--use_cpu",
+            "true",
+            "--bf16",
+            "false",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--log_episodes",
+            "true",
+            "--logging_steps",
+            "1",
+        ]
+    )
     train(script_args, training_args, model_args)
     assert training_args.reward_weights == [1.0, 0.2, 0.0, 0.0, 0.0]
     assert training_args.agent_columns == ["prompt", "question", "answer", "example_id"]

@@ -9,12 +9,21 @@ from trl_agentic.scripts.eval import main
 
 def test_cli_reads_the_recipe_and_writes_json(tmp_path, capsys):
     output = tmp_path / "out" / "eval.json"
-    code = main([
-        "--config", "recipes/calculator/tiny/config_cpu.yaml",  # tiny:qwen2_5:64x2, calculator, max_turns 2
-        "--size", "2", "--num-samples", "2",  # 2 tasks x 2 samples
-        "--max-tokens", "4",  # short calls keep the test fast
-        "--output", str(output), "--no-progress",
-    ])
+    code = main(
+        [
+            "--config",
+            "recipes/calculator/tiny/config_cpu.yaml",  # tiny:qwen2_5:64x2, calculator, max_turns 2
+            "--size",
+            "2",
+            "--num-samples",
+            "2",  # 2 tasks x 2 samples
+            "--max-tokens",
+            "4",  # short calls keep the test fast
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     written = json.loads(output.read_text())
     printed = json.loads(capsys.readouterr().out)

@@ -55,8 +55,13 @@ def test_failed_episodes_count_as_failures_in_success():
     assert summary["scored_success"] == 1.0  # named as such: over the 2 scorable episodes only
     assert (summary["episodes"], summary["scored_episodes"], summary["unscorable_episodes"]) == (6, 2, 4)
     assert summary["pass@1"] == summary["success"]
-    assert {s: n for s, n in summary["status"].items() if n} == {"ok": 2, "agent_error": 1, "timeout": 1,
-                                                                  "context_overflow": 1, "limit_exceeded": 1}
+    assert {s: n for s, n in summary["status"].items() if n} == {
+        "ok": 2,
+        "agent_error": 1,
+        "timeout": 1,
+        "context_overflow": 1,
+        "limit_exceeded": 1,
+    }
     assert tuple(summary["status"]) == FINAL_STATUSES  # every final status, in a fixed order, zeros included
     assert sum(summary["status"].values()) == summary["episodes"]
 
@@ -133,8 +138,10 @@ def test_pass_at_k_rejects_impossible_counts():
 
 
 def test_summarize_on_hand_made_episodes():
-    episodes = [Episode(id=f"e{i}", status=s, turns=[Turn(0, [1], [2, 3], [0.0, 0.0], "stop")] * t)
-                for i, (s, t) in enumerate([("ok", 1), ("ok", 2), ("timeout", 1), ("ok", 2)])]
+    episodes = [
+        Episode(id=f"e{i}", status=s, turns=[Turn(0, [1], [2, 3], [0.0, 0.0], "stop")] * t)
+        for i, (s, t) in enumerate([("ok", 1), ("ok", 2), ("timeout", 1), ("ok", 2)])
+    ]
     summary = summarize(episodes, rewards=[1.0, 0.5, None, 0.0], num_tasks=2, num_samples=2, success_threshold=0.5)
     assert summary["scored_mean_reward"] == pytest.approx(0.5)  # over the 3 scored episodes
     assert summary["scored_episodes"] == 3 and summary["unscorable_episodes"] == 1
@@ -197,14 +204,28 @@ SUITE = TaskSuite(
 def counts_dataset():
     # Tasks with 0, 2 and 4 correct samples out of 4, and one whose agent always crashes (its checker would say 4).
     rows = [(0, False), (2, False), (NUM_SAMPLES, False), (NUM_SAMPLES, True)]
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Task {i}."}], "correct": c, "crash": crash}
-                              for i, (c, crash) in enumerate(rows)])
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": f"Task {i}."}], "correct": c, "crash": crash}
+            for i, (c, crash) in enumerate(rows)
+        ]
+    )
 
 
 def test_evaluate_counts_statuses_and_pass_at_k(tokenizer, tmp_path):
     model = build_tiny_model(tokenizer)
-    metrics = evaluate(model, tokenizer, SUITE, counts_dataset(), num_samples=NUM_SAMPLES, temperature=1.0,
-                       max_tokens=3, concurrency=8, seed=0, episodes_path=tmp_path / "episodes.jsonl")
+    metrics = evaluate(
+        model,
+        tokenizer,
+        SUITE,
+        counts_dataset(),
+        num_samples=NUM_SAMPLES,
+        temperature=1.0,
+        max_tokens=3,
+        concurrency=8,
+        seed=0,
+        episodes_path=tmp_path / "episodes.jsonl",
+    )
     size = 4
     assert metrics["episodes"] == size * NUM_SAMPLES == sum(metrics["status"].values())
     assert metrics["status"]["ok"] == 12 and metrics["status"]["agent_error"] == 4
@@ -264,9 +285,19 @@ def test_a_reused_evaluator_samples_from_the_live_weights_after_a_fused_optimize
     import torch
 
     model = build_tiny_model(tokenizer, seed=0)
-    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": "You are a careful assistant. " * 8},
-                                             {"role": "user", "content": f"Task {i}."}], "correct": 1, "crash": False}
-                                 for i in range(2)])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "system", "content": "You are a careful assistant. " * 8},
+                    {"role": "user", "content": f"Task {i}."},
+                ],
+                "correct": 1,
+                "crash": False,
+            }
+            for i in range(2)
+        ]
+    )
 
     def sampled(episodes):
         return [(turn.completion_ids, turn.logprobs) for episode in episodes for turn in episode.turns]
@@ -298,12 +329,22 @@ def test_an_evaluation_samples_what_its_seed_says_whatever_order_the_calls_arriv
         for _ in range(2):
             await asyncio.sleep(delays.random() * 0.02)  # another order of calls each run
             reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                         {"role": "user", "content": "Again."}]
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "Again."},
+            ]
 
     suite = dataclasses.replace(SUITE, agent=jittery_agent)
-    with Evaluator(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, suite, counts_dataset(),
-                   num_samples=2, max_tokens=3, concurrency=6) as evaluator:
+    with Evaluator(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        tokenizer,
+        suite,
+        counts_dataset(),
+        num_samples=2,
+        max_tokens=3,
+        concurrency=6,
+    ) as evaluator:
+
         def sampled(order, seed):
             delays.seed(order)
             return [[turn.completion_ids for turn in episode.turns] for episode in evaluator.run(seed=seed)]

@@ -20,17 +20,29 @@ from answer_file import answer_file_correct, answer_file_dataset  # noqa: E402
 
 def test_the_answer_file_checker_reads_the_workspace_the_harness_left():
     dataset = answer_file_dataset(3, seed=1)
-    assert dataset[0]["prompt"] == [{"role": "user", "content": f"Create a file answer.txt containing "
-                                                                f"{dataset[0]['answer']}."}]
+    assert dataset[0]["prompt"] == [
+        {"role": "user", "content": f"Create a file answer.txt containing {dataset[0]['answer']}."}
+    ]
     right = Episode(id="a", status="ok", result={"files": {"answer.txt": dataset[0]["answer"] + "\n"}})
     wrong = Episode(id="b", status="ok", result={"files": {"answer.txt": "nope"}})
     failed = Episode(id="c", status="agent_error")
     assert answer_file_correct(dataset["prompt"], [[]] * 3, dataset["answer"], episodes=[right, wrong, failed]) == [
-        1.0, 0.0, None]
+        1.0,
+        0.0,
+        None,
+    ]
 
 
-@pytest.mark.parametrize("example, preset", [("mini_swe_agent", "mini-swe-agent"), ("claude_code", "claude-code"),
-                                             ("codex", "codex"), ("gemini_cli", "gemini-cli"), ("opencode", "opencode")])
+@pytest.mark.parametrize(
+    "example, preset",
+    [
+        ("mini_swe_agent", "mini-swe-agent"),
+        ("claude_code", "claude-code"),
+        ("codex", "codex"),
+        ("gemini_cli", "gemini-cli"),
+        ("opencode", "opencode"),
+    ],
+)
 def test_each_harness_example_names_its_preset(example, preset):
     assert f'train(Harness("{preset}"))' in (EXAMPLES / "harnesses" / f"{example}.py").read_text()
 
@@ -42,9 +54,26 @@ def test_the_mini_swe_agent_example_trains_a_step_on_a_tiny_model(tmp_path):
         pytest.skip(str(error))
     env = {**os.environ, "TRL_AGENTIC_MINI_SWE_AGENT_BIN": binary, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "harnesses" / "mini_swe_agent.py"), "--model", "tiny:qwen2_5", "--steps", "1",
-         "--num-generations", "2", "--max-tokens", "32", "--max-turns", "3", "--output-dir", str(tmp_path / "out")],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(EXAMPLES / "harnesses" / "mini_swe_agent.py"),
+            "--model",
+            "tiny:qwen2_5",
+            "--steps",
+            "1",
+            "--num-generations",
+            "2",
+            "--max-tokens",
+            "32",
+            "--max-turns",
+            "3",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").open()]

@@ -58,7 +58,7 @@ def streamed_message(response: httpx.Response) -> dict:
     """The message an Anthropic event stream spells (what Claude Code assembles from it)."""
     assert response.status_code == 200, response.text[:1000]
     assert response.headers["content-type"].startswith("text/event-stream")
-    events = [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in events][0] == "message_start" and events[-1]["type"] == "message_stop"
     message = events[0]["message"]
     partial: dict[int, str] = {}
@@ -87,16 +87,28 @@ def with_answer(body: dict, answer: dict, result: str) -> dict:
             block.pop("cache_control", None)
     (call,) = [block for block in answer["content"] if block["type"] == "tool_use"]
     body["messages"].append({"role": "assistant", "content": answer["content"]})
-    body["messages"].append({"role": "user", "content": [{"tool_use_id": call["id"], "type": "tool_result",
-                                                          "content": result, "is_error": False,
-                                                          "cache_control": {"type": "ephemeral"}}]})
+    body["messages"].append(
+        {
+            "role": "user",
+            "content": [
+                {
+                    "tool_use_id": call["id"],
+                    "type": "tool_result",
+                    "content": result,
+                    "is_error": False,
+                    "cache_control": {"type": "ephemeral"},
+                }
+            ],
+        }
+    )
     return body
 
 
 def test_recorded_requests_have_claude_codes_shape():
     """The fixtures hold what made the endpoint answer 400 before (issue 31), so the tests below exercise it."""
-    probe, first, second = (recorded(name) for name in
-                            ("00_probe.json", "01_first_call.json", "02_after_tool_result.json"))
+    probe, first, second = (
+        recorded(name) for name in ("00_probe.json", "01_first_call.json", "02_after_tool_result.json")
+    )
     assert (probe["method"], probe["path"]) == ("HEAD", "/")
     for request in (first, second):
         body = request["body"]
@@ -120,9 +132,11 @@ def test_recorded_episode_continues_token_exact(start_server, tokenizers, family
     tokenizer = tokenizers[family]
     first, second = recorded("01_first_call.json"), recorded("02_after_tool_result.json")
     recorded_call = second["body"]["messages"][2]["content"][0]
-    script = [bash_call_text(family, recorded_call["input"]),
-              bash_call_text(family, {"command": "cat answer.txt", "description": "Show answer.txt"}),
-              "Done: answer.txt contains 42."]
+    script = [
+        bash_call_text(family, recorded_call["input"]),
+        bash_call_text(family, {"command": "cat answer.txt", "description": "Show answer.txt"}),
+        "Done: answer.txt contains 42.",
+    ]
     server = scripted_server(start_server, tokenizer, script)
     session = server.open_episode()
 
@@ -137,15 +151,24 @@ def test_recorded_episode_continues_token_exact(start_server, tokenizers, family
     assert answer["content"][0]["input"]["command"] == "cat answer.txt"
     body = with_answer(body, answer, "42")
     answer = streamed_message(post_recorded(server, session, second, body))
-    assert (answer["stop_reason"], answer["content"]) == ("end_turn", [
-        {"type": "text", "text": "Done: answer.txt contains 42."}])
+    assert (answer["stop_reason"], answer["content"]) == (
+        "end_turn",
+        [{"type": "text", "text": "Done: answer.txt contains 42."}],
+    )
 
     episode = server.close_episode(session.episode.id)
     assert len(episode.turns) == 3
     assert_token_exact(episode, tokenizer, family, "anthropic_messages")
     last = episode.turns[-1]
     assert [m["role"] for m in last.request_messages] == [
-        "system", "user", "system", "assistant", "tool", "assistant", "tool"]
+        "system",
+        "user",
+        "system",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+    ]
     assert last.request_messages[2]["content"] == first["body"]["messages"][1]["content"]
     # What the template renders for the whole conversation, the system message where it stood (compared as text: the
     # sampled ids are kept, and a fresh tokenization may merge differently across a turn's boundary).
@@ -167,22 +190,33 @@ def test_recorded_first_call_counts_and_serves_the_same_prompt(start_server, tok
     server = scripted_server(start_server, tokenizer, ["Hello."])
     session = server.open_episode()
     body = {k: first["body"][k] for k in ("model", "messages", "system", "tools")}
-    counted = httpx.post(f"{server.url}/v1/messages/count_tokens?beta=true", json=body,
-                         headers={"x-api-key": session.key, "anthropic-version": "2023-06-01"}, timeout=60)
+    counted = httpx.post(
+        f"{server.url}/v1/messages/count_tokens?beta=true",
+        json=body,
+        headers={"x-api-key": session.key, "anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
     assert counted.status_code == 200, counted.text
     answer = streamed_message(post_recorded(server, session, first, first["body"]))
     assert answer["content"] == [{"type": "text", "text": "Hello."}]
     assert answer["usage"]["input_tokens"] == counted.json()["input_tokens"] == len(server.app.state.engine.prompts[0])
 
 
-@pytest.mark.parametrize(("change", "param"), [
-    (lambda body: body["messages"].__setitem__(1, {"role": "system", "content": [{"type": "image", "source": {}}]}),
-     "messages.1.content.0"),
-    (lambda body: body.__setitem__("messages", [body["messages"][1]]), "messages"),
-    (lambda body: body.__setitem__("thinking", "adaptive"), "thinking"),
-    (lambda body: body.__setitem__("context_management", ["clear"]), "context_management"),
-    (lambda body: body["messages"].__setitem__(1, {"role": "developer", "content": "x"}), "messages.1.role"),
-])
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        (
+            lambda body: body["messages"].__setitem__(
+                1, {"role": "system", "content": [{"type": "image", "source": {}}]}
+            ),
+            "messages.1.content.0",
+        ),
+        (lambda body: body.__setitem__("messages", [body["messages"][1]]), "messages"),
+        (lambda body: body.__setitem__("thinking", "adaptive"), "thinking"),
+        (lambda body: body.__setitem__("context_management", ["clear"]), "context_management"),
+        (lambda body: body["messages"].__setitem__(1, {"role": "developer", "content": "x"}), "messages.1.role"),
+    ],
+)
 def test_bad_variants_of_the_recorded_call_get_a_400_naming_the_field(start_server, tokenizers, change, param):
     first = recorded("01_first_call.json")
     server = scripted_server(start_server, tokenizers["qwen2_5"], [])
@@ -201,9 +235,13 @@ def claude_code_binary() -> str | None:
     return os.environ.get("TRL_AGENTIC_CLAUDE_CODE_BIN") or shutil.which("claude")
 
 
-@pytest.mark.skipif(claude_code_binary() is None, reason=(
-    "Claude Code is not installed: `npm install --prefix <dir> @anthropic-ai/claude-code`, then set "
-    "TRL_AGENTIC_CLAUDE_CODE_BIN=<dir>/node_modules/.bin/claude (or put `claude` on PATH)"))
+@pytest.mark.skipif(
+    claude_code_binary() is None,
+    reason=(
+        "Claude Code is not installed: `npm install --prefix <dir> @anthropic-ai/claude-code`, then set "
+        "TRL_AGENTIC_CLAUDE_CODE_BIN=<dir>/node_modules/.bin/claude (or put `claude` on PATH)"
+    ),
+)
 def test_claude_code_completes_the_task_with_zero_forks(start_server, tokenizers, tmp_path):
     """The real `claude -p`, configured only through its documented settings (base URL, key, model, headless
     permissions, no telemetry or auto-update) in a fresh HOME and workspace: the scripted model calls its Bash tool,
@@ -221,15 +259,20 @@ def test_claude_code_completes_the_task_with_zero_forks(start_server, tokenizers
     home.mkdir()
     workspace.mkdir()
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-        "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": session.key,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": session.key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
     # `--allowedTools Bash` is the headless permission rule (`--dangerously-skip-permissions` refuses to run as root).
     command = [claude_code_binary(), "-p", TASK, "--model", "policy", "--allowedTools", "Bash"]
-    done = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=180)
+    done = subprocess.run(
+        command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180
+    )
     episode = server.close_episode(session.episode.id)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert "Done: answer.txt contains 42." in done.stdout

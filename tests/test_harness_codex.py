@@ -68,7 +68,7 @@ def post_as_codex(server, key: str, call: dict) -> httpx.Response:
 def sse_events(response: httpx.Response) -> list[dict]:
     assert response.status_code == 200, response.text[:500]
     assert response.headers["content-type"].startswith("text/event-stream")
-    return [json.loads(line[len("data: "):]) for line in response.text.splitlines() if line.startswith("data: ")]
+    return [json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 def done_items(events: list[dict]) -> list[dict]:
@@ -90,7 +90,9 @@ def test_recorded_codex_conversation_continues_token_exact(start_server, tokeniz
 
     calls = [[item for item in items if item["type"] == "function_call"] for items in answers]
     assert [(c["name"], c.get("namespace"), json.loads(c["arguments"])) for (c,) in calls[:2]] == [
-        ("exec_command", None, EXEC[1]), ("close_agent", "multi_agent_v1", CLOSE_AGENT[1])]
+        ("exec_command", None, EXEC[1]),
+        ("close_agent", "multi_agent_v1", CLOSE_AGENT[1]),
+    ]
     assert "namespace" not in calls[0][0]
     assert answers[2][-1]["content"][0]["text"] == "Done." and not calls[2]
     if family == "qwen3":  # reasoning items, with the encrypted_content Codex asks for (`include`)
@@ -115,8 +117,16 @@ def test_recorded_codex_conversation_continues_token_exact(start_server, tokeniz
         assert set(requested["client_metadata"]) >= {"session_id", "thread_id", "turn_id", "x-codex-window-id"}
     # Recorded in the chat shape with the flat name the model sampled, so the history renders as it was sampled.
     last = episode.turns[-1].request_messages
-    assert [m["role"] for m in last] == ["developer", "developer", "user", "user", "assistant", "tool", "assistant",
-                                         "tool"]
+    assert [m["role"] for m in last] == [
+        "developer",
+        "developer",
+        "user",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+    ]
     assert last[6]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__close_agent"
 
 
@@ -171,8 +181,12 @@ def test_encrypted_reasoning_is_read_back(start_server, tokenizers):
     items[4] = {**altered, "content": None}
     response = post_as_codex(server, session.key, follow_up)
     assert response.status_code == 400 and response.json()["error"]["param"] == "input[4].encrypted_content"
-    items[4] = {"type": "reasoning", "id": reasoning["id"], "summary": [],
-                "encrypted_content": reasoning["encrypted_content"]}
+    items[4] = {
+        "type": "reasoning",
+        "id": reasoning["id"],
+        "summary": [],
+        "encrypted_content": reasoning["encrypted_content"],
+    }
     done_items(sse_events(post_as_codex(server, session.key, follow_up)))
     episode = server.close_episode(session.episode.id)
     assert episode.num_forks == 0
@@ -181,6 +195,7 @@ def test_encrypted_reasoning_is_read_back(start_server, tokenizers):
 
 
 # End to end: the real binary.
+
 
 def codex_binary() -> str | None:
     return os.environ.get("TRL_AGENTIC_CODEX_BIN") or shutil.which("codex")
@@ -202,8 +217,11 @@ wire_api = "responses"
 """
 
 
-@pytest.mark.skipif(codex_binary() is None, reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
-                                                   "PATH (npm install --prefix <dir> @openai/codex)")
+@pytest.mark.skipif(
+    codex_binary() is None,
+    reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
+    "PATH (npm install --prefix <dir> @openai/codex)",
+)
 @pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
 def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokenizers, tmp_path, family):
     """`codex exec` with its defaults (sub-agents, web_search) and a custom provider: the scripted model runs
@@ -221,12 +239,22 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
     (home / ".codex").mkdir(parents=True)
     work.mkdir()
     (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(base_url=server.base_url))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "CODEX_HOME": str(home / ".codex"),
-           "TRL_AGENTIC_API_KEY": session.key}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CODEX_HOME": str(home / ".codex"),
+        "TRL_AGENTIC_API_KEY": session.key,
+    }
     started = time.monotonic()
     result = subprocess.run(
         [codex_binary(), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK],
-        cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=180)
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     elapsed = time.monotonic() - started
     episode = server.close_episode(session.episode.id)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
@@ -238,5 +266,7 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
     assert "exited with code 0" in tool_results[0]
     assert "invalid agent id" in tool_results[1] and "unsupported call" not in tool_results[1]
     assert all(turn.requested_sampling["dropped_tools"] == ["web_search"] for turn in episode.turns)
-    print(f"codex exec: {elapsed:.1f} s, first prompt {len(episode.turns[0].prompt_ids)} tokens "
-          f"(tiny {family} tokenizer), {len(episode.turns)} turns, {episode.num_forks} forks")
+    print(
+        f"codex exec: {elapsed:.1f} s, first prompt {len(episode.turns[0].prompt_ids)} tokens "
+        f"(tiny {family} tokenizer), {len(episode.turns)} turns, {episode.num_forks} forks"
+    )

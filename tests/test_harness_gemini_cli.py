@@ -38,7 +38,7 @@ def gemini_cli_binary() -> str | None:
 pytestmark = pytest.mark.skipif(
     gemini_cli_binary() is None,
     reason="Gemini CLI not found: set TRL_AGENTIC_GEMINI_CLI_BIN or put `gemini` on PATH "
-           "(npm install --prefix <dir> @google/gemini-cli)",
+    "(npm install --prefix <dir> @google/gemini-cli)",
 )
 
 
@@ -51,8 +51,10 @@ def shell_tool_model(tokenizer, think: bool = False):
         reasoning = "<think>\nThe shell can write the file.\n</think>\n\n" if think else ""
         if "<tool_response>" in tokenizer.decode(prompt_ids[-400:]):
             return reasoning + "Created answer.txt containing 42."
-        call = {"name": "run_shell_command", "arguments": {"command": "echo 42 > answer.txt",
-                                                            "description": "Write 42 to answer.txt."}}
+        call = {
+            "name": "run_shell_command",
+            "arguments": {"command": "echo 42 > answer.txt", "description": "Write 42 to answer.txt."},
+        }
         return reasoning + "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"
 
     return respond
@@ -62,8 +64,15 @@ def run_gemini_cli(base_url: str, key: str, workdir, home, timeout: float = 120)
     """`gemini -p TASK` in `workdir` with `home` as HOME, talking to `base_url` only."""
     (home / ".gemini").mkdir(parents=True, exist_ok=True)
     (home / ".gemini" / "settings.json").write_text(json.dumps(SETTINGS))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "GOOGLE_GEMINI_BASE_URL": base_url,
-           "GEMINI_API_KEY": key, "NO_COLOR": "1", "TERM": "dumb", "CI": "1"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "GOOGLE_GEMINI_BASE_URL": base_url,
+        "GEMINI_API_KEY": key,
+        "NO_COLOR": "1",
+        "TERM": "dumb",
+        "CI": "1",
+    }
     command = [gemini_cli_binary(), "-m", "policy", "--yolo", "-p", TASK]
     return subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -89,7 +98,8 @@ def test_gemini_cli_completes_the_task_with_zero_forks(start_server, tmp_path, f
     first, second = episode.turns
     assert (second.prompt_source, second.parent_turn) == ("continued", 0)
     assert second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)] == (
-        first.prompt_ids + first.completion_ids)
+        first.prompt_ids + first.completion_ids
+    )
     call = first.response_message["tool_calls"][0]
     assert call["function"]["name"] == "run_shell_command"
     assert [m["role"] for m in second.request_messages] == ["system", "user", "assistant", "tool"]

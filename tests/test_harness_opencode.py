@@ -59,15 +59,16 @@ def post_as_opencode(server, key: str, call: dict) -> httpx.Response:
     """`call` sent as opencode sent it: its path, headers (the episode's key instead of the placeholder) and body."""
     headers = {**call["headers"], "authorization": f"Bearer {key}"}
     headers.pop("accept-encoding", None)  # httpx negotiates its own
-    return httpx.post(f"{server.url}{call['path']}", content=json.dumps(call["body"]).encode(), headers=headers,
-                      timeout=60)
+    return httpx.post(
+        f"{server.url}{call['path']}", content=json.dumps(call["body"]).encode(), headers=headers, timeout=60
+    )
 
 
 def streamed_message(response: httpx.Response) -> tuple[dict, dict]:
     """The assistant message a Chat Completions stream spells (what the AI SDK assembles), and its usage chunk."""
     assert response.status_code == 200, response.text[:1000]
     assert response.headers["content-type"].startswith("text/event-stream")
-    lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     message, calls = {"content": ""}, {}
@@ -85,15 +86,15 @@ def streamed_message(response: httpx.Response) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
-def test_recorded_opencode_requests_are_accepted_and_the_task_conversation_is_the_main_line(start_server, tokenizers,
-                                                                                          family):
+def test_recorded_opencode_requests_are_accepted_and_the_task_conversation_is_the_main_line(
+    start_server, tokenizers, family
+):
     """The three recorded calls (title, task, follow-up after the bash tool's result), each answered as the recording
     server answered it: accepted, the follow-up continues the task's call token for token, and the title call is a
     side-call row beside the main line (0 forks inside it)."""
     tokenizer = tokenizers[family]
     script = iter([TITLE, call_text(*BASH), DONE])
-    server = start_server(ScriptedEngine(tokenizer, lambda prompt: next(script), max_context_length=CONTEXT),
-                          tokenizer)
+    server = start_server(ScriptedEngine(tokenizer, lambda prompt: next(script), max_context_length=CONTEXT), tokenizer)
     session = server.open_episode()
     answers = [streamed_message(post_as_opencode(server, session.key, recorded(name))) for name in CALLS]
 
@@ -135,14 +136,26 @@ def test_the_recorded_shapes():
     up here first)."""
     title, first, follow_up = (recorded(name) for name in CALLS)
     assert title["body"].keys() == {"model", "max_tokens", "messages", "stream", "stream_options"}
-    assert first["body"].keys() == follow_up["body"].keys() == {
-        "model", "max_tokens", "messages", "tools", "tool_choice", "stream", "stream_options"}
+    assert (
+        first["body"].keys()
+        == follow_up["body"].keys()
+        == {"model", "max_tokens", "messages", "tools", "tool_choice", "stream", "stream_options"}
+    )
     assert [m["role"] for m in follow_up["body"]["messages"]] == ["system", "user", "assistant", "tool"]
     assistant = follow_up["body"]["messages"][2]
     assert assistant["content"] == "" and assistant["tool_calls"][0]["function"]["name"] == "bash"
     assert follow_up["body"]["messages"][:2] == first["body"]["messages"]
     assert [t["function"]["name"] for t in first["body"]["tools"]] == [
-        "bash", "edit", "glob", "grep", "read", "skill", "task", "todowrite", "write"]
+        "bash",
+        "edit",
+        "glob",
+        "grep",
+        "read",
+        "skill",
+        "task",
+        "todowrite",
+        "write",
+    ]
     assert first["headers"]["user-agent"].startswith("opencode/1.18.33 ")
 
 
@@ -152,8 +165,9 @@ def test_the_preset_writes_its_config_under_the_episode_home(tmp_path):
     work, home = tmp_path / "work", tmp_path / "home"
     work.mkdir()
     home.mkdir()
-    context = EpisodeContext(base_url="http://127.0.0.1:9/episodes/e1/v1", api_key="sk-ep-secret", model="policy",
-                             timeout=60)
+    context = EpisodeContext(
+        base_url="http://127.0.0.1:9/episodes/e1/v1", api_key="sk-ep-secret", model="policy", timeout=60
+    )
     argv, env = HARNESS_PRESETS["opencode"].prepare("/bin/opencode", TASK, context, work, home)
     assert argv == ["/bin/opencode", "run", "--model", "trl-agentic/policy", TASK]
     config_file = home / ".config" / "opencode" / "opencode.json"
@@ -165,13 +179,17 @@ def test_the_preset_writes_its_config_under_the_episode_home(tmp_path):
     assert (config["autoupdate"], config["share"]) == (False, "disabled")
     assert config["permission"] == {"edit": "allow", "bash": "allow", "webfetch": "deny"}
     assert env["XDG_CONFIG_HOME"] == str(home / ".config") and all(
-        env[name].startswith(str(home)) for name in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME"))
-    assert {env[name] for name in ("OPENCODE_DISABLE_AUTOUPDATE", "OPENCODE_DISABLE_MODELS_FETCH",
-                                   "OPENCODE_DISABLE_LSP_DOWNLOAD")} == {"1"}
+        env[name].startswith(str(home)) for name in ("XDG_DATA_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME")
+    )
+    assert {
+        env[name]
+        for name in ("OPENCODE_DISABLE_AUTOUPDATE", "OPENCODE_DISABLE_MODELS_FETCH", "OPENCODE_DISABLE_LSP_DOWNLOAD")
+    } == {"1"}
     assert (home / ".npmrc").read_text() == "offline=true\n"  # its background plugin install: no request
 
 
 # End to end: the real binary through its preset.
+
 
 def opencode_model(tokenizer, tool: str, reasoning: str | None = None):
     """A scripted model: a title for the title request; in the task's conversation, one call of opencode's own `bash`
@@ -226,8 +244,10 @@ def test_opencode_completes_a_task_through_its_preset(start_server, tokenizers, 
     assert "only-if-cached" in log or "background dependency install" not in log
     harness.release([episode])
     assert list(tmp_path.glob("trl-agentic-opencode-*")) == []
-    print(f"opencode run: first prompt {len(turns[1].prompt_ids)} tokens (tiny {family} tokenizer), title call "
-          f"{len(turns[0].prompt_ids)} tokens, {len(turns)} calls, {episode.num_main_line_forks} forks in the main line")
+    print(
+        f"opencode run: first prompt {len(turns[1].prompt_ids)} tokens (tiny {family} tokenizer), title call "
+        f"{len(turns[0].prompt_ids)} tokens, {len(turns)} calls, {episode.num_main_line_forks} forks in the main line"
+    )
 
 
 HANDOFF = "Create a file answer.txt containing 42 in the working directory."
@@ -250,8 +270,9 @@ def test_opencode_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_pa
             return DONE if "Wrote answer.txt." in last_user else "Wrote answer.txt."
         if HANDOFF in last_user:  # the sub-agent's first call
             return call_text(*BASH)
-        return call_text("task", {"description": "Write the answer file", "prompt": HANDOFF,
-                                  "subagent_type": "general"})
+        return call_text(
+            "task", {"description": "Write the answer file", "prompt": HANDOFF, "subagent_type": "general"}
+        )
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=CONTEXT), tokenizer)
     [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": TASK}], timeout=180))
@@ -260,7 +281,12 @@ def test_opencode_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_pa
 
     turns = episode.turns
     assert [(t.role, t.conversation, t.spawned_by) for t in turns] == [
-        ("side_call", 0, None), ("main", 1, None), ("sub_agent", 2, 1), ("sub_agent", 2, 1), ("main", 1, None)]
+        ("side_call", 0, None),
+        ("main", 1, None),
+        ("sub_agent", 2, 1),
+        ("sub_agent", 2, 1),
+        ("main", 1, None),
+    ]
     assert_continues(turns[3], turns[2], tokenizer, "qwen2_5")
     assert_continues(turns[4], turns[1], tokenizer, "qwen2_5")
     assert episode.num_main_line_forks == 0
@@ -268,5 +294,8 @@ def test_opencode_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_pa
     assert episode.messages[-1]["content"] == DONE
     rows = episode_to_rows(turns).rows
     assert [(row.kind, row.role, row.turns) for row in rows] == [
-        ("main", "main", [1, 4]), ("side_call", "side_call", [0]), ("sub_agent", "sub_agent", [2, 3])]
+        ("main", "main", [1, 4]),
+        ("side_call", "side_call", [0]),
+        ("sub_agent", "sub_agent", [2, 3]),
+    ]
     harness.release([episode])

@@ -28,7 +28,7 @@ def tokenizer():
 
 def tool_call(name, arguments):
     """A tool call as the qwen2_5 template writes it (what the endpoint parses back into `tool_calls`)."""
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def test_an_unknown_preset_or_a_missing_program_says_what_to_do(monkeypatch):
@@ -74,12 +74,17 @@ def fake_preset(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_scored(fake_preset, tokenizer,
-                                                                                       start_server):
+def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_scored(
+    fake_preset, tokenizer, start_server
+):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "42"), tokenizer)
     harness = Harness("fake", binary=sys.executable, files_column="files")
-    tasks = [{"prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "Write 42."}],
-              "files": json.dumps({"notes/seed.txt": "seed"})}]
+    tasks = [
+        {
+            "prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "Write 42."}],
+            "files": json.dumps({"notes/seed.txt": "seed"}),
+        }
+    ]
     [episode] = asyncio.run(run_episodes(server, harness, tasks, timeout=60))
     assert episode.status == "ok", episode.error
     result = episode.result
@@ -96,8 +101,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
     assert list(fake_preset.glob("trl-agentic-fake-*")) == []
 
 
-def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer,
-                                                                                start_server):
+def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "no"), tokenizer)
     harness = Harness("fake", binary=sys.executable)
     tasks = [{"prompt": "crash now"}, {"prompt": "hang for ever"}, {"prompt": "fine"}]
@@ -132,14 +136,17 @@ def harness_or_skip(name):
 def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
     harness = harness_or_skip("mini-swe-agent")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    replies = iter([
-        "I will write the file.\n" + tool_call("bash", {"command": "echo 42 > answer.txt"}),
-        "Done.\n" + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
-    ])
+    replies = iter(
+        [
+            "I will write the file.\n" + tool_call("bash", {"command": "echo 42 > answer.txt"}),
+            "Done.\n" + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+        ]
+    )
     engine = ScriptedEngine(tokenizer, lambda ids: next(replies, "Nothing more."), max_context_length=32768)
     server = start_server(engine, tokenizer)
-    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
-                                         timeout=120))
+    [episode] = asyncio.run(
+        run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}], timeout=120)
+    )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert len(episode.turns) == 2 and episode.num_forks == 0
@@ -155,7 +162,9 @@ def test_a_recipe_names_a_harness_by_its_preset():
     from trl_agentic.recipes import ScriptArguments, agent_from_recipe
     from trl_agentic.tasks import get_task
 
-    agent = agent_from_recipe(ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator"))
+    agent = agent_from_recipe(
+        ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator")
+    )
     assert isinstance(agent, Harness) and agent.name == "mini-swe-agent"
     with pytest.raises(ValueError, match="presets are"):
         agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
@@ -171,8 +180,9 @@ def test_claude_code_completes_a_task_through_its_preset(tokenizer, start_server
         return "Done: answer.txt contains 42." if after_tool else tool_call("Bash", call)
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
-    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
-                                         timeout=180))
+    [episode] = asyncio.run(
+        run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}], timeout=180)
+    )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert "Done: answer.txt contains 42." in episode.result["output"]
@@ -191,8 +201,9 @@ def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_
         return "Done." if after_tool else tool_call("exec_command", {"cmd": "echo 42 > answer.txt"})
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
-    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
-                                         timeout=180))
+    [episode] = asyncio.run(
+        run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}], timeout=180)
+    )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert len(episode.turns) == 2 and episode.num_forks == 0 and episode.turns[1].prompt_source == "continued"
@@ -212,8 +223,9 @@ def test_gemini_cli_completes_a_task_through_its_preset(tokenizer, start_server,
         return tool_call("run_shell_command", {"command": "echo 42 > answer.txt", "description": "Write the file."})
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=65536), tokenizer)
-    [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}],
-                                         timeout=180))
+    [episode] = asyncio.run(
+        run_episodes(server, harness, [{"prompt": "Create a file answer.txt containing 42."}], timeout=180)
+    )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
     assert all(turn.wire_format == "gemini" for turn in episode.turns)
@@ -232,8 +244,9 @@ RECORDED = Path(__file__).parent / "data" / "harness_requests" / "mini_swe_agent
 def test_mini_swe_agents_recorded_requests_continue_token_for_token(tokenizer, start_server):
     import httpx
 
-    first, second = (json.loads((RECORDED / name).read_text()) for name in ("01_first_call.json",
-                                                                            "02_after_tool_result.json"))
+    first, second = (
+        json.loads((RECORDED / name).read_text()) for name in ("01_first_call.json", "02_after_tool_result.json")
+    )
     assert set(first["body"]) == {"model", "messages", "tools"} and first["body"]["model"] == "policy"
     assert [m["role"] for m in second["body"]["messages"]] == ["system", "user", "assistant", "tool"]
     assert [t["function"]["name"] for t in first["body"]["tools"]] == ["bash"]
@@ -243,8 +256,10 @@ def test_mini_swe_agents_recorded_requests_continue_token_for_token(tokenizer, s
     reply = recorded_call["content"] + "\n" + tool_call("bash", arguments)
     server = start_server(ScriptedEngine(tokenizer, lambda ids: reply), tokenizer)
     session = server.open_episode()
-    headers = {**{k: v for k, v in first["headers"].items() if k != "authorization"},
-               "authorization": f"Bearer {session.key}"}
+    headers = {
+        **{k: v for k, v in first["headers"].items() if k != "authorization"},
+        "authorization": f"Bearer {session.key}",
+    }
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
         answer = http.post("/v1/chat/completions", json=first["body"])
         assert answer.status_code == 200, answer.text

@@ -36,12 +36,24 @@ def tokenizer():
 def make_trainer(tmp_path, tokenizer, mode):
     torch.manual_seed(0)
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=never_called_agent, reward_funcs=reward, processing_class=tokenizer,
+        build_tiny_model(tokenizer),
+        agent=never_called_agent,
+        reward_funcs=reward,
+        processing_class=tokenizer,
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 2),
-        args=AgenticGRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
-                               max_completion_length=8, use_cpu=True, bf16=False, report_to="none", seed=0,
-                               vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5,
-                               vllm_importance_sampling_clip_max=2.0),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            seed=0,
+            vllm_importance_sampling_mode=mode,
+            vllm_importance_sampling_clip_min=0.5,
+            vllm_importance_sampling_clip_max=2.0,
+        ),
     )
     # TRL's vLLM branch of `_generate_and_score_completions`, without vLLM: the rows below carry sampling logprobs
     # that differ from the trainer's, as an inference engine's do.
@@ -79,16 +91,32 @@ def hand_built_rows(trainer):
 
 def run(trainer, main_rows, copies: dict[int, int]):
     """Score the main rows through TRL, with `copies[j] = i`: extra row j of episode i is a copy of main row i."""
-    episodes = [Episode(id=f"ep{i}", turns=[Turn(0, r.prompt_ids, r.completion_ids, [0.0] * len(r.completion_ids),
-                                                 "stop")], status="ok") for i, r in enumerate(main_rows)]
-    extra = {i: [Row(r.prompt_ids, r.completion_ids, r.env_mask, r.logprobs, [1], "fork")
-                 for j, source in sorted(copies.items()) if source == i] for i, r in enumerate(main_rows)}
+    episodes = [
+        Episode(
+            id=f"ep{i}",
+            turns=[Turn(0, r.prompt_ids, r.completion_ids, [0.0] * len(r.completion_ids), "stop")],
+            status="ok",
+        )
+        for i, r in enumerate(main_rows)
+    ]
+    extra = {
+        i: [
+            Row(r.prompt_ids, r.completion_ids, r.env_mask, r.logprobs, [1], "fork")
+            for j, source in sorted(copies.items())
+            if source == i
+        ]
+        for i, r in enumerate(main_rows)
+    }
 
     def rollout(prompts, trainer_):
         trainer._pending_rows = [RowsResult([r, *extra[i]], [], []) for i, r in enumerate(main_rows)]
-        return {"prompt_ids": [r.prompt_ids for r in main_rows], "completion_ids": [r.completion_ids for r in main_rows],
-                "logprobs": [r.logprobs for r in main_rows], "env_mask": [r.env_mask for r in main_rows],
-                "episodes": episodes}
+        return {
+            "prompt_ids": [r.prompt_ids for r in main_rows],
+            "completion_ids": [r.completion_ids for r in main_rows],
+            "logprobs": [r.logprobs for r in main_rows],
+            "env_mask": [r.env_mask for r in main_rows],
+            "episodes": episodes,
+        }
 
     trainer.rollout_func = rollout
     inputs = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in main_rows]
@@ -124,8 +152,9 @@ def test_appended_rows_get_trls_importance_sampling_ratio(tmp_path, tokenizer, m
     # The NaN logprob (None from the engine) is neutral, as in TRL: no NaN anywhere.
     assert not torch.isnan(ratio).any()
     # The rule is TRL's: our function on the main rows reproduces TRL's own numbers.
-    ours = importance_sampling_ratio(alone["old_per_token_logps"], alone["sampling_per_token_logps"], alone_mask,
-                                     mode, 0.5, 2.0)
+    ours = importance_sampling_ratio(
+        alone["old_per_token_logps"], alone["sampling_per_token_logps"], alone_mask, mode, 0.5, 2.0
+    )
     torch.testing.assert_close(ours, alone_ratio)
     # Bounds were exercised: some ratios were clipped or masked, some kept.
     sampled = ratio.flatten() if sequence_mode else ratio[mask.bool()]
@@ -146,9 +175,13 @@ def test_importance_sampling_ratio_rule_by_hand():
     expected = torch.tensor([[math.exp(0.5), 1.0, 0.0], [1.0, 0.0, 1.0]])
     torch.testing.assert_close(importance_sampling_ratio(old, sampling, mask, "token_mask", 0.5, 2.0), expected)
     # sequence_*: exp(sum of the differences) per row, shape (B, 1).
-    torch.testing.assert_close(importance_sampling_ratio(old, sampling, mask, "sequence_truncate", 0.5, 2.0),
-                               torch.tensor([[math.exp(-0.5)], [2.0]]))
-    torch.testing.assert_close(importance_sampling_ratio(old, sampling, mask, "sequence_mask", None, 3.0),
-                               torch.tensor([[math.exp(-0.5)], [0.0]]))
+    torch.testing.assert_close(
+        importance_sampling_ratio(old, sampling, mask, "sequence_truncate", 0.5, 2.0),
+        torch.tensor([[math.exp(-0.5)], [2.0]]),
+    )
+    torch.testing.assert_close(
+        importance_sampling_ratio(old, sampling, mask, "sequence_mask", None, 3.0),
+        torch.tensor([[math.exp(-0.5)], [0.0]]),
+    )
     with pytest.raises(ValueError, match="Unknown vllm_importance_sampling_mode"):
         importance_sampling_ratio(old, sampling, mask, "tokens", 0.5, 2.0)

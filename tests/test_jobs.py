@@ -27,8 +27,18 @@ FULL_RECIPE = "recipes/calculator/Qwen2.5-1.5B-Instruct/config_full.yaml"
 VLLM_RECIPE = "recipes/files/Qwen3-4B/config_vllm.yaml"
 # Keys `hf jobs uv run` accepts in a script's [tool.hf-jobs] table (huggingface_hub's UvScriptHeader).
 HF_JOBS_KEYS = {
-    "image", "flavor", "python", "timeout", "name", "namespace", "network_group", "env", "secrets", "labels",
-    "volumes", "network_aliases",
+    "image",
+    "flavor",
+    "python",
+    "timeout",
+    "name",
+    "namespace",
+    "network_group",
+    "env",
+    "secrets",
+    "labels",
+    "volumes",
+    "network_aliases",
 }
 
 
@@ -57,8 +67,17 @@ def pep723_header(path: Path) -> dict:
 
 @pytest.mark.parametrize(
     "flavor, count",
-    [("a10g-large", 1), ("a100-large", 1), ("h200", 1), ("cpu-basic", 1), ("l40sx1", 1), ("a10g-largex2", 2),
-     ("a100x4", 4), ("l40sx4", 4), ("h200x8", 8)],
+    [
+        ("a10g-large", 1),
+        ("a100-large", 1),
+        ("h200", 1),
+        ("cpu-basic", 1),
+        ("l40sx1", 1),
+        ("a10g-largex2", 2),
+        ("a100x4", 4),
+        ("l40sx4", 4),
+        ("h200x8", 8),
+    ],
 )
 def test_gpu_count(flavor, count):
     assert jobs.gpu_count(flavor) == count
@@ -76,11 +95,23 @@ def test_dry_run_single_gpu(capsys, monkeypatch):
     assert submission["timeout"] == "2h"  # never HF's default of 30 minutes
     assert submission["secrets"] == ["HF_TOKEN"]  # names only
     assert submission["command"] == [
-        "python", "-m", "trl_agentic.scripts.train", "--config", "/tmp/trl-agentic/recipe.yaml",
-        "--push_to_hub", "true", "--hub_model_id", "my-org/calc-lora",
+        "python",
+        "-m",
+        "trl_agentic.scripts.train",
+        "--config",
+        "/tmp/trl-agentic/recipe.yaml",
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "my-org/calc-lora",
     ]
     assert submission["script_args"] == [
-        "--num_processes", "1", "--push_to_hub", "true", "--hub_model_id", "my-org/calc-lora"
+        "--num_processes",
+        "1",
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "my-org/calc-lora",
     ]
     shipped = base64.b64decode(submission["env"][jobs.RECIPE_ENV])
     assert shipped == (REPO_ROOT / LORA_RECIPE).read_bytes()
@@ -93,7 +124,13 @@ def test_dry_run_multi_gpu_full_uses_zero3(capsys):
     )
     assert submission["timeout"] == "4h"
     assert submission["command"][:7] == [
-        "accelerate", "launch", "--config_file", "/tmp/trl-agentic/accelerate_config.yaml", "--num_processes", "4", "-m"
+        "accelerate",
+        "launch",
+        "--config_file",
+        "/tmp/trl-agentic/accelerate_config.yaml",
+        "--num_processes",
+        "4",
+        "-m",
     ]
     assert submission["script_args"][:2] == ["--num_processes", "4"]
     shipped = base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
@@ -120,10 +157,22 @@ def test_dry_run_accelerate_config_override(capsys):
 
 def test_dry_run_vllm_recipe_and_package(capsys):
     submission = dry_run(
-        capsys, "--config", VLLM_RECIPE, "--flavor", "h200", "--namespace", "my-org",
-        "--package", "trl-agentic @ git+https://github.com/my-org/trl-agentic@main",
-        "--secret", "WANDB_API_KEY", "--network-group", "grpo-run",
-        "--", "--learning_rate", "2e-6",
+        capsys,
+        "--config",
+        VLLM_RECIPE,
+        "--flavor",
+        "h200",
+        "--namespace",
+        "my-org",
+        "--package",
+        "trl-agentic @ git+https://github.com/my-org/trl-agentic@main",
+        "--secret",
+        "WANDB_API_KEY",
+        "--network-group",
+        "grpo-run",
+        "--",
+        "--learning_rate",
+        "2e-6",
     )
     assert submission["dependencies"] == ["trl-agentic[vllm] @ git+https://github.com/my-org/trl-agentic@main"]
     assert submission["secrets"] == ["HF_TOKEN", "WANDB_API_KEY"]
@@ -167,7 +216,9 @@ def test_job_script_runs_the_submitted_command(tmp_path):
     result = subprocess.run(
         [sys.executable, "jobs/train.py", *submission["script_args"], "--dry_run"],
         env={**submission["env"], "TRL_AGENTIC_JOB_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     command = json.loads(result.stdout.splitlines()[-1])["command"]
@@ -190,8 +241,15 @@ def test_job_script_single_gpu(tmp_path, monkeypatch, capsys):
 
 def test_job_script_forces_push_and_expands_vars(monkeypatch, capsys):
     monkeypatch.setenv("HF_NETWORK_GROUP_PREFIX", "grp-")
-    argv = ["--config", FULL_RECIPE, "--num_processes", "1", "--dry_run",
-            "--vllm_server_host", "${HF_NETWORK_GROUP_PREFIX}vllm"]
+    argv = [
+        "--config",
+        FULL_RECIPE,
+        "--num_processes",
+        "1",
+        "--dry_run",
+        "--vllm_server_host",
+        "${HF_NETWORK_GROUP_PREFIX}vllm",
+    ]
     assert load_job_script().main(argv) == 0
     command = json.loads(capsys.readouterr().out)["command"]
     assert command[-4:] == ["--vllm_server_host", "grp-vllm", "--push_to_hub", "true"]
@@ -255,8 +313,18 @@ def test_submit_calls_run_uv_job(monkeypatch, capsys):
 
     monkeypatch.setattr(huggingface_hub, "run_uv_job", fake_run_uv_job)
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
-    argv = ["submit", "--config", VLLM_RECIPE, "--flavor", "h200", "--hub-model-id", "o/m", "--detach",
-            "--package", "trl-agentic @ git+https://github.com/o/trl-agentic"]
+    argv = [
+        "submit",
+        "--config",
+        VLLM_RECIPE,
+        "--flavor",
+        "h200",
+        "--hub-model-id",
+        "o/m",
+        "--detach",
+        "--package",
+        "trl-agentic @ git+https://github.com/o/trl-agentic",
+    ]
     assert jobs.main(argv) == 0
     assert "job-123" in capsys.readouterr().out
     (call,) = calls
@@ -304,20 +372,41 @@ def test_submit_dry_run_from_an_installed_wheel(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, source / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     (wheel,) = (tmp_path / "dist").glob("trl_agentic-*.whl")
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=120
+    )
 
     work = tmp_path / "work"  # a user's directory: a recipe, no checkout
     work.mkdir()
     shutil.copy(REPO_ROOT / FULL_RECIPE, work / "recipe.yaml")
     result = subprocess.run(
-        [sys.executable, "-m", "trl_agentic.cli", "jobs", "submit", "--config", "recipe.yaml", "--flavor", "a100x4",
-         "--hub-model-id", "o/m", "--dry-run"],
-        cwd=work, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "trl_agentic.cli",
+            "jobs",
+            "submit",
+            "--config",
+            "recipe.yaml",
+            "--flavor",
+            "a100x4",
+            "--hub-model-id",
+            "o/m",
+            "--dry-run",
+        ],
+        cwd=work,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     submission = json.loads(result.stdout)
@@ -325,9 +414,10 @@ def test_submit_dry_run_from_an_installed_wheel(tmp_path):
     assert script == site / "trl_agentic" / "bundled" / "jobs" / "train.py"  # from the installed wheel
     assert script.read_bytes() == (REPO_ROOT / "jobs" / "train.py").read_bytes()
     assert submission["dependencies"] == [f"trl-agentic[deepspeed] @ {GIT}"]  # zero3: the default for full FT
-    assert base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV]) == (
-        REPO_ROOT / "recipes" / "accelerate_configs" / "zero3.yaml"
-    ).read_bytes()
+    assert (
+        base64.b64decode(submission["env"][jobs.ACCELERATE_CONFIG_ENV])
+        == (REPO_ROOT / "recipes" / "accelerate_configs" / "zero3.yaml").read_bytes()
+    )
     job_config = f"{jobs.JOB_DIR}/{jobs.JOB_ACCELERATE_CONFIG}"
     assert submission["command"][:4] == ["accelerate", "launch", "--config_file", job_config]
 
@@ -364,15 +454,24 @@ def test_a_local_task_file_travels_with_its_siblings_and_the_job_imports_it(tmp_
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "jobs" / "train.py"), *submission["script_args"], "--dry_run"],
         env={**os.environ, **submission["env"], "TRL_AGENTIC_JOB_DIR": str(job_dir)},
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     printed = json.loads(done.stdout.strip().splitlines()[-1])
     assert printed["pythonpath"].split(os.pathsep)[0] == str(job_dir / jobs.JOB_CODE)
     imported = subprocess.run(
-        [sys.executable, "-c", "from trl_agentic.imports import import_object; "
-         f"print(import_object({str(job_dir / 'code' / 'my_task.py') + ':TASK'!r}).name)"],
-        env={**os.environ, "PYTHONPATH": printed["pythonpath"]}, cwd=tmp_path, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from trl_agentic.imports import import_object; "
+            f"print(import_object({str(job_dir / 'code' / 'my_task.py') + ':TASK'!r}).name)",
+        ],
+        env={**os.environ, "PYTHONPATH": printed["pythonpath"]},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         timeout=120,
     )
     assert imported.stdout.strip() == "calculator", imported.stderr[-2000:]
@@ -385,11 +484,14 @@ def test_a_module_of_the_working_directory_travels_as_it_is(tmp_path, monkeypatc
     assert "--task" not in submission["command"]  # ...and the module keeps its name
 
 
-@pytest.mark.parametrize("recipe_text, message", [
-    ("task: no_such_module:TASK\n", "Cannot load 'no_such_module:TASK'"),
-    ("task: my_task.py:NOPE\n", "Cannot load 'my_task.py:NOPE'"),
-    ("task: calculator\nreward_funcs: [yaml:safe_load]\n", "--with PyYAML"),
-])
+@pytest.mark.parametrize(
+    "recipe_text, message",
+    [
+        ("task: no_such_module:TASK\n", "Cannot load 'no_such_module:TASK'"),
+        ("task: my_task.py:NOPE\n", "Cannot load 'my_task.py:NOPE'"),
+        ("task: calculator\nreward_funcs: [yaml:safe_load]\n", "--with PyYAML"),
+    ],
+)
 def test_what_would_fail_in_the_job_fails_the_submission(tmp_path, monkeypatch, capsys, recipe_text, message):
     user_dir(tmp_path, monkeypatch, recipe_text)
     assert jobs.main(["submit", "--config", "recipe.yaml", "--hub-model-id", "o/m", "--dry-run"]) == 2
@@ -403,8 +505,9 @@ def test_with_adds_what_the_recipe_imports_to_the_job(tmp_path, monkeypatch, cap
 
 
 def git(cwd, *args):
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True, capture_output=True
+    )
 
 
 def test_the_default_package_is_this_checkouts_pushed_commit(tmp_path, monkeypatch):

@@ -24,14 +24,17 @@ def model(tokenizer):
 
 
 def first_prompt(tokenizer, text="What is 12 * (3 + 4)? Use the calculator, then answer."):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def tool_turn(tokenizer, result: str) -> list[int]:
     """What the chat template appends after an assistant turn: the tool result and the next generation prompt."""
-    return tokenizer.encode(f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n"
-                            "<|im_start|>assistant\n", add_special_tokens=False)
+    return tokenizer.encode(
+        f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
 
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
@@ -91,8 +94,9 @@ def test_a_policy_change_never_samples_from_the_old_states(tokenizer, model, cha
         # an engine that serves the live model without the trainer's `policy_version` (the demo's held-out evaluator)
         # sampled from the old weights' states of the shared system prompt (held-out success 1% while training
         # success was 27%).
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=change == "fused_adamw",
-                                      foreach=change == "foreach_adamw" or None)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=0.05, fused=change == "fused_adamw", foreach=change == "foreach_adamw" or None
+        )
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         optimizer.step()
@@ -104,8 +108,9 @@ def test_a_policy_change_never_samples_from_the_old_states(tokenizer, model, cha
             engine.policy_version += 1
     following = prompt + first.token_ids + tool_turn(tokenizer, "84")
     out = engine.generate_batch([following], [SAMPLING])[0]
-    cold = TransformersEngine(engine.model, pad_token_id=tokenizer.pad_token_id).generate_batch([following],
-                                                                                              [SAMPLING])[0]
+    cold = TransformersEngine(engine.model, pad_token_id=tokenizer.pad_token_id).generate_batch(
+        [following], [SAMPLING]
+    )[0]
     assert (out.token_ids, out.logprobs) == (cold.token_ids, cold.logprobs)  # exactly: a full prefill, as cold
     assert engine.stats.prefix_hits == 0
 
@@ -118,8 +123,9 @@ def test_concurrent_episodes_reuse_their_own_prefixes(tokenizer, model):
     prompts = [first_prompt(tokenizer, f"Task {i}: " + "compute " * (3 * i + 1)) for i in range(4)]
     samplings = [SamplingParams(max_tokens=6 + i, seed=i) for i in range(4)]
     firsts = engine.generate_batch(prompts, samplings)
-    following = [p + o.token_ids + tool_turn(tokenizer, "7 " * (5 * i + 1)) for i, (p, o) in enumerate(zip(prompts,
-                                                                                                          firsts))]
+    following = [
+        p + o.token_ids + tool_turn(tokenizer, "7 " * (5 * i + 1)) for i, (p, o) in enumerate(zip(prompts, firsts))
+    ]
     following.append(first_prompt(tokenizer, "A new episode."))  # no cached prefix: prefilled whole, alongside
     samplings.append(SamplingParams(max_tokens=5, seed=9))
     outs = engine.generate_batch(following, samplings)

@@ -74,8 +74,12 @@ def test_scripts_do_not_import_scripts():
 
 
 def test_eval_and_jobs_do_not_import_the_trainer():
-    for path in (PACKAGE / "scripts" / "eval.py", PACKAGE / "evaluation.py", PACKAGE / "jobs.py",
-                 PACKAGE / "recipes.py"):
+    for path in (
+        PACKAGE / "scripts" / "eval.py",
+        PACKAGE / "evaluation.py",
+        PACKAGE / "jobs.py",
+        PACKAGE / "recipes.py",
+    ):
         names = imported_modules(path)
         assert not {n for n in names if n.startswith("trl_agentic.agentic_grpo_trainer")}, path.name
         assert "trl_agentic.AgenticGRPOTrainer" not in names, path.name
@@ -83,8 +87,7 @@ def test_eval_and_jobs_do_not_import_the_trainer():
 
 def test_one_resolve_agent():
     # `rollout.agents.resolve_agent` normalizes what a user passes; the recipe-level one is `agent_from_recipe`.
-    defining = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                if "def resolve_agent(" in p.read_text()]
+    defining = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "def resolve_agent(" in p.read_text()]
     assert defining == ["rollout/agents.py"]
 
 

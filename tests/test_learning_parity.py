@@ -20,10 +20,20 @@ from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 async def three_turn_agent(client, task):
@@ -64,12 +74,21 @@ def episode_reward(prompts, completions, episodes=None, **kwargs):
 
 
 def dataset():
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "a": i}
-                              for i in range(2)])
+    return Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": f"Add {i} and {i + 1}."}], "a": i} for i in range(2)]
+    )
 
 
-KNOBS = dict(num_generations=2, per_device_train_batch_size=2, max_completion_length=5, use_cpu=True, bf16=False,
-             report_to="none", save_strategy="no", seed=0)
+KNOBS = dict(
+    num_generations=2,
+    per_device_train_batch_size=2,
+    max_completion_length=5,
+    use_cpu=True,
+    bf16=False,
+    report_to="none",
+    save_strategy="no",
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +142,23 @@ def loss_and_gradients(trainer, chunk, accumulation_steps):
 @pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.1), ("grpo", 0.1)])
 def test_multi_turn_gradient_parity_with_trl(tmp_path, policy_path, loss_type, beta):
     steps_per_generation, accumulation = 2, 1  # two micro-batches per generation; TRL computes old logps here
-    settings = dict(KNOBS, loss_type=loss_type, beta=beta, steps_per_generation=steps_per_generation,
-                    gradient_accumulation_steps=accumulation)
+    settings = dict(
+        KNOBS,
+        loss_type=loss_type,
+        beta=beta,
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=accumulation,
+    )
     train = dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]  # RepeatSampler order: each task num_generations times
 
-    agentic = AgenticGRPOTrainer(policy_path, agent=three_turn_agent, reward_funcs=ids_reward,
-                                 args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
-                                 train_dataset=train)
+    agentic = AgenticGRPOTrainer(
+        policy_path,
+        agent=three_turn_agent,
+        reward_funcs=ids_reward,
+        args=AgenticGRPOConfig(output_dir=str(tmp_path / "a"), **settings),
+        train_dataset=train,
+    )
     try:
         agentic.model.train()
         ours = agentic._generate_and_score_completions([dict(x) for x in inputs])
@@ -138,12 +166,15 @@ def test_multi_turn_gradient_parity_with_trl(tmp_path, policy_path, loss_type, b
         agentic.close()
     assert ours["prompt_ids"].size(0) == 4  # append-only: one row per episode
     lengths = ours["completion_mask"].sum(1).tolist()
-    rows = [{
-        "prompt_ids": ids[mask.bool()].tolist(),
-        "completion_ids": ours["completion_ids"][i, :n].tolist(),
-        "env_mask": ours["tool_mask"][i, :n].tolist(),
-        "logprobs": ours["sampling_per_token_logps"][i, :n].tolist(),
-    } for i, (ids, mask, n) in enumerate(zip(ours["prompt_ids"], ours["prompt_mask"], lengths))]
+    rows = [
+        {
+            "prompt_ids": ids[mask.bool()].tolist(),
+            "completion_ids": ours["completion_ids"][i, :n].tolist(),
+            "env_mask": ours["tool_mask"][i, :n].tolist(),
+            "logprobs": ours["sampling_per_token_logps"][i, :n].tolist(),
+        }
+        for i, (ids, mask, n) in enumerate(zip(ours["prompt_ids"], ours["prompt_mask"], lengths))
+    ]
     for row in rows:  # multi-turn: sampled tokens with masked context (tool output, template glue) in between
         assert 0 in row["env_mask"] and row["env_mask"][0] == 1 and row["env_mask"][-1] == 1
     assert ours["advantages"].abs().sum() > 0, "the groups did not split: the comparison would be vacuous"
@@ -152,8 +183,13 @@ def test_multi_turn_gradient_parity_with_trl(tmp_path, policy_path, loss_type, b
         assert len(prompts) == len(rows)
         return {key: [row[key] for row in rows] for key in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
 
-    vanilla = GRPOTrainer(policy_path, reward_funcs=ids_reward, train_dataset=train, rollout_func=replay_rollout,
-                          args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings))
+    vanilla = GRPOTrainer(
+        policy_path,
+        reward_funcs=ids_reward,
+        train_dataset=train,
+        rollout_func=replay_rollout,
+        args=GRPOConfig(output_dir=str(tmp_path / "v"), **settings),
+    )
     vanilla.model.train()
     theirs = vanilla._generate_and_score_completions([dict(x) for x in inputs])
 
@@ -189,10 +225,18 @@ def test_forked_episodes_weigh_every_sampled_token_as_one_sequence(tmp_path, pol
     batch: TRL's loss gives each sampled token of a one-sequence episode d loss / d logp = -A_e / N (`dapo`),
     -A_e / (B * max_completion_length) (`dr_grpo`), -A_e / (T_e * B) (`grpo`). Forked episodes must get the same."""
     trainer = AgenticGRPOTrainer(
-        policy_path, agent=rewriting_agent, reward_funcs=episode_reward, train_dataset=dataset(),
-        args=AgenticGRPOConfig(output_dir=str(tmp_path), loss_type=loss_type, steps_per_generation=1,
-                               gradient_accumulation_steps=1, agent_columns=["prompt", "a"],  # the agent reads `a`
-                               **dict(KNOBS, per_device_train_batch_size=4)),
+        policy_path,
+        agent=rewriting_agent,
+        reward_funcs=episode_reward,
+        train_dataset=dataset(),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            loss_type=loss_type,
+            steps_per_generation=1,
+            gradient_accumulation_steps=1,
+            agent_columns=["prompt", "a"],  # the agent reads `a`
+            **dict(KNOBS, per_device_train_batch_size=4),
+        ),
     )
     train = dataset()
     inputs = [dict(train[i]) for i in (0, 0, 1, 1)]

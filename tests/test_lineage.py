@@ -31,13 +31,26 @@ MAIN_SYSTEM = "You are a coding agent. Use the tools."
 SUB_SYSTEM = "You are a sub-agent: search the workspace and report."
 SUB_PROMPT = "List every file of the workspace and say which one holds 42."
 SUB_ANSWER = "No file holds 42 yet."
-SHELL = {"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command.",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
-AGENT = {"type": "function", "function": {
-    "name": "agent", "description": "Hand a task to a sub-agent.",
-    "parameters": {"type": "object", "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
-                   "required": ["prompt"]}}}
+SHELL = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "description": "Run a shell command.",
+        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+}
+AGENT = {
+    "type": "function",
+    "function": {
+        "name": "agent",
+        "description": "Hand a task to a sub-agent.",
+        "parameters": {
+            "type": "object",
+            "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+            "required": ["prompt"],
+        },
+    },
+}
 
 
 def call_text(name, arguments):
@@ -84,8 +97,10 @@ def test_title_call_first_leaves_the_task_conversation_the_main_line(start_serve
     assert client.chat.completions.create(model="policy", messages=title).choices[0].message.content == "Answer file"
     messages = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": TASK}]
     message = client.chat.completions.create(model="policy", messages=messages, tools=[SHELL]).choices[0].message
-    messages += [message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": ""}]
+    messages += [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": ""},
+    ]
     final = client.chat.completions.create(model="policy", messages=messages, tools=[SHELL]).choices[0].message
     assert final.content == "Done."
     episode = server.close_episode(session.episode.id)
@@ -104,7 +119,8 @@ def test_title_call_first_leaves_the_task_conversation_the_main_line(start_serve
     assert main_row.prompt_ids == renderer.render([template_message(m) for m in messages[:2]], [SHELL])
     assert main_row.completion_ids == sampled(tokenizer, script[1]) + context + sampled(tokenizer, "Done.")
     assert main_row.env_mask == [1] * len(sampled(tokenizer, script[1])) + [0] * len(context) + [1] * len(
-        sampled(tokenizer, "Done."))
+        sampled(tokenizer, "Done.")
+    )
     assert (title_row.kind, title_row.role, title_row.turns) == ("side_call", "side_call", [0])
     assert title_row.prompt_ids == renderer.render(title, None)
     assert title_row.completion_ids == sampled(tokenizer, "Answer file")
@@ -136,16 +152,20 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
         """An agent loop: execute tool calls (the `agent` tool runs a sub-agent) until the model answers."""
         while True:
             kwargs = {"tools": [anthropic_tool(t) for t in tools]} if tools else {}
-            message = client.messages.create(model="policy", max_tokens=256, system=system, messages=messages,
-                                             metadata=metadata, **kwargs)
+            message = client.messages.create(
+                model="policy", max_tokens=256, system=system, messages=messages, metadata=metadata, **kwargs
+            )
             messages.append({"role": "assistant", "content": message.content})
             if message.stop_reason != "tool_use":
                 return message.content[-1].text
             results = []
             for block in message.content:
                 if block.type == "tool_use":
-                    output = (run(SUB_SYSTEM, [{"role": "user", "content": block.input["prompt"]}], [SHELL])
-                              if block.name == "agent" else "")
+                    output = (
+                        run(SUB_SYSTEM, [{"role": "user", "content": block.input["prompt"]}], [SHELL])
+                        if block.name == "agent"
+                        else ""
+                    )
                     results.append({"type": "tool_result", "tool_use_id": block.id, "content": output})
             messages.append({"role": "user", "content": results})
 
@@ -157,28 +177,39 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
     assert [t.role for t in turns] == ["side_call", "main", "sub_agent", "sub_agent", "main", "main"]
     assert [t.conversation for t in turns] == [0, 1, 2, 2, 1, 1]
     assert [t.spawned_by for t in turns] == [None, None, 1, 1, None, None]  # the main line's `agent` call
-    assert [t.prompt_source for t in turns] == ["rendered", "rendered", "rendered", "continued", "continued",
-                                                "continued"]
+    assert [t.prompt_source for t in turns] == [
+        "rendered",
+        "rendered",
+        "rendered",
+        "continued",
+        "continued",
+        "continued",
+    ]
     assert episode.num_main_line_forks == 0
     assert episode.messages == [*turns[5].request_messages, turns[5].response_message]
     assert episode.messages[-1]["content"] == "Done."
 
     result = episode_to_rows(turns)
     assert [(r.kind, r.role, r.conversation, r.turns) for r in result.rows] == [
-        ("main", "main", 1, [1, 4, 5]), ("side_call", "side_call", 0, [0]), ("sub_agent", "sub_agent", 2, [2, 3])]
+        ("main", "main", 1, [1, 4, 5]),
+        ("side_call", "side_call", 0, [0]),
+        ("sub_agent", "sub_agent", 2, [2, 3]),
+    ]
     main_row, title_row, sub_row = result.rows
     ids = [sampled(tokenizer, text) for text in script]
     report, after_shell = context_between(turns[4], turns[1]), context_between(turns[5], turns[4])
     assert SUB_ANSWER in tokenizer.decode(report)  # the main line saw the sub-agent's report as its tool result
     assert main_row.prompt_ids == turns[1].prompt_ids
     assert main_row.completion_ids == ids[1] + report + ids[4] + after_shell + ids[5]
-    assert main_row.env_mask == ([1] * len(ids[1]) + [0] * len(report) + [1] * len(ids[4]) + [0] * len(after_shell)
-                                 + [1] * len(ids[5]))
+    assert main_row.env_mask == (
+        [1] * len(ids[1]) + [0] * len(report) + [1] * len(ids[4]) + [0] * len(after_shell) + [1] * len(ids[5])
+    )
     assert title_row.prompt_ids == turns[0].prompt_ids and title_row.completion_ids == ids[0]
     ls_output = context_between(turns[3], turns[2])
     assert sub_row.prompt_ids == turns[2].prompt_ids
     assert tokenizer.decode(sub_row.prompt_ids).count(SUB_PROMPT) == 1 and SUB_SYSTEM in tokenizer.decode(
-        sub_row.prompt_ids)
+        sub_row.prompt_ids
+    )
     assert sub_row.completion_ids == ids[2] + ls_output + ids[3]
     assert sub_row.env_mask == [1] * len(ids[2]) + [0] * len(ls_output) + [1] * len(ids[3])
     # Every sampled token is trained once, in exactly one row.
@@ -193,12 +224,23 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
     assert [r.turns for r in capped.rows] == [[1, 4, 5]] and capped.capped_turns == [0, 2, 3]
 
 
-def turn(index, prompt, completion, messages=(), tools=None, answer=None, parent=None, forked_from=None,
-         fork_reason=None):
-    return Turn(index, list(prompt), list(completion), [-0.5] * len(completion), "stop",
-                request_messages=list(messages), request_tools=tools, response_message=answer or {},
-                prompt_source="continued" if parent is not None else "rendered", parent_turn=parent,
-                forked_from=forked_from, fork_reason=fork_reason)
+def turn(
+    index, prompt, completion, messages=(), tools=None, answer=None, parent=None, forked_from=None, fork_reason=None
+):
+    return Turn(
+        index,
+        list(prompt),
+        list(completion),
+        [-0.5] * len(completion),
+        "stop",
+        request_messages=list(messages),
+        request_tools=tools,
+        response_message=answer or {},
+        prompt_source="continued" if parent is not None else "rendered",
+        parent_turn=parent,
+        forked_from=forked_from,
+        fork_reason=fork_reason,
+    )
 
 
 def user(text):
@@ -212,18 +254,37 @@ def test_rules_on_plain_turns():
     system = {"role": "system", "content": MAIN_SYSTEM}
 
     def calls(name, arguments):
-        return {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+            ],
+        }
 
     turns = [
         turn(0, [1, 2], [3], [system, user(TASK)], [SHELL], answer=calls("agent", {"prompt": SUB_PROMPT})),
         turn(1, [4, 5], [6], [user(SUB_PROMPT)], [SHELL]),  # the sub-agent: quotes the open call
         turn(2, [4, 5], [7], [user(SUB_PROMPT)], [SHELL], forked_from=1),  # a retry of the same request
-        turn(3, [1, 2, 3, 8], [9], [system, user(TASK)], [SHELL], answer={"role": "assistant", "content": "Done."},
-             parent=0),
+        turn(
+            3,
+            [1, 2, 3, 8],
+            [9],
+            [system, user(TASK)],
+            [SHELL],
+            answer={"role": "assistant", "content": "Done."},
+            parent=0,
+        ),
         # A compaction restart keeping the system prompt: quotes the sub-agent's task, but that call was answered.
-        turn(4, [1, 10], [11], [system, user("Summary: " + SUB_PROMPT)], [SHELL], forked_from=3,
-             fork_reason="history_rewritten"),
+        turn(
+            4,
+            [1, 10],
+            [11],
+            [system, user("Summary: " + SUB_PROMPT)],
+            [SHELL],
+            forked_from=3,
+            fork_reason="history_rewritten",
+        ),
         turn(5, [12] * 20, [13], [user("Hi.")], [SHELL]),  # unrelated, and the longest
     ]
     found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, [user(TASK)])}
@@ -235,11 +296,17 @@ def test_rules_on_plain_turns():
         for index in c.turns:
             turns[index].conversation, turns[index].role = c.index, c.role
     assert [(r.kind, r.role, r.turns) for r in episode_to_rows(turns).rows] == [
-        ("main", "main", [0, 3]), ("fork", "main", [4]), ("sub_agent", "sub_agent", [1]),
-        ("fork", "sub_agent", [2]), ("side_call", "side_call", [5])]
+        ("main", "main", [0, 3]),
+        ("fork", "main", [4]),
+        ("sub_agent", "sub_agent", [1]),
+        ("fork", "sub_agent", [2]),
+        ("side_call", "side_call", [5]),
+    ]
 
-    short = [turn(0, [1], [2], [user(TASK)], [SHELL], answer=calls("shell", {"command": "ls"})),
-             turn(1, [3], [4], [user("ls the folder, then stop.")], [SHELL])]
+    short = [
+        turn(0, [1], [2], [user(TASK)], [SHELL], answer=calls("shell", {"command": "ls"})),
+        turn(1, [3], [4], [user("ls the folder, then stop.")], [SHELL]),
+    ]
     assert [(c.role, c.spawned_by) for c in find_conversations(short)] == [("main", None), ("side_call", None)]
 
 
@@ -261,8 +328,9 @@ def respond_by_role(tokenizer):
 async def harness_agent(client, task):
     """What opencode and Claude Code do: a title request first, then the task, whose `agent` call runs a sub-agent."""
     task_text = task["prompt"][-1]["content"]
-    await client.chat.completions.create(model="policy", messages=[{"role": "system", "content": TITLE_SYSTEM},
-                                                                   {"role": "user", "content": task_text}])
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "system", "content": TITLE_SYSTEM}, {"role": "user", "content": task_text}]
+    )
 
     async def run(messages, tools):
         while True:
@@ -273,9 +341,14 @@ async def harness_agent(client, task):
                 return message.content
             for call in message.tool_calls:
                 arguments = json.loads(call.function.arguments)
-                output = (await run([{"role": "system", "content": SUB_SYSTEM},
-                                     {"role": "user", "content": arguments["prompt"]}], [SHELL])
-                          if call.function.name == "agent" else "")
+                output = (
+                    await run(
+                        [{"role": "system", "content": SUB_SYSTEM}, {"role": "user", "content": arguments["prompt"]}],
+                        [SHELL],
+                    )
+                    if call.function.name == "agent"
+                    else ""
+                )
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
 
     return await run([{"role": "system", "content": MAIN_SYSTEM}, *task["prompt"]], [SHELL, AGENT])
@@ -291,14 +364,30 @@ def test_sub_agent_and_side_call_rows_train_with_the_episodes_advantage(tmp_path
         return [float(episode.group_index) for episode in episodes]  # advantages of both signs in each group
 
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2,  # 1 task x 2 episodes
-        max_steps=1, max_completion_length=64, loss_type="dapo", use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", log_episodes=True, episode_timeout=30, seed=0,
+        output_dir=str(tmp_path),
+        num_generations=2,
+        per_device_train_batch_size=2,  # 1 task x 2 episodes
+        max_steps=1,
+        max_completion_length=64,
+        loss_type="dapo",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        log_episodes=True,
+        episode_timeout=30,
+        seed=0,
     )
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": TASK}]}])
-    trainer = AgenticGRPOTrainer(build_tiny_model(tokenizer), agent=harness_agent, reward_funcs=reward, args=args,
-                                 train_dataset=dataset, processing_class=tokenizer,
-                                 engine=ScriptedEngine(tokenizer, respond_by_role(tokenizer)))
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=harness_agent,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        engine=ScriptedEngine(tokenizer, respond_by_role(tokenizer)),
+    )
     appended = []
     append_rows = trainer._append_rows
 
@@ -318,10 +407,13 @@ def test_sub_agent_and_side_call_rows_train_with_the_episodes_advantage(tmp_path
         turns = record["episode"]["turns"]
         assert [t["role"] for t in turns] == ["side_call", "main", "sub_agent", "sub_agent", "main"]
         assert [(r["kind"], r["turns"]) for r in record["rows"]] == [
-            ("main", [1, 4]), ("side_call", [0]), ("sub_agent", [2, 3])]
+            ("main", [1, 4]),
+            ("side_call", [0]),
+            ("sub_agent", [2, 3]),
+        ]
         assert record["episode"]["messages"][-1]["content"] == "Done."
     assert [c[-1]["content"] for c in seen] == ["Done.", "Done."]  # the main line's answer, not the title
-    (kinds, advantages), = appended
+    ((kinds, advantages),) = appended
     assert kinds == ["side_call", "sub_agent"] * 2
     expected = [record["advantage"] for record in records for _ in range(2)]
     assert advantages == pytest.approx(expected) and all(a != 0 for a in expected)
@@ -336,12 +428,17 @@ def claude_code_binary() -> str | None:
     return os.environ.get("TRL_AGENTIC_CLAUDE_CODE_BIN") or shutil.which("claude")
 
 
-@pytest.mark.skipif(claude_code_binary() is None, reason=(
-    "Claude Code is not installed: `npm install --prefix <dir> @anthropic-ai/claude-code`, then set "
-    "TRL_AGENTIC_CLAUDE_CODE_BIN=<dir>/node_modules/.bin/claude (or put `claude` on PATH)"))
+@pytest.mark.skipif(
+    claude_code_binary() is None,
+    reason=(
+        "Claude Code is not installed: `npm install --prefix <dir> @anthropic-ai/claude-code`, then set "
+        "TRL_AGENTIC_CLAUDE_CODE_BIN=<dir>/node_modules/.bin/claude (or put `claude` on PATH)"
+    ),
+)
 def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer, tmp_path):
     """The real `claude -p` with its defaults (title request on) and its `Agent` tool: the scripted model hands a
     sub-agent a task, then writes the file. One main line with 0 forks, one side-call row, one sub-agent row."""
+
     def call(name, arguments):
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
@@ -352,21 +449,30 @@ def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer
         if SUB_PROMPT in prompt.split("<|im_start|>assistant", 1)[0]:  # handed the task before it said anything
             answered = "<tool_response>" in prompt.rsplit("<|im_start|>user", 1)[-1]
             return SUB_ANSWER if answered else call("Bash", {"command": "ls", "description": "List files"})
-        return [call("Agent", {"description": "Look around", "prompt": SUB_PROMPT, "subagent_type": "general-purpose"}),
-                call("Bash", {"command": "echo 42 > answer.txt", "description": "Write 42"}),
-                "Done: answer.txt contains 42."][prompt.count("<tool_response>")]
+        return [
+            call("Agent", {"description": "Look around", "prompt": SUB_PROMPT, "subagent_type": "general-purpose"}),
+            call("Bash", {"command": "echo 42 > answer.txt", "description": "Write 42"}),
+            "Done: answer.txt contains 42.",
+        ][prompt.count("<tool_response>")]
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=200_000), tokenizer)
     session = server.open_episode()
     home, workspace = tmp_path / "home", tmp_path / "workspace"
     home.mkdir()
     workspace.mkdir()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "ANTHROPIC_BASE_URL": server.url,
-           "ANTHROPIC_API_KEY": session.key, "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
-           "DISABLE_ERROR_REPORTING": "1"}  # not CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC: it turns titles off
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": session.key,
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+    }  # not CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC: it turns titles off
     command = [claude_code_binary(), "-p", TASK, "--model", "policy", "--allowedTools", "Bash", "Agent"]
-    done = subprocess.run(command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=240)
+    done = subprocess.run(
+        command, cwd=workspace, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240
+    )
     episode = server.close_episode(session.episode.id)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     assert (workspace / "answer.txt").read_text() == "42\n"
@@ -397,8 +503,10 @@ def test_the_runner_hands_the_task_prompt_so_the_task_conversation_wins_over_a_l
         # A warm-up conversation of its own, with tools and two calls, before the task's (one call, no tools)
         chat = [{"role": "system", "content": MAIN_SYSTEM}, {"role": "user", "content": "Look around first."}]
         reply = (await client.chat.completions.create(model="policy", messages=chat, tools=[SHELL])).choices[0].message
-        chat += [reply.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "answer.txt"}]
+        chat += [
+            reply.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "answer.txt"},
+        ]
         await client.chat.completions.create(model="policy", messages=chat, tools=[SHELL])
         answer = await client.chat.completions.create(model="policy", messages=task["prompt"])
         return answer.choices[0].message.content

@@ -19,8 +19,20 @@ def free_port():
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_ranks_agree_after_training(tmp_path, mode):
     worker = Path(__file__).parent / "ddp_worker.py"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(worker), str(tmp_path), mode]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(worker),
+        str(tmp_path),
+        mode,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
@@ -43,8 +55,12 @@ def test_two_ranks_agree_after_training(tmp_path, mode):
     assert rows_per_rank == [4, 8]
     if mode == "async":  # both ranks consumed the same global batches (each its half of a group), within the bound
         for step in (0, 1):
-            tasks = {rec["episode"]["messages"][0]["content"] for records in records_per_rank for rec in records
-                     if rec["step"] == step}
+            tasks = {
+                rec["episode"]["messages"][0]["content"]
+                for records in records_per_rank
+                for rec in records
+                if rec["step"] == step
+            }
             assert len(tasks) == 1, tasks
         for records in records_per_rank:
             for rec in records:
@@ -54,7 +70,10 @@ def test_two_ranks_agree_after_training(tmp_path, mode):
     # prompt, and sample 4 different answers. Seeded alike on both ranks, episode i of rank 0 sampled what episode i of
     # rank 1 did (the seeds derive from the process index too).
     for step in (0, 1):
-        first_turns = [rec["episode"]["turns"][0] for records in records_per_rank for rec in records
-                       if rec["step"] == step]
+        first_turns = [
+            rec["episode"]["turns"][0] for records in records_per_rank for rec in records if rec["step"] == step
+        ]
         assert len(first_turns) == 4 and len({json.dumps(t["prompt_ids"]) for t in first_turns}) == 1
-        assert len({json.dumps(t["completion_ids"]) for t in first_turns}) == 4, [t["completion_ids"] for t in first_turns]
+        assert len({json.dumps(t["completion_ids"]) for t in first_turns}) == 4, [
+            t["completion_ids"] for t in first_turns
+        ]

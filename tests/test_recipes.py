@@ -46,7 +46,8 @@ def test_resume_from_checkpoint_true_means_the_latest_checkpoint(tmp_path):
 
     def parsed(value):
         _, training_args, _ = make_parser().parse_args_and_config(
-            ["--config", str(CPU_RECIPE), "--output_dir", str(tmp_path), "--resume_from_checkpoint", value])
+            ["--config", str(CPU_RECIPE), "--output_dir", str(tmp_path), "--resume_from_checkpoint", value]
+        )
         return training_args
 
     with pytest.raises(ValueError, match="no checkpoint-N directory"):
@@ -162,8 +163,20 @@ def test_env_block_is_allowed(tmp_path, monkeypatch):
 
 def test_cli_flag_overrides_yaml():
     script_args, training_args, model_args = make_parser().parse_args_and_config(
-        ["--config", str(CPU_RECIPE), "--max_steps", "7", "--learning_rate", "3e-5", "--task", "files",
-         "--model_name_or_path", "tiny:qwen2_5:32x1", "--reward_funcs", "files_correct"]
+        [
+            "--config",
+            str(CPU_RECIPE),
+            "--max_steps",
+            "7",
+            "--learning_rate",
+            "3e-5",
+            "--task",
+            "files",
+            "--model_name_or_path",
+            "tiny:qwen2_5:32x1",
+            "--reward_funcs",
+            "files_correct",
+        ]
     )
     assert training_args.max_steps == 7
     assert training_args.learning_rate == 3e-5
@@ -189,10 +202,24 @@ def test_train_cpu_recipe_end_to_end(tmp_path):
     # `trl-agentic train` on the CPU recipe, as a user runs it; the flags after the recipe are overrides.
     output_dir = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "-m", "trl_agentic.cli", "train", "--config", str(CPU_RECIPE),
-         "--output_dir", str(output_dir),
-         "--save_strategy", "steps", "--save_steps", "2"],  # one checkpoint at the last step, to read its state
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "trl_agentic.cli",
+            "train",
+            "--config",
+            str(CPU_RECIPE),
+            "--output_dir",
+            str(output_dir),
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "2",
+        ],  # one checkpoint at the last step, to read its state
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
@@ -210,4 +237,6 @@ def test_cut_off_penalty_is_a_bundled_reward_name():
     from trl_agentic.recipes import get_reward_func
     from trl_agentic.rewards import cut_off_penalty
 
-    assert get_reward_func("cut_off_penalty") is cut_off_penalty  # `reward_funcs: [calculator_correct, cut_off_penalty]`
+    assert (
+        get_reward_func("cut_off_penalty") is cut_off_penalty
+    )  # `reward_funcs: [calculator_correct, cut_off_penalty]`

@@ -23,8 +23,11 @@ def tiny_reward_model(path):
 def test_reward_model_given_as_id_or_module_leaves_failed_episodes_unscored(tmp_path):
     model, tokenizer = tiny_reward_model(tmp_path / "rm")
     prompts = [[{"role": "user", "content": "What is 2 + 3?"}]] * 3
-    completions = [[{"role": "assistant", "content": "The answer is 5."}], [{"role": "assistant", "content": "6"}],
-                   [{"role": "assistant", "content": "The answer is 5."}]]
+    completions = [
+        [{"role": "assistant", "content": "The answer is 5."}],
+        [{"role": "assistant", "content": "6"}],
+        [{"role": "assistant", "content": "The answer is 5."}],
+    ]
     episodes = [Episode(id="a", status="ok"), Episode(id="b", status="ok"), Episode(id="c", status="timeout")]
 
     # What TRL's GRPOTrainer computes for an nn.Module reward (chat template, right padding, first logit).
@@ -50,8 +53,12 @@ def test_cut_off_penalty_needs_episodes_and_leaves_failed_episodes_unscored():
     from trl_agentic.trace import Turn
 
     cut, done = Turn(0, [1], [2, 3], [-0.1, -0.2], "length"), Turn(0, [1], [2, 0], [-0.1, -0.2], "tool_calls")
-    episodes = [Episode(id="a", status="ok", turns=[cut, done]), Episode(id="b", status="ok", turns=[done, cut]),
-                Episode(id="c", status="ok"), Episode(id="d", status="timeout", turns=[cut])]
+    episodes = [
+        Episode(id="a", status="ok", turns=[cut, done]),
+        Episode(id="b", status="ok", turns=[done, cut]),
+        Episode(id="c", status="ok"),
+        Episode(id="d", status="timeout", turns=[cut]),
+    ]
     # the last call decides (an earlier cut call that the agent went on from is not the answer)
     assert cut_off_penalty([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, -1.0]
     assert unscorable_unless_ok(cut_off_penalty)([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, None]
@@ -81,6 +88,7 @@ def test_reward_functions_returning_the_wrong_count_or_non_float32_values_are_na
             unscorable_unless_ok(func)([None] * 2, [[]] * 2, episodes=episodes)
 
     for bad in (1e39, -1e39, math.inf, -math.inf, "1.0"):
+
         def huge(prompts, completions, bad=bad, **kwargs):
             return [0.5, bad]
 

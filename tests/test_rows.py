@@ -7,8 +7,16 @@ from trl_agentic.trace import Turn
 def turn(index, prompt, completion, parent=None, source=None, fork_reason=None):
     source = source or ("continued" if parent is not None else "rendered")
     logprobs = [-0.1 * (k + 1) for k in range(len(completion))]
-    return Turn(index, list(prompt), list(completion), logprobs, "stop", prompt_source=source, parent_turn=parent,
-                fork_reason=fork_reason)
+    return Turn(
+        index,
+        list(prompt),
+        list(completion),
+        logprobs,
+        "stop",
+        prompt_source=source,
+        parent_turn=parent,
+        fork_reason=fork_reason,
+    )
 
 
 def test_continuation_merges_and_masks_tool_suffix():

@@ -33,8 +33,15 @@ def rollout(server, agent, num_episodes, deadline, **kwargs):
     out = {}
 
     def target():
-        out["episodes"] = run_rollout(run_episodes(server, resolve_agent(agent), [{"prompt": "p"}] * num_episodes,
-                                                   timeout=kwargs.pop("timeout", TIMEOUT), **kwargs))
+        out["episodes"] = run_rollout(
+            run_episodes(
+                server,
+                resolve_agent(agent),
+                [{"prompt": "p"}] * num_episodes,
+                timeout=kwargs.pop("timeout", TIMEOUT),
+                **kwargs,
+            )
+        )
 
     started = time.monotonic()
     thread = threading.Thread(target=target, daemon=True)
@@ -107,8 +114,9 @@ def test_a_seeded_rollout_samples_the_same_tokens_whatever_order_its_calls_arriv
     index, not from the order requests reach the engine (issue 29, L4): concurrent episodes interleave their calls
     differently from run to run, and the engine handed its own seeds out in arrival order."""
     tokenizer = build_tiny_tokenizer("qwen2_5")
-    engine = TransformersEngine(build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
-                                pad_token_id=tokenizer.pad_token_id, seed=0)
+    engine = TransformersEngine(
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), pad_token_id=tokenizer.pad_token_id, seed=0
+    )
     server = start_server(engine, tokenizer)
     delays = random.Random()
 
@@ -116,18 +124,29 @@ def test_a_seeded_rollout_samples_the_same_tokens_whatever_order_its_calls_arriv
         messages = [{"role": "user", "content": task["prompt"]}]
         for call in range(3):
             await asyncio.sleep(delays.random() * 0.02)  # the calls reach the engine in a different order every run
-            reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4,
-                                                         n=2 if call == 0 else 1)  # n > 1: a seed per choice
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
-                         {"role": "user", "content": f"Go on ({call})."}]
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=4, n=2 if call == 0 else 1
+            )  # n > 1: a seed per choice
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"Go on ({call})."},
+            ]
 
     tasks = [{"prompt": f"Task {i}."} for i in range(3) for _ in range(2)]  # 3 groups of 2
 
     def sampled(order: int, seed: int | None) -> list[list[list[int]]]:
         delays.seed(order)
         engine.manual_seed(0)  # as the trainer reseeds the engine before each rollout
-        episodes = run_rollout(run_episodes(server, resolve_agent(jittery_agent), tasks,
-                                            group_indices=[i % 2 for i in range(6)], timeout=60, seed=seed))
+        episodes = run_rollout(
+            run_episodes(
+                server,
+                resolve_agent(jittery_agent),
+                tasks,
+                group_indices=[i % 2 for i in range(6)],
+                timeout=60,
+                seed=seed,
+            )
+        )
         assert [e.status for e in episodes] == ["ok"] * 6, [e.error for e in episodes]
         # Per (task position, group index): each call's choices, in call order.
         return [[turn.completion_ids for turn in episode.turns] for episode in episodes]

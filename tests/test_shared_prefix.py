@@ -27,10 +27,21 @@ def tokenizer():
 def trainer(tmp_path, tokenizer):
     torch.manual_seed(0)
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer), agent=never_called_agent, reward_funcs=reward, processing_class=tokenizer,
+        build_tiny_model(tokenizer),
+        agent=never_called_agent,
+        reward_funcs=reward,
+        processing_class=tokenizer,
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 2),
-        args=AgenticGRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=4,
-                               max_completion_length=8, use_cpu=True, bf16=False, report_to="none", seed=0),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            seed=0,
+        ),
     )
     trainer.model.train()
     assert not trainer.model.is_gradient_checkpointing  # (the trainer's own scoring switches it off otherwise)
@@ -41,13 +52,19 @@ def trainer(tmp_path, tokenizer):
 def trl_layout(tokenizer, questions, completions):
     """TRL's `[left padding | prompt | completion | right padding]` rows: `(input_ids, attention_mask, width)`."""
     system = {"role": "system", "content": "You are a careful assistant. Use the tools. " * 5}
-    prompts = [tokenizer.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for q in questions]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in questions
+    ]
     prompt_width, width = max(map(len, prompts)), max(map(len, completions))
     pad = tokenizer.pad_token_id
     ids = [[pad] * (prompt_width - len(p)) + p + c + [pad] * (width - len(c)) for p, c in zip(prompts, completions)]
-    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
-            for p, c in zip(prompts, completions)]
+    mask = [
+        [0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
+        for p, c in zip(prompts, completions)
+    ]
     return torch.tensor(ids), torch.tensor(mask), width, prompts
 
 
@@ -66,15 +83,20 @@ def test_shared_prefix_scoring_matches_trls(trainer, tokenizer):
         trainer.args.shared_prefix_scoring = shared
         trainer.model.zero_grad()
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention_mask, width, compute_entropy=True)
+            trainer.model, input_ids, attention_mask, width, compute_entropy=True
+        )
         weights = torch.linspace(-1.0, 1.0, logps.numel()).view_as(logps)
         (logps * weights).sum().backward()  # a loss that weighs every column differently
         grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
         return logps.detach(), entropies.detach(), grads
 
     calls = []
-    handle = trainer.model.model.register_forward_hook(lambda m, args, kwargs, out: calls.append(
-        kwargs["input_ids"].numel() if kwargs.get("input_ids") is not None else args[0].numel()), with_kwargs=True)
+    handle = trainer.model.model.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(
+            kwargs["input_ids"].numel() if kwargs.get("input_ids") is not None else args[0].numel()
+        ),
+        with_kwargs=True,
+    )
     try:
         logps, entropies, grads = score(True)
         shared_tokens, calls[:] = sum(calls), []
@@ -86,7 +108,7 @@ def test_shared_prefix_scoring_matches_trls(trainer, tokenizer):
     torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropies, trl_entropies, atol=1e-5, rtol=1e-5)
     for i, completion in enumerate(completions):  # TRL's padding columns are zeros in both
-        assert logps[i, len(completion):].abs().sum() == 0
+        assert logps[i, len(completion) :].abs().sum() == 0
     assert grads.keys() == trl_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], trl_grads[name], atol=1e-5, rtol=1e-4, msg=name)
@@ -94,7 +116,6 @@ def test_shared_prefix_scoring_matches_trls(trainer, tokenizer):
     assert trl_tokens == input_ids.numel()
     assert shared_tokens == prefix_length + 4 * (int(attention_mask.sum(dim=1).max()) - prefix_length)
     assert shared_tokens < 0.5 * trl_tokens
-
 
 
 @pytest.mark.parametrize("masked_rows", [[1], [0, 1, 2, 3]])
@@ -122,8 +143,10 @@ def test_rows_masked_as_truncated_are_scored_like_trls(trainer, tokenizer, maske
     assert logps.shape == trl_logps.shape == (4, width)
     torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=1e-5)
     for name in trl_grads:
-        torch.testing.assert_close(grads.get(name, torch.zeros_like(trl_grads[name])), trl_grads[name], atol=1e-5,
-                                   rtol=1e-4, msg=name)
+        torch.testing.assert_close(
+            grads.get(name, torch.zeros_like(trl_grads[name])), trl_grads[name], atol=1e-5, rtol=1e-4, msg=name
+        )
+
 
 def test_rows_without_a_long_common_prefix_are_scored_trls_way(trainer, tokenizer):
     input_ids = torch.tensor([[5, 6, 7, 8, 9], [6, 6, 7, 8, 9]])
@@ -142,8 +165,9 @@ def test_checkpointed_models_are_scored_trls_way(trainer, tokenizer):
     input_ids, attention_mask, width, _ = trl_layout(tokenizer, ["What is 1 + 2?", "What is 3 + 4?"], [[30, 31]] * 2)
     trainer.model.gradient_checkpointing_enable()
     calls = []
-    handle = trainer.model.model.register_forward_hook(lambda m, args, kwargs, out: calls.append(
-        kwargs["input_ids"].numel()), with_kwargs=True)
+    handle = trainer.model.model.register_forward_hook(
+        lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
     try:
         trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, width)
     finally:

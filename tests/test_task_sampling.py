@@ -18,8 +18,11 @@ from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
 def leveled(counts: dict[int, int]) -> Dataset:
-    rows = [{"prompt": [{"role": "user", "content": f"task {level}-{i}"}], "difficulty": level}
-            for level, n in counts.items() for i in range(n)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"task {level}-{i}"}], "difficulty": level}
+        for level, n in counts.items()
+        for i in range(n)
+    ]
     return Dataset.from_list(rows)
 
 
@@ -63,8 +66,9 @@ def test_same_index_layout_as_trl_repeat_sampler_and_deterministic_per_seed():
 def test_groups_go_where_they_split_and_the_target_is_never_starved():
     success = {1: 0.97, 2: 0.5, 3: 0.0}
     data = leveled({1: 50, 2: 50, 3: 50})
-    sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=3,
-                                  target_min_share=0.25, explore=0.1, seed=0)
+    sampler = AdaptiveTaskSampler(
+        data, num_generations=8, tasks_per_batch=4, target_difficulty=3, target_min_share=0.25, explore=0.1, seed=0
+    )
     drawn = simulate(sampler, lambda level, n: success[level], groups=400)[50:]  # after the estimates settle
     share = {level: sum(lv == level for lv, _ in drawn) / len(drawn) for level in success}
     assert share[2] > 0.5  # the bucket whose groups split
@@ -81,8 +85,15 @@ def test_moves_to_harder_buckets_as_the_model_improves():
         return min(1.0, max(0.0, (n - 150 * (level - 1)) / 150))
 
     data = leveled({1: 50, 2: 50, 3: 50})
-    sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=3,
-                                  target_min_share=0.1, target_affinity=1.0, seed=1)
+    sampler = AdaptiveTaskSampler(
+        data,
+        num_generations=8,
+        tasks_per_batch=4,
+        target_difficulty=3,
+        target_min_share=0.1,
+        target_affinity=1.0,
+        seed=1,
+    )
     drawn = simulate(sampler, success, groups=450)
     means = [sum(lv for lv, _ in drawn[i : i + 100]) / 100 for i in (0, 175, 350)]
     assert means[0] < means[1] < means[2]
@@ -93,8 +104,9 @@ def test_the_target_is_preferred_while_its_groups_split():
     data = leveled({1: 50, 2: 50, 3: 50})
 
     def shares(success, affinity):
-        sampler = AdaptiveTaskSampler(data, num_generations=8, tasks_per_batch=4, target_difficulty=2,
-                                      target_affinity=affinity, seed=2)
+        sampler = AdaptiveTaskSampler(
+            data, num_generations=8, tasks_per_batch=4, target_difficulty=2, target_affinity=affinity, seed=2
+        )
         drawn = simulate(sampler, lambda level, n: success[level], groups=400)[50:]
         return {level: sum(lv == level for lv, _ in drawn) / len(drawn) for level in success}
 
@@ -293,22 +305,44 @@ async def one_call_agent(client, task):
 def level_reward(prompts, completions, episodes, difficulty, **kwargs):
     """Level 1 always succeeds (its groups never split); level 2 succeeds when the first sampled token id is even (a
     random tiny model at temperature 1.5: its groups split)."""
-    return [1.0 if level == 1 else float(ep.turns[0].completion_ids[0] % 2 == 0)
-            for ep, level in zip(episodes, difficulty, strict=True)]
+    return [
+        1.0 if level == 1 else float(ep.turns[0].completion_ids[0] % 2 == 0)
+        for ep, level in zip(episodes, difficulty, strict=True)
+    ]
 
 
 def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), max_steps=4, learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8,
-        max_completion_length=4, task_sampling="adaptive", target_difficulty=2, target_min_share=0.25,
+        output_dir=str(tmp_path),
+        max_steps=4,
+        learning_rate=1e-3,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=4,
+        task_sampling="adaptive",
+        target_difficulty=2,
+        target_min_share=0.25,
         target_affinity=1.0,  # both levels drawn alike until observed
-        sampling_explore=0.0, use_cpu=True, bf16=False, report_to="none", logging_steps=1, save_strategy="no",
-        seed=0, disable_tqdm=True, temperature=1.5, log_episodes=True, sampling_revisit=0.5,
+        sampling_explore=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        temperature=1.5,
+        log_episodes=True,
+        sampling_revisit=0.5,
     )
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
-        args=args, train_dataset=leveled({1: 3, 2: 3}), processing_class=tokenizer,
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        agent=one_call_agent,
+        reward_funcs=level_reward,
+        args=args,
+        train_dataset=leveled({1: 3, 2: 3}),
+        processing_class=tokenizer,
     )
     try:
         trainer.train()
@@ -344,8 +378,11 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
         tasks = [r["episode"]["messages"][0]["content"] for r in batch]
         firsts = tasks[::4]  # one per group of 4
         revisits[step + 1] = sum(task in seen for task in firsts) / len(firsts)
-        outcomes = [r["episode"]["metadata"]["rewards"]["level_reward"] for r, task in zip(batch, tasks)
-                    if task.startswith("task 2-") and task not in seen]
+        outcomes = [
+            r["episode"]["metadata"]["rewards"]["level_reward"]
+            for r, task in zip(batch, tasks)
+            if task.startswith("task 2-") and task not in seen
+        ]
         if outcomes:
             expected[step + 1] = sum(outcomes) / len(outcomes)
         seen.update(tasks)
@@ -353,14 +390,21 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     for entry in logs:
         batch = [r for r in records if r["step"] + 1 == entry["step"]]
         for level in (1, 2):
-            turns = [t for r in batch if r["episode"]["messages"][0]["content"].startswith(f"task {level}-")
-                     for t in r["episode"]["turns"]]
+            turns = [
+                t
+                for r in batch
+                if r["episode"]["messages"][0]["content"].startswith(f"task {level}-")
+                for t in r["episode"]["turns"]
+            ]
             assert entry.get(f"sampling/model_calls/{level}", 0.0) == len(turns)
-            assert entry.get(f"sampling/groups/{level}", 0.0) == sum(
-                r["episode"]["messages"][0]["content"].startswith(f"task {level}-") for r in batch) / 4
+            assert (
+                entry.get(f"sampling/groups/{level}", 0.0)
+                == sum(r["episode"]["messages"][0]["content"].startswith(f"task {level}-") for r in batch) / 4
+            )
             if turns:
                 assert entry[f"sampling/malformed_rate/{level}"] == sum(t["malformed_tool_call"] for t in turns) / len(
-                    turns)
+                    turns
+                )
     # The episode log carries each task's difficulty, so the per-level metrics (what the viewer's alarms read) are
     # recomputed from it exactly as the run logged them.
     assert {(r["difficulty"], r["target"]) for r in records} <= {(1, False), (2, True)}
@@ -392,14 +436,26 @@ def test_each_batch_is_drawn_after_every_earlier_batch_was_observed(tmp_path):
     29, L2). Here with gradient accumulation too (the Trainer fetches every micro-batch of an update at once)."""
     tokenizer = build_tiny_tokenizer("qwen2_5")
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), max_steps=3, num_generations=2, per_device_train_batch_size=2,
+        output_dir=str(tmp_path),
+        max_steps=3,
+        num_generations=2,
+        per_device_train_batch_size=2,
         gradient_accumulation_steps=2,  # steps_per_generation = 2: 2 tasks per generation batch
-        max_completion_length=2, task_sampling="adaptive", use_cpu=True, bf16=False, report_to="none",
-        save_strategy="no", disable_tqdm=True,
+        max_completion_length=2,
+        task_sampling="adaptive",
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=level_reward,
-        args=args, train_dataset=leveled({1: 4, 2: 4}), processing_class=tokenizer,
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        agent=one_call_agent,
+        reward_funcs=level_reward,
+        args=args,
+        train_dataset=leveled({1: 4, 2: 4}),
+        processing_class=tokenizer,
     )
     trainer._get_train_sampler()  # builds trainer.task_sampler, which train() keeps
     sampler = trainer.task_sampler
@@ -431,13 +487,27 @@ def test_eval_split_rate_counts_groups_of_the_evals_samples_per_task(tmp_path):
         return [1.0 if level == 1 else float(ep.group_index == 0) for ep, level in zip(episodes, difficulty)]
 
     args = AgenticGRPOConfig(
-        output_dir=str(tmp_path), max_steps=1, num_generations=4, per_device_train_batch_size=4,
-        num_generations_eval=2, per_device_eval_batch_size=4,  # one eval batch: 2 tasks x 2 episodes
-        max_completion_length=2, use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=1,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        num_generations_eval=2,
+        per_device_eval_batch_size=4,  # one eval batch: 2 tasks x 2 episodes
+        max_completion_length=2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
     trainer = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer, hidden_size=32, num_layers=1), agent=one_call_agent, reward_funcs=reward,
-        args=args, train_dataset=leveled({1: 1, 2: 1}), eval_dataset=leveled({1: 1, 2: 1}), processing_class=tokenizer,
+        build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+        agent=one_call_agent,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=leveled({1: 1, 2: 1}),
+        eval_dataset=leveled({1: 1, 2: 1}),
+        processing_class=tokenizer,
     )
     try:
         metrics = trainer.evaluate()

@@ -25,13 +25,7 @@ from trl_agentic.tasks.calculator import (
     last_number,
     make_calculator_suite,
 )
-from trl_agentic.tasks.files import (
-    Workspace,
-    WorkspaceError,
-    build_files_dataset,
-    files_agent,
-    files_correct,
-)
+from trl_agentic.tasks.files import Workspace, WorkspaceError, build_files_dataset, files_agent, files_correct
 from trl_agentic.tasks.latency import build_latency_dataset, make_latency_suite
 from trl_agentic.tasks.splits import sample_split, split_of
 from trl_agentic.tiny_models import build_tiny_tokenizer
@@ -139,7 +133,6 @@ def test_get_task_from_a_python_file(tmp_path):
         get_task(f"{tmp_path}/missing.py:TASK")
     with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
         get_task(f"{tmp_path}/task.py:NOPE")
-
 
 
 def test_a_task_file_imports_the_modules_beside_it(tmp_path):
@@ -253,9 +246,7 @@ def test_calculator_suite_knobs_reach_dataset():
 def test_splits_are_disjoint_whatever_size_and_seed():
     # A small question space (100 sums of two digits) so that overlap would show if the partition were by seed.
     train = {
-        e
-        for seed in range(3)
-        for e in build_calculator_dataset("train", 300, seed, digits=1, ops=("+",))["expression"]
+        e for seed in range(3) for e in build_calculator_dataset("train", 300, seed, digits=1, ops=("+",))["expression"]
     }
     evals = {
         e for seed in range(3) for e in build_calculator_dataset("eval", 30, seed, digits=1, ops=("+",))["expression"]
@@ -323,12 +314,20 @@ def test_calculator_correct_pays_nothing_for_a_broken_tool_call():
     broken = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "0 * 1 * 1 * 8.'
 
     def turn(malformed):
-        return Turn(index=0, prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], finish_reason="stop",
-                    malformed_tool_call=malformed)
+        return Turn(
+            index=0,
+            prompt_ids=[1],
+            completion_ids=[2],
+            logprobs=[-0.1],
+            finish_reason="stop",
+            malformed_tool_call=malformed,
+        )
 
-    episodes = [Episode(id="broken", status="ok", result=broken, turns=[turn(False), turn(True)]),
-                Episode(id="answered", status="ok", result="The answer is 8.", turns=[turn(True), turn(False)]),
-                Episode(id="no-calls", status="ok", result="8")]
+    episodes = [
+        Episode(id="broken", status="ok", result=broken, turns=[turn(False), turn(True)]),
+        Episode(id="answered", status="ok", result="The answer is 8.", turns=[turn(True), turn(False)]),
+        Episode(id="no-calls", status="ok", result="8"),
+    ]
     completions = [[{"role": "assistant", "content": episode.result}] for episode in episodes]
     rewards = calculator_correct(prompts=[None] * 3, completions=completions, answer=[8] * 3, episodes=episodes)
     assert rewards == [0.0, 1.0, 1.0]  # an earlier broken call the agent recovered from costs nothing
@@ -499,8 +498,12 @@ def test_latency_agent_waits_on_its_tool_after_every_model_call():
     suite = make_latency_suite(tool_latency=0.05)
     task = {"prompt": build_latency_dataset("train", 1)[0]["prompt"], "readings": [4, 0, 7]}
     client = ScriptedClient(
-        [tool_call_reply(("probe", "{}")), "I will wait.", tool_call_reply(("probe", "{}"), ("probe", "{}")),
-         "The sum is 11."],
+        [
+            tool_call_reply(("probe", "{}")),
+            "I will wait.",
+            tool_call_reply(("probe", "{}"), ("probe", "{}")),
+            "The sum is 11.",
+        ],
         probe=time.monotonic,
     )
     assert asyncio.run(suite.agent(client, task)) == "The sum is 11."
@@ -508,14 +511,18 @@ def test_latency_agent_waits_on_its_tool_after_every_model_call():
     assert len(client.requests) == 4
     assert all(later - earlier >= 0.05 for earlier, later in zip(client.probes, client.probes[1:]))
     assert all(request["tools"] == suite.tools for request in client.requests)
-    after_prompt = client.requests[-1]["messages"][len(task["prompt"]):]
+    after_prompt = client.requests[-1]["messages"][len(task["prompt"]) :]
     calls = [m["tool_calls"] for m in after_prompt if m["role"] == "assistant" and m.get("tool_calls")]
     assert [(m["role"], m.get("content")) for m in after_prompt if m["role"] != "assistant"] == [
-        ("tool", "4"), ("user", "The probe ran: reading 0."), ("tool", "7"),
+        ("tool", "4"),
+        ("user", "The probe ran: reading 0."),
+        ("tool", "7"),
         ("tool", "Error: the probe runs once per turn."),
     ]
     assert [m["tool_call_id"] for m in after_prompt if m["role"] == "tool"] == [
-        calls[0][0]["id"], calls[1][0]["id"], calls[1][1]["id"]
+        calls[0][0]["id"],
+        calls[1][0]["id"],
+        calls[1][1]["id"],
     ]
     episode = Episode(id="e", status="ok", result="The sum is 11.")
     assert suite.reward_funcs[0](prompts=[None], completions=[[]], answer=["11"], episodes=[episode]) == [1.0]

@@ -39,17 +39,19 @@ async def lookup(city: str) -> str:
 
 
 def call(name, arguments):
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def test_tool_agent_runs_python_functions_as_tools_and_returns_errors_as_text(start_server):
     tokenizer = build_tiny_tokenizer("qwen2_5")
-    script = iter([
-        call("lookup", {"city": "Lyon"}),
-        call("lookup", {"city": "Nice"}),  # the async tool raises: KeyError
-        call("convert", {"value": 392, "from_unit": "km", "to_unit": "mi"}) + "\n" + call("convert", {"value": 1}),
-        "About 243.6 miles.",
-    ])
+    script = iter(
+        [
+            call("lookup", {"city": "Lyon"}),
+            call("lookup", {"city": "Nice"}),  # the async tool raises: KeyError
+            call("convert", {"value": 392, "from_unit": "km", "to_unit": "mi"}) + "\n" + call("convert", {"value": 1}),
+            "About 243.6 miles.",
+        ]
+    )
     server = start_server(ScriptedEngine(tokenizer, lambda ids: next(script)), tokenizer)
     agent = ToolAgent([convert, lookup], system_prompt="Use the tools.")
     assert agent.tool_schemas == [get_json_schema(convert), get_json_schema(lookup)]  # TRL's schemas
@@ -58,9 +60,13 @@ def test_tool_agent_runs_python_functions_as_tools_and_returns_errors_as_text(st
     assert episode.status == "ok", episode.error
     assert episode.result == "About 243.6 miles."
     tools = [m["content"] for m in episode.messages if m["role"] == "tool"]
-    assert tools == ["392", "Error: 'Nice'", "243.578",
-                     "Error: bad arguments for tool 'convert': missing a required argument: 'from_unit'. "
-                     "Expected arguments: (value, from_unit, to_unit)."]
+    assert tools == [
+        "392",
+        "Error: 'Nice'",
+        "243.578",
+        "Error: bad arguments for tool 'convert': missing a required argument: 'from_unit'. "
+        "Expected arguments: (value, from_unit, to_unit).",
+    ]
     assert episode.messages[0] == {"role": "system", "content": "Use the tools."}
     assert len(episode.turns) == 4 and episode.num_forks == 0
     assert [t["function"]["name"] for t in episode.turns[0].request_tools] == ["convert", "lookup"]

@@ -54,8 +54,12 @@ def test_greedy_matches_transformers_generate(engine):
     prompt = prompts([9])[0]
     out = engine.generate_batch([prompt], [SamplingParams(max_tokens=10, temperature=0.0)])[0]
     reference = engine.model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=10,
-        do_sample=False, eos_token_id=None, pad_token_id=engine.pad_token_id,
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=engine.pad_token_id,
     )[0, len(prompt) :].tolist()
     assert out.token_ids == reference
     # top_k=1 is greedy too, whatever the temperature.
@@ -104,9 +108,12 @@ def test_top_logprobs_and_top_p(engine):
 def test_concurrent_requests_are_batched(engine):
     async def run():
         engine.batch_sizes.clear()
-        results = await asyncio.gather(*[
-            engine.generate(p, SamplingParams(max_tokens=4, seed=i)) for i, p in enumerate(prompts([4, 9, 6, 12] * 2))
-        ])
+        results = await asyncio.gather(
+            *[
+                engine.generate(p, SamplingParams(max_tokens=4, seed=i))
+                for i, p in enumerate(prompts([4, 9, 6, 12] * 2))
+            ]
+        )
         await engine.stop()
         return results
 
@@ -119,8 +126,9 @@ def test_concurrent_requests_are_batched(engine):
 
 
 def chat_prompt(tokenizer, text="What is 12 * (3 + 4)? Use the calculator, then answer."):
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def fresh_scores(model, prompt, completion):
@@ -163,8 +171,11 @@ def test_an_abandoned_call_never_flips_the_mode_a_training_forward_sees():
 
     async def abandoned():
         try:
-            await engine.generate(prompt, SamplingParams(max_tokens=600, seed=0, stop_token_ids=[]),
-                                  on_token=lambda ids, lps: decoding.set())
+            await engine.generate(
+                prompt,
+                SamplingParams(max_tokens=600, seed=0, stop_token_ids=[]),
+                on_token=lambda ids, lps: decoding.set(),
+            )
         finally:
             await engine.stop()
 

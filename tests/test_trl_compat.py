@@ -32,15 +32,25 @@ def test_internals_we_rely_on():
     # rollout_func hook: our rollout returns these keys; env_mask becomes TRL's tool_mask.
     assert "self.rollout_func(prompts, self)" in source
     assert 'extra_fields.pop("env_mask", None)' in source
-    assert "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images" in source
+    assert (
+        "return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images"
+        in source
+    )
     score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert "inp[key] = values[i]" in score  # extra fields (our `episodes`) reach reward kwargs through the inputs
     assert '"num_items_in_batch": num_items_in_batch' in score
     prepare = inspect.getsource(GRPOTrainer._prepare_inputs)
-    assert "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare  # the floor split we replace
+    assert (
+        "split_tensor_dict(generation_batch, self.args.steps_per_generation)" in prepare
+    )  # the floor split we replace
     assert "self._buffered_inputs" in prepare and "self._step % generate_every" in prepare
     assert params(GRPOTrainer._get_per_token_logps_and_entropies)[:5] == [
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+    ]
     assert hasattr(trl_utils, "shuffle_sequence_dict")
     compute = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'completion_mask * inputs["tool_mask"]' in compute  # our env_mask is applied in the loss
@@ -59,10 +69,14 @@ def test_checkpoint_hooks_we_override():
     assert 'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"' in save
     assert "output_dir = os.path.join(run_dir, checkpoint_folder)" in save
     loop = inspect.getsource(Trainer._inner_training_loop)
-    assert loop.index("self.get_train_dataloader()") < loop.index("self._prepare_for_training(") < loop.index(
-        "self.callback_handler.on_train_begin(")
+    assert (
+        loop.index("self.get_train_dataloader()")
+        < loop.index("self._prepare_for_training(")
+        < loop.index("self.callback_handler.on_train_begin(")
+    )
     assert "self._load_optimizer_and_scheduler(resume_from_checkpoint)" in inspect.getsource(
-        Trainer._prepare_for_training)
+        Trainer._prepare_for_training
+    )
     init = inspect.getsource(GRPOTrainer.__init__)
     assert "self._step = 0" in init and "self._buffered_inputs = None" in init
     assert 'self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}' in init
@@ -95,7 +109,7 @@ def test_the_use_vllm_reads_asynchronous_rollouts_rely_on():
     assert score.count("self.use_vllm and self.vllm_importance_sampling_correction") == 4
     assert "args.use_vllm" not in score
     compute = inspect.getsource(GRPOTrainer._compute_loss)
-    assert "if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != \"vespo\":" in compute
+    assert 'if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":' in compute
     generate = inspect.getsource(GRPOTrainer._generate)
     assert "if self.use_vllm and self.state.global_step != self._last_loaded_step:" in generate
     assert generate.count("self.use_vllm") == 1
@@ -116,7 +130,15 @@ def test_loss_normalisations_our_row_weighting_assumes():
     assert "(per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)" in compute  # bnpo
     assert 'self.loss_type in ["grpo", "sapo"]' in compute and 'self.loss_type in ["cispo", "dapo", "vespo"]' in compute
     assert set(TOKEN_LEVEL_LOSSES + ROW_SUM_LOSSES + ROW_MEAN_LOSSES) == {
-        "dapo", "bnpo", "cispo", "vespo", "dr_grpo", "luspo", "grpo", "sapo"}
+        "dapo",
+        "bnpo",
+        "cispo",
+        "vespo",
+        "dr_grpo",
+        "luspo",
+        "grpo",
+        "sapo",
+    }
 
 
 def test_transformers_internals_the_endpoint_relies_on():

@@ -34,15 +34,30 @@ def vllm_protocol_app(engine: TransformersEngine, requests: list) -> FastAPI:
         requests.append(body)
         assert body["return_token_ids"] and body["return_tokens_as_token_ids"] and body["logprobs"] == 0
         prompt = body["prompt"][0]
-        sampling = SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], top_p=body["top_p"],
-                                  seed=body.get("seed"), stop_token_ids=body["stop_token_ids"])
+        sampling = SamplingParams(
+            max_tokens=body["max_tokens"],
+            temperature=body["temperature"],
+            top_p=body["top_p"],
+            seed=body.get("seed"),
+            stop_token_ids=body["stop_token_ids"],
+        )
         out = await engine.generate(prompt, sampling)
-        return {"choices": [{
-            "index": 0, "text": "", "prompt_token_ids": prompt, "token_ids": out.token_ids,
-            "finish_reason": "length" if out.finish_reason == "length" else "stop",
-            "logprobs": {"tokens": [f"token_id:{t}" for t in out.token_ids], "token_logprobs": out.logprobs,
-                         "top_logprobs": [None] * len(out.token_ids)},
-        }]}
+        return {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "prompt_token_ids": prompt,
+                    "token_ids": out.token_ids,
+                    "finish_reason": "length" if out.finish_reason == "length" else "stop",
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in out.token_ids],
+                        "token_logprobs": out.logprobs,
+                        "top_logprobs": [None] * len(out.token_ids),
+                    },
+                }
+            ]
+        }
 
     return app
 
@@ -64,8 +79,9 @@ def test_endpoint_over_vllm_server_records_exact_ids_and_logprobs(tiny):
         client = openai.OpenAI(base_url=endpoint.base_url, api_key=session.key, max_retries=0)
         messages = [{"role": "user", "content": "hello"}]
         for turn in range(3):
-            reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=6, temperature=0.7,
-                                                   seed=turn)
+            reply = client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=6, temperature=0.7, seed=turn
+            )
             messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
         episode = endpoint.close_episode(session.episode.id)
     finally:
@@ -95,9 +111,20 @@ def test_server_engine_rejects_inconsistent_answers(tiny):
 
     @app.post("/v1/completions")
     async def completions(body: dict):
-        return {"choices": [{"token_ids": [5, 6], "prompt_token_ids": body["prompt"][0] + [1], "finish_reason": "stop",
-                             "logprobs": {"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-1.0, -2.0],
-                                          "top_logprobs": [None, None]}}]}
+        return {
+            "choices": [
+                {
+                    "token_ids": [5, 6],
+                    "prompt_token_ids": body["prompt"][0] + [1],
+                    "finish_reason": "stop",
+                    "logprobs": {
+                        "tokens": ["token_id:5", "token_id:6"],
+                        "token_logprobs": [-1.0, -2.0],
+                        "top_logprobs": [None, None],
+                    },
+                }
+            ]
+        }
 
     server = EndpointServer(app).start()
     try:

@@ -13,8 +13,11 @@ def assistant_texts(tokenizer, messages, tools):
     """Each assistant message's rendered text: between the conversation before it (with the generation prompt) and
     the conversation through it."""
     render = lambda part, **kw: tokenizer.apply_chat_template(part, tools=tools, tokenize=False, **kw)  # noqa: E731
-    return [render(messages[: k + 1])[len(render(messages[:k], add_generation_prompt=True)):]
-            for k, message in enumerate(messages) if message["role"] == "assistant"]
+    return [
+        render(messages[: k + 1])[len(render(messages[:k], add_generation_prompt=True)) :]
+        for k, message in enumerate(messages)
+        if message["role"] == "assistant"
+    ]
 
 
 @pytest.mark.parametrize("template", ["qwen2_5", "qwen3", "llama3_2"])
@@ -93,8 +96,9 @@ def test_a_length_chunked_step_has_the_gradient_of_the_whole_batch():
     reference = model(
         input_ids=torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch]),
         attention_mask=torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch]),
-        labels=torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids))
-                             for ids, mask in batch]),
+        labels=torch.tensor(
+            [[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in batch]
+        ),
     ).loss
     assert whole_loss == pytest.approx(reference.item(), rel=1e-5)
     for a, b in zip(whole, chunked, strict=True):
@@ -123,8 +127,16 @@ def test_chunks_run_at_once_give_the_same_steps_bit_for_bit():
         for workers in (1, 2):
             model = copy.deepcopy(start)
             seen = []
-            losses = warm_start(model, tokenizer, rows, steps=6, batch_size=12, seed=0, workers=workers,
-                                on_step=lambda step, loss: seen.append([p.detach().clone() for p in model.parameters()]))
+            losses = warm_start(
+                model,
+                tokenizer,
+                rows,
+                steps=6,
+                batch_size=12,
+                seed=0,
+                workers=workers,
+                on_step=lambda step, loss: seen.append([p.detach().clone() for p in model.parameters()]),
+            )
             runs[workers] = losses, seen
     (one_losses, one_weights), (two_losses, two_weights) = runs[1], runs[2]
     assert two_losses == one_losses

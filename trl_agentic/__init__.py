@@ -15,5 +15,13 @@ from .tasks.agent_loop import ToolAgent  # noqa: E402
 from .trace import Episode, Turn  # noqa: E402
 
 
-__all__ = ["AgenticGRPOConfig", "AgenticGRPOTrainer", "CommandAgent", "Episode", "Row", "ToolAgent", "Turn",
-           "episode_to_rows"]
+__all__ = [
+    "AgenticGRPOConfig",
+    "AgenticGRPOTrainer",
+    "CommandAgent",
+    "Episode",
+    "Row",
+    "ToolAgent",
+    "Turn",
+    "episode_to_rows",
+]

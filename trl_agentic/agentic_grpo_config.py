@@ -227,7 +227,9 @@ class AgenticGRPOConfig(GRPOConfig):
     alarm_length_growth: float = field(default=0.5, metadata={"help": "Relative length/turns growth that is drift."})
     alarm_spike: float = field(default=0.1, metadata={"help": "Rise of the malformed or unscorable share that alarms."})
     alarm_entropy_ratio: float = field(default=0.1, metadata={"help": "Entropy below this x its start collapses."})
-    alarm_min_split_rate: float = field(default=0.25, metadata={"help": "Least share of groups with differing rewards."})
+    alarm_min_split_rate: float = field(
+        default=0.25, metadata={"help": "Least share of groups with differing rewards."}
+    )
     alarm_noise_z: float = field(
         default=3.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
     )
@@ -258,16 +260,17 @@ class AgenticGRPOConfig(GRPOConfig):
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1 (one model call at least), got {self.max_turns}.")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
-            raise ValueError(
-                f"max_episode_tokens must be >= 1 or None (no limit), got {self.max_episode_tokens}."
-            )
+            raise ValueError(f"max_episode_tokens must be >= 1 or None (no limit), got {self.max_episode_tokens}.")
         if self.episode_timeout <= 0:
             raise ValueError(f"episode_timeout must be > 0 seconds, got {self.episode_timeout}.")
         if self.max_rows_per_episode < 1:
             raise ValueError(f"max_rows_per_episode must be >= 1, got {self.max_rows_per_episode}.")
-        for name, allowed in (("side_calls", ("train", "skip")), ("sub_agents", ("train", "skip")),
-                              ("forks", ("train", "skip")),
-                              ("row_weighting", ("auto", "episode", "row"))):
+        for name, allowed in (
+            ("side_calls", ("train", "skip")),
+            ("sub_agents", ("train", "skip")),
+            ("forks", ("train", "skip")),
+            ("row_weighting", ("auto", "episode", "row")),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
         if not 0 <= self.endpoint_port < 65536:
@@ -293,8 +296,13 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")
-        if not (0 <= self.target_min_share <= 1 and 0 <= self.sampling_explore <= 1 and self.sampling_memory >= 1
-                and 0 <= self.target_affinity <= 1 and 0 <= self.sampling_revisit <= 1):
+        if not (
+            0 <= self.target_min_share <= 1
+            and 0 <= self.sampling_explore <= 1
+            and self.sampling_memory >= 1
+            and 0 <= self.target_affinity <= 1
+            and 0 <= self.sampling_revisit <= 1
+        ):
             raise ValueError(
                 "target_min_share, target_affinity, sampling_explore and sampling_revisit must be in [0, 1] and "
                 f"sampling_memory >= 1; got {self.target_min_share}, {self.target_affinity}, {self.sampling_explore}, "
@@ -305,7 +313,14 @@ class AgenticGRPOConfig(GRPOConfig):
                 "held_out_eval_steps must be >= 0 (0 = never), held_out_num_samples >= 1 and alarm_window >= 1; got "
                 f"{self.held_out_eval_steps}, {self.held_out_num_samples} and {self.alarm_window}."
             )
-        for name in ("alarm_reward_rise", "alarm_held_out_min_gain", "alarm_length_growth", "alarm_spike",
-                     "alarm_entropy_ratio", "alarm_min_split_rate", "alarm_noise_z"):
+        for name in (
+            "alarm_reward_rise",
+            "alarm_held_out_min_gain",
+            "alarm_length_growth",
+            "alarm_spike",
+            "alarm_entropy_ratio",
+            "alarm_min_split_rate",
+            "alarm_noise_z",
+        ):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")

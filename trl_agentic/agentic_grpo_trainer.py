@@ -184,13 +184,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Environments (TRL's `environment_factory`, issue 32): a built-in agent plays TRL's tool loop over the
         # endpoint, and the environments' `get_reward` join the reward sources (trl_agentic/envs/environment_factory.py)
         if environment_factory is not None:
-            agent, reward_funcs = environment_factory_agent(environment_factory, agent, reward_funcs, args,
-                                                            train_dataset)
+            agent, reward_funcs = environment_factory_agent(
+                environment_factory, agent, reward_funcs, args, train_dataset
+            )
 
         # Agent
         if agent is None:
-            raise ValueError("Pass `agent=` (an async function (client, task), a CommandAgent, ...) or "
-                             "`environment_factory=` (TRL's environment contract).")
+            raise ValueError(
+                "Pass `agent=` (an async function (client, task), a CommandAgent, ...) or "
+                "`environment_factory=` (TRL's environment contract)."
+            )
         if reward_funcs is None:
             raise ValueError("No reward source provided. Pass `reward_funcs=` (TRL reward functions).")
         self.agent = resolve_agent(agent)
@@ -256,8 +259,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._behaviour_correction = True
             self._last_loaded_step = -1
             if not args.vllm_importance_sampling_correction:
-                logger.warning("async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
-                               "earlier policy versions are trained without the importance-sampling correction.")
+                logger.warning(
+                    "async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
+                    "earlier policy versions are trained without the importance-sampling correction."
+                )
 
         if args.async_rollouts:  # the engine takes each optimizer step's weights at once, before logs and saves
             self.add_callback(_AsyncWeightSync(self))
@@ -275,8 +280,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
             return VLLMServerEngine(base_url, max_context_length=context)
         if args.use_vllm:
-            return VLLMColocateEngine(self.vllm_generation.llm, max_context_length=context,
-                                      batch_wait_s=args.generation_batch_wait_ms / 1000)
+            return VLLMColocateEngine(
+                self.vllm_generation.llm, max_context_length=context, batch_wait_s=args.generation_batch_wait_ms / 1000
+            )
         return build_engine(
             self.accelerator.unwrap_model(self.model),
             self._tokenizer,
@@ -364,8 +370,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 metrics["sampling/difficulty_mean"].append(sum(levels) / len(levels))
                 threshold = sampler.success_threshold if sampler is not None else 1.0
                 for level in sorted(set(levels)):
-                    outcomes = [float(r >= threshold) for lv, r in zip(levels, rewards, strict=True)
-                                if lv == level and r is not None]
+                    outcomes = [
+                        float(r >= threshold)
+                        for lv, r in zip(levels, rewards, strict=True)
+                        if lv == level and r is not None
+                    ]
                     metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
                     # What `malformed_tool_calls` compares at the same mix of difficulties: model calls at this level
                     # in the step (a count), its groups, and the share of the calls with a malformed tool call.
@@ -374,8 +383,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / group_size)
                     # ... and what `unscorable_episodes` compares: the level's episodes and the share left unscored.
                     metrics[f"sampling/episodes/{level:g}"].append(float(levels.count(level)))
-                    metrics[f"sampling/unscorable/{level:g}"].append(sum(
-                        r is None for lv, r in zip(levels, rewards, strict=True) if lv == level) / levels.count(level))
+                    metrics[f"sampling/unscorable/{level:g}"].append(
+                        sum(r is None for lv, r in zip(levels, rewards, strict=True) if lv == level)
+                        / levels.count(level)
+                    )
                     if calls:
                         malformed = sum(g[3] for lv, g in zip(levels, gathered, strict=True) if lv == level)
                         metrics[f"sampling/malformed_rate/{level:g}"].append(malformed / calls)
@@ -383,8 +394,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                         metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
                         if level in self._target_levels():  # what the reward_hacking alarm holds to held-out
                             metrics["sampling/target_success"].append(sum(outcomes) / len(outcomes))
-                            fresh = [float(r >= threshold) for lv, r, new in zip(levels, rewards, unseen, strict=True)
-                                     if lv == level and r is not None and new]
+                            fresh = [
+                                float(r >= threshold)
+                                for lv, r, new in zip(levels, rewards, unseen, strict=True)
+                                if lv == level and r is not None and new
+                            ]
                             if fresh:
                                 metrics["sampling/target_success_unseen"].append(sum(fresh) / len(fresh))
         if mode == "train":
@@ -413,8 +427,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # every column still reaches the reward functions (issue #9: an agent returning task["answer"] scored 1.0).
         missing = [c for c in self.args.agent_columns if c not in inputs[0]]
         if missing:
-            raise ValueError(f"agent_columns names {missing}, which the dataset does not have; its columns are "
-                             f"{sorted(inputs[0])}. Fix `agent_columns`.")
+            raise ValueError(
+                f"agent_columns names {missing}, which the dataset does not have; its columns are "
+                f"{sorted(inputs[0])}. Fix `agent_columns`."
+            )
         tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
         stats = getattr(self.engine, "stats", None)
         from_producer = self._ready_episodes is not None
@@ -428,12 +444,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["engine/mean_decode_batch"].append(stats.mean_decode_batch)
             prompt_tokens = stats.reused_tokens + stats.prefilled_tokens
             self._metrics[mode]["engine/reused_prompt_tokens"].append(
-                stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0)
+                stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0
+            )
             if from_producer:  # the engine's work since the last step's batch (the producer never stops)
                 stats.reset()
         rows_results = [
             episode_to_rows(
-                ep.turns, self.args.max_rows_per_episode, forks=self.args.forks, side_calls=self.args.side_calls,
+                ep.turns,
+                self.args.max_rows_per_episode,
+                forks=self.args.forks,
+                side_calls=self.args.side_calls,
                 sub_agents=self.args.sub_agents,
             )
             for ep in episodes
@@ -520,12 +540,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
                         row.env_mask = [0] * len(row.env_mask)
             staleness += gaps
         if dropped:
-            logger.warning(f"Step {consume}: {dropped} group(s) held tokens sampled more than max_staleness="
-                           f"{self.args.max_staleness} versions ago and were dropped (not trained; in the episode log "
-                           "with `dropped`).")
+            logger.warning(
+                f"Step {consume}: {dropped} group(s) held tokens sampled more than max_staleness="
+                f"{self.args.max_staleness} versions ago and were dropped (not trained; in the episode log "
+                "with `dropped`)."
+            )
         device = self.accelerator.device
-        local = torch.tensor([float(dropped), float(len(staleness)), float(sum(staleness)),
-                              float(max(staleness, default=0))], device=device)
+        local = torch.tensor(
+            [float(dropped), float(len(staleness)), float(sum(staleness)), float(max(staleness, default=0))],
+            device=device,
+        )
         gathered = self.accelerator.gather(local.unsqueeze(0))
         metrics = self._metrics["train"]
         metrics["async/dropped_groups"].append(gathered[:, 0].sum().item())
@@ -556,8 +580,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Spread each episode's advantage over its rows so that every sampled token weighs what TRL's loss would give
         # it if the episode were one sequence (rollout/loss_weights.py); one row per episode leaves TRL's batch as is.
         advantages = episode_advantages = output["advantages"]
-        scales = [row_advantage_scales([row.num_sampled_tokens for row in result.rows], self.loss_type,
-                                       self.args.row_weighting) or [1.0] for result in rows_results]
+        scales = [
+            row_advantage_scales(
+                [row.num_sampled_tokens for row in result.rows], self.loss_type, self.args.row_weighting
+            )
+            or [1.0]
+            for result in rows_results
+        ]
         output["advantages"] = advantages * torch.tensor([s[0] for s in scales], device=advantages.device)
         extra_rows, extra_advantages = [], []
         for i, result in enumerate(rows_results):
@@ -613,8 +642,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             # TRL's rule for its own rows (DAPO's overlong filtering): a row whose last token is not a stop token was
             # cut at `max_tokens` and is left out of the loss; masked before scoring, as TRL does.
             ends = {*self.eos_token_ids, pad_id}
-            ended = torch.tensor([[int(bool(r.completion_ids) and r.completion_ids[-1] in ends)] for r in rows],
-                                 device=device)
+            ended = torch.tensor(
+                [[int(bool(r.completion_ids) and r.completion_ids[-1] in ends)] for r in rows], device=device
+            )
             new["completion_mask"] = new["completion_mask"] * ended
         if "old_per_token_logps" in output or "ref_per_token_logps" in output:
             input_ids = torch.cat([new["prompt_ids"], new["completion_ids"]], dim=1)
@@ -631,8 +661,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
             # The rule TRL applied to the main rows (mode, clip bounds, NaN handling), with TRL's shape for the mode:
             # (B, 1) in sequence_* modes, (B, T) in token_* modes.
             new["importance_sampling_ratio"] = importance_sampling_ratio(
-                new["old_per_token_logps"], new["sampling_per_token_logps"], new["completion_mask"] * new["tool_mask"],
-                self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                new["old_per_token_logps"],
+                new["sampling_per_token_logps"],
+                new["completion_mask"] * new["tool_mask"],
+                self.vllm_importance_sampling_mode,
+                self.vllm_importance_sampling_clip_min,
                 self.vllm_importance_sampling_clip_max,
             )
 
@@ -651,23 +684,42 @@ class AgenticGRPOTrainer(GRPOTrainer):
             side = "left" if key.startswith("prompt") else "right"
             width = prompt_width if side == "left" else completion_width
             # Past a row's end a token-level IS ratio is 1, as TRL pads it (a zero difference, exp(0)).
-            fill = {"prompt_ids": pad_id, "completion_ids": pad_id, "tool_mask": 1, "importance_sampling_ratio": 1.0}.get(
-                key, 0
-            )
+            fill = {
+                "prompt_ids": pad_id,
+                "completion_ids": pad_id,
+                "tool_mask": 1,
+                "importance_sampling_ratio": 1.0,
+            }.get(key, 0)
             merged[key] = torch.cat([widen(current, width, fill, side), widen(tensor, width, fill, side)], dim=0)
         merged["advantages"] = torch.cat([output["advantages"], advantages])
         loss_mask = merged["completion_mask"] * merged["tool_mask"]
         merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # every rank appends (see above)
         return merged
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **model_inputs):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_inputs,
+    ):
         """TRL's, with the prompt prefix the rows share (system prompt, tool schemas, the task) computed once per
         chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`)."""
         if not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **model_inputs)
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **model_inputs,
+            )
         batch_size = batch_size or input_ids.size(0)
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -676,10 +728,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 if prefix_length < MIN_SHARED_PREFIX:
                     logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-                        model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
+                        model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                    )
                 else:
-                    logps, entropies = shared_prefix_logps(model, ids, mask, logits_to_keep, prefix_length,
-                                                           compute_entropy=compute_entropy)
+                    logps, entropies = shared_prefix_logps(
+                        model, ids, mask, logits_to_keep, prefix_length, compute_entropy=compute_entropy
+                    )
             all_logps.append(logps)
             all_entropies.append(entropies)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
@@ -705,7 +759,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
         if self.ref_model is not None:
             logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
+                self.ref_model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=self.args.per_device_train_batch_size,
             )
             return logps
         from trl.models.utils import use_adapter
@@ -764,8 +822,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         while True:
             indices = list(iter(sampler))
             if len(indices) < size:
-                raise ValueError(f"The training dataset makes no whole generation batch of {size} episodes "
-                                 f"({len(indices)} slots per epoch).")
+                raise ValueError(
+                    f"The training dataset makes no whole generation batch of {size} episodes "
+                    f"({len(indices)} slots per epoch)."
+                )
             for start in range(0, len(indices) - size + 1, size * repeats):
                 yield indices[start : start + size]
 
@@ -780,17 +840,27 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """Start the producer (first training batch, or after a resume): resubmit a checkpoint's pending batches."""
         saved = self._async_state or {}
         # `offset`: the step of batch 0 (a run resumed from a checkpoint saved without asynchronous rollouts)
-        self._async = {"consumed": saved.get("consumed", 0), "drawn": saved.get("drawn", 0), "pending": {},
-                       "offset": saved.get("offset", self.state.global_step), "num_slots": num_slots, "version": None}
+        self._async = {
+            "consumed": saved.get("consumed", 0),
+            "drawn": saved.get("drawn", 0),
+            "pending": {},
+            "offset": saved.get("offset", self.state.global_step),
+            "num_slots": num_slots,
+            "version": None,
+        }
         self._async_state = None
         if self.args.task_sampling != "adaptive":
             self._async["stream"] = self._task_batches()
             for _ in range(self._async["drawn"]):  # where the stopped run's stream was
                 next(self._async["stream"])
         self._producer = RolloutProducer(
-            self.endpoint, self.agent, max_staleness=self.args.max_staleness,
-            max_concurrent=self.args.max_concurrent_episodes, timeout=self.args.episode_timeout,
-            model=SERVED_MODEL_NAME, version=self.state.global_step,
+            self.endpoint,
+            self.agent,
+            max_staleness=self.args.max_staleness,
+            max_concurrent=self.args.max_concurrent_episodes,
+            timeout=self.args.episode_timeout,
+            model=SERVED_MODEL_NAME,
+            version=self.state.global_step,
         )
         self._async_sync_weights()
         # The batches the stopped run had drawn but not trained: their episodes were lost with it; run them again.
@@ -805,14 +875,22 @@ class AgenticGRPOTrainer(GRPOTrainer):
         tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
         missing = [c for c in self.args.agent_columns if c not in inputs[0]]
         if missing:
-            raise ValueError(f"agent_columns names {missing}, which the dataset does not have; its columns are "
-                             f"{sorted(inputs[0])}. Fix `agent_columns`.")
+            raise ValueError(
+                f"agent_columns names {missing}, which the dataset does not have; its columns are "
+                f"{sorted(inputs[0])}. Fix `agent_columns`."
+            )
         # Seeds by batch index, not by rollout count: a resumed run samples its batches as the stopped one did.
         seed = None
         if isinstance(self.engine, TransformersEngine):
             seed = rollout_seed(self.args.seed, self.accelerator.process_index, -1 - index)
-        self._producer.submit(index, tasks, [i % self.num_generations for i in range(len(tasks))],
-                              consume_version=self._consume_version(index), unit_size=self.num_generations, seed=seed)
+        self._producer.submit(
+            index,
+            tasks,
+            [i % self.num_generations for i in range(len(tasks))],
+            consume_version=self._consume_version(index),
+            unit_size=self.num_generations,
+            seed=seed,
+        )
 
     def _async_fill(self) -> None:
         """Submit every batch the producer may start at the current version (pacing: `max_staleness`)."""
@@ -874,8 +952,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         state = getattr(self, "_async", None)
         if state is None:
             return self._async_state or {}
-        return {"consumed": state["consumed"], "drawn": state["drawn"], "offset": state["offset"],
-                "pending": {str(k): v[0] for k, v in state["pending"].items()}}
+        return {
+            "consumed": state["consumed"],
+            "drawn": state["drawn"],
+            "offset": state["offset"],
+            "pending": {str(k): v[0] for k, v in state["pending"].items()},
+        }
 
     def train(self, *args, **kwargs):
         try:
@@ -933,8 +1015,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 f"started afresh."
             )
         if not path.is_file():
-            logger.warning(f"{checkpoint} has no {path.name} (saved before trl-agentic kept its state in checkpoints): "
-                           "the adaptive sampler, the tasks seen, the alarms and the episode log start afresh.")
+            logger.warning(
+                f"{checkpoint} has no {path.name} (saved before trl-agentic kept its state in checkpoints): "
+                "the adaptive sampler, the tasks seen, the alarms and the episode log start afresh."
+            )
             return
         state = json.loads(path.read_text())
         if state["task_sampler"] is not None and getattr(self, "task_sampler", None) is not None:
@@ -949,8 +1033,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if self.args.async_rollouts:
             self._async_state = state.get("async") or {}
             if not self._async_state and self.state.global_step:
-                logger.warning(f"{checkpoint} was saved without asynchronous rollouts: the producer starts from the "
-                               "dataset's first batch.")
+                logger.warning(
+                    f"{checkpoint} was saved without asynchronous rollouts: the producer starts from the "
+                    "dataset's first batch."
+                )
         if state["buffered_inputs"]:
             buffer = Path(checkpoint) / f"trl_agentic_buffer_{self.accelerator.process_index}.pt"
             self._buffered_inputs = torch.load(buffer, map_location=self.accelerator.device, weights_only=True)
@@ -958,19 +1044,24 @@ class AgenticGRPOTrainer(GRPOTrainer):
             log = self._episode_log_path()
             size = state["episode_log_bytes"]
             if log.stat().st_size < size:
-                logger.warning(f"{log} is shorter than when {checkpoint} was saved: it was edited or replaced, and "
-                               "the resumed run appends to it as it is.")
+                logger.warning(
+                    f"{log} is shorter than when {checkpoint} was saved: it was edited or replaced, and "
+                    "the resumed run appends to it as it is."
+                )
             elif "episode_log_digest" in state and _log_digest(log, size) != state["episode_log_digest"]:
                 # (None: the run that saved the checkpoint logged no episodes.)
-                logger.warning(f"{log} is not the log {checkpoint} counted (another run's, or edited): the resumed "
-                               "run appends to it as it is, without cutting it.")
+                logger.warning(
+                    f"{log} is not the log {checkpoint} counted (another run's, or edited): the resumed "
+                    "run appends to it as it is, without cutting it."
+                )
             else:  # drop what the stopped run logged after the checkpoint: the resumed run logs those steps again
                 os.truncate(log, state["episode_log_bytes"])
 
     # Metrics and episode logs
 
-    def _log_episodes(self, episodes: list[Episode], rows_results, advantages: torch.Tensor,
-                      inputs: list[dict]) -> None:
+    def _log_episodes(
+        self, episodes: list[Episode], rows_results, advantages: torch.Tensor, inputs: list[dict]
+    ) -> None:
         mode = self._mode()
         device = self.accelerator.device
         per_episode = {
@@ -1010,8 +1101,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
         self._write_episode_records(episodes, rows_results, advantages.tolist(), inputs)
 
-    def _write_episode_records(self, episodes: list[Episode], rows_results, advantages: list[float | None],
-                               inputs: list[dict], error: str | None = None) -> None:
+    def _write_episode_records(
+        self,
+        episodes: list[Episode],
+        rows_results,
+        advantages: list[float | None],
+        inputs: list[dict],
+        error: str | None = None,
+    ) -> None:
         """Append one record per episode to this rank's episode log (`log_episodes=True`); `error`: why the episodes
         have no rewards (a reward function raised)."""
         if self._episode_log_dir is None:
@@ -1048,11 +1145,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
             # A reward function that raises stops the run, as in TRL: an error in the checker must not pass as a
             # score. The step's episodes are logged first (issue 29, N4): they are what to read to fix it.
             episodes = [example["episodes"] for example in inputs]
-            self._write_episode_records(episodes, self._pending_rows, [None] * len(episodes), inputs,
-                                        error=f"{type(error).__name__}: {error}")
+            self._write_episode_records(
+                episodes, self._pending_rows, [None] * len(episodes), inputs, error=f"{type(error).__name__}: {error}"
+            )
             if self._episode_log_dir is not None:
-                logger.error(f"A reward function raised at step {self.state.global_step}; the step's "
-                             f"{len(episodes)} episodes are in {self._episode_log_path()} (`reward_error`).")
+                logger.error(
+                    f"A reward function raised at step {self.state.global_step}; the step's "
+                    f"{len(episodes)} episodes are in {self._episode_log_path()} (`reward_error`)."
+                )
             raise
         # Scored: what the agent kept for the reward functions (a harness's workspaces) can go.
         release_episodes(self.agent, [example["episodes"] for example in inputs])

@@ -110,10 +110,16 @@ class AlarmSettings:
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
         """The thresholds of an [`AgenticGRPOConfig`] (its `alarm_*` fields)."""
-        return cls(window=args.alarm_window, reward_rise=args.alarm_reward_rise,
-                   held_out_min_gain=args.alarm_held_out_min_gain, length_growth=args.alarm_length_growth,
-                   spike=args.alarm_spike, entropy_ratio=args.alarm_entropy_ratio,
-                   min_split_rate=args.alarm_min_split_rate, noise_z=args.alarm_noise_z)
+        return cls(
+            window=args.alarm_window,
+            reward_rise=args.alarm_reward_rise,
+            held_out_min_gain=args.alarm_held_out_min_gain,
+            length_growth=args.alarm_length_growth,
+            spike=args.alarm_spike,
+            entropy_ratio=args.alarm_entropy_ratio,
+            min_split_rate=args.alarm_min_split_rate,
+            noise_z=args.alarm_noise_z,
+        )
 
 
 @dataclass
@@ -140,9 +146,17 @@ def _mean_over_steps(series: Series, first: int, last: int) -> float | None:
     return _mean(v for s, v in series if first <= s <= last)
 
 
-def reward_hacking(reward: Series, held_out_success: Series, *, window: int = 10, reward_rise: float = 0.1,
-                   held_out_min_gain: float = 0.02, held_out_episodes: Series | None = None, noise_z: float = 3.0,
-                   what: str = "training reward") -> Alarm | None:
+def reward_hacking(
+    reward: Series,
+    held_out_success: Series,
+    *,
+    window: int = 10,
+    reward_rise: float = 0.1,
+    held_out_min_gain: float = 0.02,
+    held_out_episodes: Series | None = None,
+    noise_z: float = 3.0,
+    what: str = "training reward",
+) -> Alarm | None:
     """Training reward rising while held-out success falls or stays flat, beyond the noise of both measurements.
 
     The latest held-out point is compared with each earlier one (oldest first): the training reward around each
@@ -188,22 +202,41 @@ def reward_hacking(reward: Series, held_out_success: Series, *, window: int = 10
         if last is None or earlier is None or step >= last_step:
             continue
         rise, gain = last[0] - earlier[0], last_success - success
-        noise = noise_z * math.sqrt(last[1] + earlier[1] + held_out_variance(step, success)
-                                    + held_out_variance(last_step, last_success))
+        noise = noise_z * math.sqrt(
+            last[1] + earlier[1] + held_out_variance(step, success) + held_out_variance(last_step, last_success)
+        )
         if rise >= reward_rise and gain < held_out_min_gain and rise - gain > noise:
             trend = "fell" if gain < 0 else "stayed flat"
-            return Alarm("reward_hacking", last_step, (
-                f"{what} rose {earlier[0]:.3f} -> {last[0]:.3f} (+{rise:.3f}) between steps {step} and {last_step} "
-                f"while held-out success {trend} ({success:.1%} -> {last_success:.1%}; noise of the comparison "
-                f"{noise:.3f}): the policy may be gaming the reward. Read some episodes "
-                "(`trl-agentic inspect <output_dir>`) and tighten the checker."),
-                {"from_step": step, "reward_before": earlier[0], "reward_after": last[0], "held_out_before": success,
-                 "held_out_after": last_success, "noise": noise})
+            return Alarm(
+                "reward_hacking",
+                last_step,
+                (
+                    f"{what} rose {earlier[0]:.3f} -> {last[0]:.3f} (+{rise:.3f}) between steps {step} and {last_step} "
+                    f"while held-out success {trend} ({success:.1%} -> {last_success:.1%}; noise of the comparison "
+                    f"{noise:.3f}): the policy may be gaming the reward. Read some episodes "
+                    "(`trl-agentic inspect <output_dir>`) and tighten the checker."
+                ),
+                {
+                    "from_step": step,
+                    "reward_before": earlier[0],
+                    "reward_after": last[0],
+                    "held_out_before": success,
+                    "held_out_after": last_success,
+                    "noise": noise,
+                },
+            )
     return None
 
 
-def length_drift(length: Series, reward: Series, *, window: int = 10, length_growth: float = 0.5,
-                 reward_rise: float = 0.1, what: str = "sampled tokens per episode") -> Alarm | None:
+def length_drift(
+    length: Series,
+    reward: Series,
+    *,
+    window: int = 10,
+    length_growth: float = 0.5,
+    reward_rise: float = 0.1,
+    what: str = "sampled tokens per episode",
+) -> Alarm | None:
     """`length` (tokens or turns per episode) growing while reward does not.
 
     The last `window` points are compared with every earlier, non-overlapping window (the oldest that shows drift is
@@ -232,12 +265,22 @@ def length_drift(length: Series, reward: Series, *, window: int = 10, length_gro
             continue
         growth = recent_length / earlier_length - 1
         if growth >= length_growth and recent_reward - earlier_reward < reward_rise:
-            return Alarm("length_drift", recent[-1][0], (
-                f"{what} grew {earlier_length:.1f} -> {recent_length:.1f} (+{growth:.0%}) between steps "
-                f"{earlier[0][0]}-{earlier[-1][0]} and {recent[0][0]}-{recent[-1][0]} while the reward went "
-                f"{earlier_reward:.3f} -> {recent_reward:.3f}: longer episodes are not paying off (rambling, loops, "
-                "repeated tool calls?)."), {"length_before": earlier_length, "length_after": recent_length,
-                                           "reward_before": earlier_reward, "reward_after": recent_reward})
+            return Alarm(
+                "length_drift",
+                recent[-1][0],
+                (
+                    f"{what} grew {earlier_length:.1f} -> {recent_length:.1f} (+{growth:.0%}) between steps "
+                    f"{earlier[0][0]}-{earlier[-1][0]} and {recent[0][0]}-{recent[-1][0]} while the reward went "
+                    f"{earlier_reward:.3f} -> {recent_reward:.3f}: longer episodes are not paying off (rambling, loops, "
+                    "repeated tool calls?)."
+                ),
+                {
+                    "length_before": earlier_length,
+                    "length_after": recent_length,
+                    "reward_before": earlier_reward,
+                    "reward_after": recent_reward,
+                },
+            )
     return None
 
 
@@ -261,17 +304,29 @@ def spike(series: Series, *, name: str, what: str, window: int = 10, spike: floa
     recent = _mean(v for _, v in series[-recent_size:])
     if baseline is None or recent is None or recent - baseline < spike:
         return None
-    return Alarm(name, series[-1][0], (
-        f"{what} rose to {recent:.1%} over the last {recent_size} logged steps (from {baseline:.1%} before): read the "
-        "latest episodes (`trl-agentic inspect <output_dir>`) for what broke."),
-        {"before": baseline, "after": recent})
+    return Alarm(
+        name,
+        series[-1][0],
+        (
+            f"{what} rose to {recent:.1%} over the last {recent_size} logged steps (from {baseline:.1%} before): read the "
+            "latest episodes (`trl-agentic inspect <output_dir>`) for what broke."
+        ),
+        {"before": baseline, "after": recent},
+    )
 
 
 _pooled_spike = spike  # `malformed_spike`'s `spike` argument is the threshold, as in every detector
 
 
-def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None, *,
-                    window: int = 10, spike: float = 0.1, noise_z: float = 3.0, min_calls: int = 20) -> Alarm | None:
+def malformed_spike(
+    rate: Series,
+    by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None,
+    *,
+    window: int = 10,
+    spike: float = 0.1,
+    noise_z: float = 3.0,
+    min_calls: int = 20,
+) -> Alarm | None:
     """`malformed_tool_calls`: malformed tool calls per model call rising by `spike`, compared like with like and
     beyond chance.
 
@@ -298,15 +353,29 @@ def malformed_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, flo
     ```
     """
     if not by_level:
-        return _pooled_spike(rate, name="malformed_tool_calls", what="malformed tool calls per model call",
-                             window=window, spike=spike)
-    return _mix_spike(by_level, name="malformed_tool_calls", what="malformed tool calls per model call",
-                      window=window, spike=spike, noise_z=noise_z, min_count=min_calls)
+        return _pooled_spike(
+            rate, name="malformed_tool_calls", what="malformed tool calls per model call", window=window, spike=spike
+        )
+    return _mix_spike(
+        by_level,
+        name="malformed_tool_calls",
+        what="malformed tool calls per model call",
+        window=window,
+        spike=spike,
+        noise_z=noise_z,
+        min_count=min_calls,
+    )
 
 
-def unscorable_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None,
-                     *, window: int = 10, spike: float = 0.1, noise_z: float = 3.0,
-                     min_episodes: int = 20) -> Alarm | None:
+def unscorable_spike(
+    rate: Series,
+    by_level: dict[int, dict[Any, tuple[float, float, float | None]]] | None = None,
+    *,
+    window: int = 10,
+    spike: float = 0.1,
+    noise_z: float = 3.0,
+    min_episodes: int = 20,
+) -> Alarm | None:
     """`unscorable_episodes`: the share of episodes that could not be scored (or failed) rising by `spike`, compared
     like with like and beyond chance, as [`malformed_spike`] compares malformed calls: with per-difficulty counts
     (`by_level`: step -> {level: (episodes, unscorable episodes, groups)}, from the trainer's
@@ -327,12 +396,27 @@ def unscorable_spike(rate: Series, by_level: dict[int, dict[Any, tuple[float, fl
     what = "unscorable or failed episodes"
     if not by_level:
         return _pooled_spike(rate, name="unscorable_episodes", what=what, window=window, spike=spike)
-    return _mix_spike(by_level, name="unscorable_episodes", what=f"the share of {what}", window=window, spike=spike,
-                      noise_z=noise_z, min_count=min_episodes)
+    return _mix_spike(
+        by_level,
+        name="unscorable_episodes",
+        what=f"the share of {what}",
+        window=window,
+        spike=spike,
+        noise_z=noise_z,
+        min_count=min_episodes,
+    )
 
 
-def _mix_spike(by_level: dict[int, dict[Any, tuple[float, float, float | None]]], *, name: str, what: str,
-               window: int, spike: float, noise_z: float, min_count: int) -> Alarm | None:
+def _mix_spike(
+    by_level: dict[int, dict[Any, tuple[float, float, float | None]]],
+    *,
+    name: str,
+    what: str,
+    window: int,
+    spike: float,
+    noise_z: float,
+    min_count: int,
+) -> Alarm | None:
     """A share rising by `spike` and by `noise_z` standard errors at the same mix of difficulties: `by_level` is
     step -> {level: (count, hits, groups)}; see [`malformed_spike`]."""
     recent_size = max(1, window // 2)
@@ -351,8 +435,11 @@ def _mix_spike(by_level: dict[int, dict[Any, tuple[float, float, float | None]]]
         return summed
 
     earlier, recent = totals(steps[:-recent_size]), totals(steps[-recent_size:])
-    compared = {level: (earlier[level], counts) for level, counts in recent.items()
-                if level in earlier and earlier[level][0] >= min_count and counts[0]}
+    compared = {
+        level: (earlier[level], counts)
+        for level, counts in recent.items()
+        if level in earlier and earlier[level][0] >= min_count and counts[0]
+    }
     total = sum(counts[0] for _, counts in compared.values())
     if not total:
         return None
@@ -366,11 +453,16 @@ def _mix_spike(by_level: dict[int, dict[Any, tuple[float, float, float | None]]]
     after, before = seen / total, expected / total
     if after - before < spike or after - before < noise_z * math.sqrt(variance):
         return None
-    return Alarm(name, steps[-1], (
-        f"{what} rose to {after:.1%} over the last {recent_size} logged steps, against {before:.1%} expected at their "
-        "mix of difficulties from the rate at each difficulty before: read the latest episodes "
-        "(`trl-agentic inspect <output_dir>`) for what broke."),
-        {"before": before, "after": after, "z": (after - before) / math.sqrt(variance) if variance else math.inf})
+    return Alarm(
+        name,
+        steps[-1],
+        (
+            f"{what} rose to {after:.1%} over the last {recent_size} logged steps, against {before:.1%} expected at their "
+            "mix of difficulties from the rate at each difficulty before: read the latest episodes "
+            "(`trl-agentic inspect <output_dir>`) for what broke."
+        ),
+        {"before": before, "after": after, "z": (after - before) / math.sqrt(variance) if variance else math.inf},
+    )
 
 
 def entropy_collapse(entropy: Series, *, window: int = 10, entropy_ratio: float = 0.1) -> Alarm | None:
@@ -389,10 +481,16 @@ def entropy_collapse(entropy: Series, *, window: int = 10, entropy_ratio: float 
     recent = _mean(v for _, v in list(entropy)[-window:])
     if not start or recent is None or start <= 0 or recent >= entropy_ratio * start:
         return None
-    return Alarm("entropy_collapse", entropy[-1][0], (
-        f"mean token entropy fell to {recent:.4f} from {start:.4f} at the start ({recent / start:.1%}): the policy "
-        "samples nearly deterministically, so groups stop splitting and exploration ends. Consider a higher "
-        "temperature, a KL penalty (beta) or a lower learning rate."), {"start": start, "recent": recent})
+    return Alarm(
+        "entropy_collapse",
+        entropy[-1][0],
+        (
+            f"mean token entropy fell to {recent:.4f} from {start:.4f} at the start ({recent / start:.1%}): the policy "
+            "samples nearly deterministically, so groups stop splitting and exploration ends. Consider a higher "
+            "temperature, a KL penalty (beta) or a lower learning rate."
+        ),
+        {"start": start, "recent": recent},
+    )
 
 
 def low_split_rate(split_rate: Series, *, window: int = 10, min_split_rate: float = 0.25) -> Alarm | None:
@@ -411,11 +509,16 @@ def low_split_rate(split_rate: Series, *, window: int = 10, min_split_rate: floa
     recent = _mean(v for _, v in list(split_rate)[-window:])
     if recent is None or recent >= min_split_rate:
         return None
-    return Alarm("low_split_rate", split_rate[-1][0], (
-        f"only {recent:.0%} of groups had rewards that differ over the last {window} logged steps (TRL's "
-        f"frac_reward_zero_std {1 - recent:.2f}): a group whose episodes all score alike has zero advantage, so most "
-        "of each step teaches nothing. Make tasks easier or harder to match the policy, or raise num_generations."),
-        {"split_rate": recent})
+    return Alarm(
+        "low_split_rate",
+        split_rate[-1][0],
+        (
+            f"only {recent:.0%} of groups had rewards that differ over the last {window} logged steps (TRL's "
+            f"frac_reward_zero_std {1 - recent:.2f}): a group whose episodes all score alike has zero advantage, so most "
+            "of each step teaches nothing. Make tasks easier or harder to match the policy, or raise num_generations."
+        ),
+        {"split_rate": recent},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -442,7 +545,7 @@ def _by_level(history: History, counts: str, rates: str) -> dict[int, dict[Any, 
     for name, points in history.items():
         if not name.startswith(prefix):
             continue
-        level = name[len(prefix):]
+        level = name[len(prefix) :]
         shares = dict(history.get(f"sampling/{rates}/{level}", []))
         groups = dict(history.get(f"sampling/groups/{level}", []))
         for step, count in points:
@@ -503,17 +606,45 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
     found = [
         # The mean reward moves with the mix of difficulties an adaptive sampler draws: held-out success (measured at
         # the target difficulty) is held against the training success at the target (on new tasks) when logged.
-        reward_hacking(training_success, series["held_out_success"], window=window,
-                       reward_rise=settings.reward_rise, held_out_min_gain=settings.held_out_min_gain,
-                       held_out_episodes=series["held_out_episodes"], noise_z=settings.noise_z, what=what),
-        length_drift(series["sampled_tokens"], series["reward"], window=window, length_growth=settings.length_growth,
-                     reward_rise=settings.reward_rise)
-        or length_drift(series["turns"], series["reward"], window=window, length_growth=settings.length_growth,
-                        reward_rise=settings.reward_rise, what="turns per episode"),
-        malformed_spike(series["malformed_rate"], series["malformed_by_level"], window=window, spike=settings.spike,
-                        noise_z=settings.noise_z),
-        unscorable_spike(series["unscorable"], series["unscorable_by_level"], window=window, spike=settings.spike,
-                         noise_z=settings.noise_z),
+        reward_hacking(
+            training_success,
+            series["held_out_success"],
+            window=window,
+            reward_rise=settings.reward_rise,
+            held_out_min_gain=settings.held_out_min_gain,
+            held_out_episodes=series["held_out_episodes"],
+            noise_z=settings.noise_z,
+            what=what,
+        ),
+        length_drift(
+            series["sampled_tokens"],
+            series["reward"],
+            window=window,
+            length_growth=settings.length_growth,
+            reward_rise=settings.reward_rise,
+        )
+        or length_drift(
+            series["turns"],
+            series["reward"],
+            window=window,
+            length_growth=settings.length_growth,
+            reward_rise=settings.reward_rise,
+            what="turns per episode",
+        ),
+        malformed_spike(
+            series["malformed_rate"],
+            series["malformed_by_level"],
+            window=window,
+            spike=settings.spike,
+            noise_z=settings.noise_z,
+        ),
+        unscorable_spike(
+            series["unscorable"],
+            series["unscorable_by_level"],
+            window=window,
+            spike=settings.spike,
+            noise_z=settings.noise_z,
+        ),
         entropy_collapse(series["entropy"], window=window, entropy_ratio=settings.entropy_ratio),
         low_split_rate(series["split_rate"], window=window, min_split_rate=settings.min_split_rate),
     ]
@@ -579,8 +710,9 @@ def history_from_episode_records(records: Iterable[dict[str, Any]], success_thre
             "frac_reward_zero_std": sum(zero_std) / len(zero_std),
             "episodes/sampled_tokens_mean": _mean(sum(len(t["completion_ids"]) for t in ts) for ts in turns),
             "episodes/turns_mean": _mean(len(ts) for ts in turns),
-            "episodes/malformed_tool_calls_mean": _mean(sum(bool(t.get("malformed_tool_call")) for t in ts)
-                                                        for ts in turns),
+            "episodes/malformed_tool_calls_mean": _mean(
+                sum(bool(t.get("malformed_tool_call")) for t in ts) for ts in turns
+            ),
             "episodes/status_ok": _mean(float(episode.get("status") == "ok") for episode in episodes),
             "episodes/unscorable": 1.0 - len(scored) / len(episodes),
             "entropy": _mean(negative_logprobs),
@@ -592,8 +724,9 @@ def history_from_episode_records(records: Iterable[dict[str, Any]], success_thre
     return dict(history)
 
 
-def _level_metrics(records: list[dict[str, Any]], rewards: list[float | None], num_generations: int,
-                   success_threshold: float) -> dict[str, float]:
+def _level_metrics(
+    records: list[dict[str, Any]], rewards: list[float | None], num_generations: int, success_threshold: float
+) -> dict[str, float]:
     """One step's per-difficulty `sampling/*` metrics, from its records' `difficulty` and `target` (see
     `history_from_episode_records`); empty when the records have no difficulty."""
     levels = [record.get("difficulty") for record in records]
@@ -610,8 +743,10 @@ def _level_metrics(records: list[dict[str, Any]], rewards: list[float | None], n
         values[f"sampling/episodes/{level:g}"] = float(len(mine))
         values[f"sampling/unscorable/{level:g}"] = sum(reward is None for _, reward in mine) / len(mine)
         if calls:
-            values[f"sampling/malformed_rate/{level:g}"] = sum(
-                bool(t.get("malformed_tool_call")) for record, _ in mine for t in record["episode"]["turns"]) / calls
+            values[f"sampling/malformed_rate/{level:g}"] = (
+                sum(bool(t.get("malformed_tool_call")) for record, _ in mine for t in record["episode"]["turns"])
+                / calls
+            )
         outcomes = [float(reward >= success_threshold) for _, reward in mine if reward is not None]
         if outcomes:
             values[f"sampling/success/{level:g}"] = sum(outcomes) / len(outcomes)
@@ -669,8 +804,13 @@ class AlarmsCallback(TrainerCallback):
     ```
     """
 
-    def __init__(self, settings: AlarmSettings | None = None, held_out: HeldOutEvaluator | None = None,
-                 held_out_eval_steps: int = 0, output_dir: str | Path | None = None):
+    def __init__(
+        self,
+        settings: AlarmSettings | None = None,
+        held_out: HeldOutEvaluator | None = None,
+        held_out_eval_steps: int = 0,
+        output_dir: str | Path | None = None,
+    ):
         if held_out_eval_steps < 0:
             raise ValueError(f"held_out_eval_steps must be >= 0 (0 = never), got {held_out_eval_steps}.")
         if held_out is not None and held_out_eval_steps == 0:
@@ -746,14 +886,20 @@ class AlarmsCallback(TrainerCallback):
         for name, alarm in found.items():
             entry = self._active.get(name)
             if entry is None:
-                entry = {"name": name, "step": step, "last_step": step, "message": alarm.message,
-                         "evidence": alarm.evidence}
+                entry = {
+                    "name": name,
+                    "step": step,
+                    "last_step": step,
+                    "message": alarm.message,
+                    "evidence": alarm.evidence,
+                }
                 self.alarms.append(entry)
                 self._active[name] = entry
                 new = True
                 if state.is_world_process_zero:
-                    warnings.warn(f"[trl-agentic alarm: {name} at step {step}] {alarm.message}", TrainingAlarm,
-                                  stacklevel=2)
+                    warnings.warn(
+                        f"[trl-agentic alarm: {name} at step {step}] {alarm.message}", TrainingAlarm, stacklevel=2
+                    )
             entry.update(last_step=step, message=alarm.message, evidence=alarm.evidence)
         # Trainer.log appended its record to log_history before calling the callbacks: add ours to it too.
         if state.log_history and state.log_history[-1].get("step") == step:
@@ -832,8 +978,10 @@ class TrainerHeldOutEvaluator:
                 "held_out_eval_steps=0."
             )
         if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("Held-out evaluation runs on the main process only and cannot gather ZeRO-3 shards; "
-                             "set held_out_eval_steps=0 (or evaluate the saved model with `trl-agentic eval`).")
+            raise ValueError(
+                "Held-out evaluation runs on the main process only and cannot gather ZeRO-3 shards; "
+                "set held_out_eval_steps=0 (or evaluate the saved model with `trl-agentic eval`)."
+            )
         self.trainer = trainer
         self.reward_funcs = reward_funcs
         self.evaluator = None
@@ -848,15 +996,32 @@ class TrainerHeldOutEvaluator:
             reward_funcs, reward_weights = self.reward_funcs, None
             if reward_funcs is None:
                 reward_funcs, reward_weights = list(trainer.reward_funcs), trainer.reward_weights.tolist()
-            suite = TaskSuite(name="held_out", tools=[], system_prompt="", build_dataset=None, agent=trainer.agent,
-                              reward_funcs=reward_funcs, demonstrations=None, agent_columns=tuple(args.agent_columns))
+            suite = TaskSuite(
+                name="held_out",
+                tools=[],
+                system_prompt="",
+                build_dataset=None,
+                agent=trainer.agent,
+                reward_funcs=reward_funcs,
+                demonstrations=None,
+                agent_columns=tuple(args.agent_columns),
+            )
             self.evaluator = Evaluator(
-                model, trainer.processing_class, suite, trainer.eval_dataset,
-                num_samples=args.held_out_num_samples, temperature=args.temperature,
-                max_tokens=args.max_completion_length, top_p=args.top_p, top_k=args.top_k,
-                reward_weights=reward_weights, concurrency=args.max_concurrent_episodes,
-                max_turns=args.max_turns, max_episode_tokens=args.max_episode_tokens,
-                episode_timeout=args.episode_timeout, max_generation_batch_size=args.max_generation_batch_size,
+                model,
+                trainer.processing_class,
+                suite,
+                trainer.eval_dataset,
+                num_samples=args.held_out_num_samples,
+                temperature=args.temperature,
+                max_tokens=args.max_completion_length,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                reward_weights=reward_weights,
+                concurrency=args.max_concurrent_episodes,
+                max_turns=args.max_turns,
+                max_episode_tokens=args.max_episode_tokens,
+                episode_timeout=args.episode_timeout,
+                max_generation_batch_size=args.max_generation_batch_size,
                 generation_batch_wait_ms=args.generation_batch_wait_ms,
                 chat_template_kwargs=trainer.chat_template_kwargs,
             )

@@ -63,8 +63,9 @@ def step_line(logs: dict[str, Any], step: int, max_steps: int) -> str | None:
                 parts.append(f"{label} {text}")
     if isinstance(logs.get("step_time"), (int, float)):
         parts.append(f"{logs['step_time']:.2f} s/step")
-    alarms = sorted(key.removeprefix("alarms/") for key, value in logs.items()
-                    if key.startswith("alarms/") and value == 1.0)
+    alarms = sorted(
+        key.removeprefix("alarms/") for key, value in logs.items() if key.startswith("alarms/") and value == 1.0
+    )
     if alarms:
         parts.append("ALARM " + ", ".join(alarms))
     return "  ".join(parts)
@@ -102,7 +103,9 @@ class _ShortenWarnings(logging.Filter):
             record.msg, record.args = (
                 "An episode got no reward from any reward function (unscorable: it failed, or every checker returned "
                 "None); it carries no learning signal. The share is logged as episodes/unscorable; the episode log "
-                "(log_episodes=True) has each one's status and error.", None)
+                "(log_episodes=True) has each one's status and error.",
+                None,
+            )
         elif len(message) > MAX_WARNING_CHARS:
             cut = len(message) - MAX_WARNING_CHARS
             record.msg, record.args = f"{message[:MAX_WARNING_CHARS]}... [{cut} more characters]", None
@@ -115,8 +118,12 @@ _FILTER = _ShortenWarnings()
 def quiet_known_warnings() -> None:
     """Silence the warnings a user of `AgenticGRPOTrainer` cannot act on, and shorten the long ones (idempotent)."""
     # Deprecations raised by TRL's own calls into transformers (not the user's code)
-    for name in ("gradient_checkpointing_enable", "gradient_checkpointing_disable", "is_gradient_checkpointing",
-                 "gradient_checkpointing"):  # the last: TRL's GRPOConfig default, renamed by transformers 5
+    for name in (
+        "gradient_checkpointing_enable",
+        "gradient_checkpointing_disable",
+        "is_gradient_checkpointing",
+        "gradient_checkpointing",
+    ):  # the last: TRL's GRPOConfig default, renamed by transformers 5
         warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
     for name in ("trl.trainer.grpo_trainer", "trl_agentic.agentic_grpo_trainer"):
         logger = logging.getLogger(name)

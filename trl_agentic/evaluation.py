@@ -246,14 +246,16 @@ def summarize(
     for t in range(num_tasks):
         block = slice(t * num_samples, (t + 1) * num_samples)
         correct = sum(successes[block])
-        per_task.append({
-            "index": t,
-            "correct": correct,
-            "samples": num_samples,
-            "pass@k": {str(k): pass_at_k(num_samples, correct, k) for k in ks},
-            "rewards": rewards[block],
-            "statuses": [episode.status for episode in episodes[block]],
-        })
+        per_task.append(
+            {
+                "index": t,
+                "correct": correct,
+                "samples": num_samples,
+                "pass@k": {str(k): pass_at_k(num_samples, correct, k) for k in ks},
+                "rewards": rewards[block],
+                "statuses": [episode.status for episode in episodes[block]],
+            }
+        )
     pass_at = {str(k): sum(task["pass@k"][str(k)] for task in per_task) / num_tasks for k in ks}
 
     num_episodes = len(episodes)
@@ -394,8 +396,9 @@ class Evaluator:
         if not self.reward_funcs:
             raise ValueError("No reward functions: the suite has none and none were given.")
         # The suite's own checkers come with its weights (a verifiers rubric's); checkers given here, with those given.
-        self.reward_weights = reward_weights if reward_weights is not None or reward_funcs is not None else \
-            self.suite.reward_weights
+        self.reward_weights = (
+            reward_weights if reward_weights is not None or reward_funcs is not None else self.suite.reward_weights
+        )
         self.success_threshold = success_threshold
 
         # Tasks, task-major: the num_samples episodes of a task are consecutive (one group)
@@ -404,16 +407,23 @@ class Evaluator:
         # The agent sees its suite's `agent_columns` only, as in training; the checkers get every column (issue #9).
         missing = [c for c in self.suite.agent_columns if c not in self.tasks[0]]
         if missing:
-            raise ValueError(f"The suite's agent_columns {missing} are not columns of the dataset "
-                             f"{sorted(self.tasks[0])}.")
+            raise ValueError(
+                f"The suite's agent_columns {missing} are not columns of the dataset {sorted(self.tasks[0])}."
+            )
         self.agent_tasks = [{c: task[c] for c in self.suite.agent_columns} for task in self.tasks]
         self.concurrency, self.episode_timeout, self.progress = concurrency, episode_timeout, progress
-        self.sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_tokens": max_tokens,
-                         "max_turns": max_turns}
+        self.sampling = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "max_tokens": max_tokens,
+            "max_turns": max_turns,
+        }
 
         # Endpoint serving the model, built as the trainer builds it
-        self.engine = build_engine(model, tokenizer, max_batch_size=max_generation_batch_size,
-                                   batch_wait_ms=generation_batch_wait_ms)
+        self.engine = build_engine(
+            model, tokenizer, max_batch_size=max_generation_batch_size, batch_wait_ms=generation_batch_wait_ms
+        )
         self.server = launch_endpoint(
             self.engine,
             tokenizer,
@@ -446,16 +456,28 @@ class Evaluator:
 
         semaphore = asyncio.Semaphore(self.concurrency)
         statuses: Counter[str] = Counter()
-        bar = tqdm(total=len(self.tasks), desc=f"eval {self.suite.name}", unit="episode", disable=not self.progress,
-                   file=sys.stderr)
+        bar = tqdm(
+            total=len(self.tasks),
+            desc=f"eval {self.suite.name}",
+            unit="episode",
+            disable=not self.progress,
+            file=sys.stderr,
+        )
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
         async with httpx.AsyncClient(limits=limits, timeout=self.episode_timeout) as http_client:
 
             async def one(i: int) -> Episode:
                 async with semaphore:
-                    episode = await run_episode(self.server, self.agent, self.agent_tasks[i], i // self.num_samples,
-                                                i % self.num_samples, self.episode_timeout, http_client=http_client,
-                                                seed=None if seed is None else derive_seed(seed, i))
+                    episode = await run_episode(
+                        self.server,
+                        self.agent,
+                        self.agent_tasks[i],
+                        i // self.num_samples,
+                        i % self.num_samples,
+                        self.episode_timeout,
+                        http_client=http_client,
+                        seed=None if seed is None else derive_seed(seed, i),
+                    )
                 statuses[episode.status] += 1
                 bar.update(1)
                 bar.set_postfix({s: statuses[s] for s in sorted(statuses)}, refresh=False)
@@ -470,14 +492,18 @@ class Evaluator:
         """`score_episodes` with this evaluator's checkers and weights: `(rewards, rewards_per_func, logged)`."""
         return score_episodes(self.reward_funcs, self.tasks, episodes, self.reward_weights)
 
-    def summarize(self, episodes: list[Episode], rewards: list[float | None],
-                  rewards_per_func: dict[str, list[float | None]] | None = None) -> dict[str, Any]:
+    def summarize(
+        self,
+        episodes: list[Episode],
+        rewards: list[float | None],
+        rewards_per_func: dict[str, list[float | None]] | None = None,
+    ) -> dict[str, Any]:
         """`summarize` for this evaluator's tasks, samples and threshold."""
-        return summarize(episodes, rewards, self.num_tasks, self.num_samples, self.success_threshold,
-                         rewards_per_func)
+        return summarize(episodes, rewards, self.num_tasks, self.num_samples, self.success_threshold, rewards_per_func)
 
-    def evaluate(self, model=None, seed: int | None = None,
-                 episodes_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    def evaluate(
+        self, model=None, seed: int | None = None, episodes_path: str | os.PathLike | None = None
+    ) -> dict[str, Any]:
         """Run, score and summarize: the metrics of `summarize`, plus `task`, the sampling settings, `seed` and
         `seconds` (and `logged_metrics` when a checker logged any). `episodes_path`: also write every episode as JSONL.
         """
@@ -492,8 +518,12 @@ class Evaluator:
             summary["logged_metrics"] = {name: _mean(values) for name, values in logged.items()}
         if episodes_path is not None:
             write_episodes(episodes_path, episodes, rewards, per_func, self.num_samples)
-        header = {"task": self.suite.name, **self.sampling, "seed": seed,
-                  "seconds": round(time.monotonic() - started, 3)}
+        header = {
+            "task": self.suite.name,
+            **self.sampling,
+            "seed": seed,
+            "seconds": round(time.monotonic() - started, 3),
+        }
         return {**header, **summary}
 
     def close(self) -> None:
@@ -533,8 +563,9 @@ def evaluate(
     (0.0, 0.0)
     ```
     """
-    with Evaluator(model, tokenizer, suite, dataset, num_samples=num_samples, temperature=temperature,
-                   **evaluator_kwargs) as evaluator:
+    with Evaluator(
+        model, tokenizer, suite, dataset, num_samples=num_samples, temperature=temperature, **evaluator_kwargs
+    ) as evaluator:
         return evaluator.evaluate(seed=seed, episodes_path=episodes_path)
 
 

@@ -187,22 +187,28 @@ def default_package() -> str:
     import subprocess
 
     source = Path(__file__).resolve().parents[1]
-    fix = ("Pass --package with a requirement the job can install, e.g. 'trl-agentic @ "
-           "git+https://github.com/<org>/trl-agentic@<commit>' (or set $TRL_AGENTIC_PACKAGE).")
+    fix = (
+        "Pass --package with a requirement the job can install, e.g. 'trl-agentic @ "
+        "git+https://github.com/<org>/trl-agentic@<commit>' (or set $TRL_AGENTIC_PACKAGE)."
+    )
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=30)
         return done.stdout.strip() if done.returncode == 0 else ""
 
     if not (source / ".git").exists() or not (url := git("remote", "get-url", "origin")):
-        raise ValueError(f"trl-agentic is not published on PyPI, and {source} is not a git checkout with an `origin` "
-                         f"remote to install it from. {fix}")
+        raise ValueError(
+            f"trl-agentic is not published on PyPI, and {source} is not a git checkout with an `origin` "
+            f"remote to install it from. {fix}"
+        )
     commit = git("rev-parse", "HEAD")
     if not git("branch", "-r", "--contains", commit):
-        raise ValueError(f"Commit {commit[:12]} of {source} is on no branch of its remotes: the job could not fetch "
-                         f"it. Push it first, or: {fix}")
+        raise ValueError(
+            f"Commit {commit[:12]} of {source} is on no branch of its remotes: the job could not fetch "
+            f"it. Push it first, or: {fix}"
+        )
     if url.startswith("git@"):  # git@github.com:org/repo.git -> https://github.com/org/repo.git
-        url = "https://" + url[len("git@"):].replace(":", "/", 1)
+        url = "https://" + url[len("git@") :].replace(":", "/", 1)
     return f"{PACKAGE_NAME} @ git+{url}@{commit}"
 
 
@@ -223,8 +229,9 @@ def _import_names(effective: dict[str, Any]) -> list[tuple[str, str]]:
     return names
 
 
-def local_code(effective: dict[str, Any], with_requirements: list[str] | tuple[str, ...] = ()) -> tuple[
-        dict[str, Path], dict[str, str]]:
+def local_code(
+    effective: dict[str, Any], with_requirements: list[str] | tuple[str, ...] = ()
+) -> tuple[dict[str, Path], dict[str, str]]:
     """What the job must carry for the recipe's imports to work there, checked here first.
 
     Each import path the recipe names (`task`, `agent`, `reward_funcs`) is imported now: one that fails here would
@@ -250,8 +257,9 @@ def local_code(effective: dict[str, Any], with_requirements: list[str] | tuple[s
 
     def ship(name: str, path: Path) -> None:
         if files.get(name, path) != path:
-            raise ValueError(f"Two different local files would be shipped as {name!r} ({files[name]} and {path}): "
-                             "rename one.")
+            raise ValueError(
+                f"Two different local files would be shipped as {name!r} ({files[name]} and {path}): rename one."
+            )
         files[name] = path
 
     for key, value in _import_names(effective):
@@ -302,9 +310,11 @@ def pack_code(files: dict[str, Path]) -> str:
             archive.add(path, arcname=name, recursive=False)
     data = buffer.getvalue()
     if len(data) > MAX_CODE_BYTES:
-        raise ValueError(f"The local modules the recipe imports are {len(data) // 1024} KiB compressed, more than a "
-                         f"job's environment carries ({MAX_CODE_BYTES // 1024} KiB): make them a package the job "
-                         "installs (--with <requirement>).")
+        raise ValueError(
+            f"The local modules the recipe imports are {len(data) // 1024} KiB compressed, more than a "
+            f"job's environment carries ({MAX_CODE_BYTES // 1024} KiB): make them a package the job "
+            "installs (--with <requirement>)."
+        )
     return base64.b64encode(data).decode("ascii")
 
 
@@ -546,12 +556,19 @@ def make_parser() -> argparse.ArgumentParser:
         "(default: $TRL_AGENTIC_PACKAGE, else this checkout's commit on its origin remote).",
     )
     sub.add_argument(
-        "--with", dest="with_requirements", action="append", default=[], metavar="REQUIREMENT",
+        "--with",
+        dest="with_requirements",
+        action="append",
+        default=[],
+        metavar="REQUIREMENT",
         help="A requirement the job installs too (repeatable): what the recipe's own task, agent or rewards import.",
     )
     sub.add_argument("--network-group", help="Join a network group (e.g. with a `trl vllm-serve` job).")
-    sub.add_argument("--script", default=str(DEFAULT_SCRIPT),
-                     help="The uv script to run (default: the bundled copy of jobs/train.py).")
+    sub.add_argument(
+        "--script",
+        default=str(DEFAULT_SCRIPT),
+        help="The uv script to run (default: the bundled copy of jobs/train.py).",
+    )
     return parser
 
 

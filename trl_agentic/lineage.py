@@ -110,8 +110,9 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
             rendered.setdefault(tuple(turn.prompt_ids), turn.index)
         if home is None:  # rules 3 and 5
             home = turn.index
-            conversations[home] = Conversation(home, "sub_agent" if spawned_by is not None else "side_call",
-                                               spawned_by=spawned_by)
+            conversations[home] = Conversation(
+                home, "sub_agent" if spawned_by is not None else "side_call", spawned_by=spawned_by
+            )
         conversations[home].turns.append(turn.index)
         conversation_of[turn.index] = home
         latest_calls[home] = (turn.index, _handoffs(turn))
@@ -121,6 +122,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
     task_text = _task_text(task_prompt)
     roots = [c for c in conversations.values() if c.spawned_by is None]
     if roots:
+
         def rank(conversation: Conversation) -> tuple:
             members = [by_index[i] for i in conversation.turns]
             holds_task = bool(task_text) and task_text in _request_text(members[0])
@@ -163,20 +165,23 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(part["text"] for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+        return "\n".join(
+            part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
     return ""
 
 
 def _request_text(turn: Turn) -> str:
-    return "\n".join(_text(m.get("content")) for m in turn.request_messages
-                     if isinstance(m, dict) and m.get("role") != "assistant")
+    return "\n".join(
+        _text(m.get("content")) for m in turn.request_messages if isinstance(m, dict) and m.get("role") != "assistant"
+    )
 
 
 def _is_fresh(turn: Turn) -> bool:
     """A conversation's first request: nothing the model said before is in it."""
     return turn.prompt_source == "rendered" and not any(
-        isinstance(m, dict) and m.get("role") == "assistant" for m in turn.request_messages)
+        isinstance(m, dict) and m.get("role") == "assistant" for m in turn.request_messages
+    )
 
 
 def _handoffs(turn: Turn) -> list[str]:
@@ -204,6 +209,7 @@ def _spawning_turn(turn: Turn, latest_calls: dict[int, tuple[int, list[str]]]) -
 
 def _task_text(task_prompt: str | list[dict] | None) -> str:
     if isinstance(task_prompt, list):
-        task_prompt = next((_text(m.get("content")) for m in task_prompt
-                            if isinstance(m, dict) and m.get("role") == "user"), None)
+        task_prompt = next(
+            (_text(m.get("content")) for m in task_prompt if isinstance(m, dict) and m.get("role") == "user"), None
+        )
     return task_prompt.strip() if isinstance(task_prompt, str) else ""

@@ -24,10 +24,18 @@ _SINGLE_METRICS: list[tuple[str, tuple[str, ...], str, str]] = [
     ("reward", ("reward",), "Training reward (mean checker score per episode)", "reward"),
     ("kl", ("kl",), "KL to the reference policy", "KL"),
     ("completion_length", ("completions/mean_length",), "Sampled tokens per episode", "tokens"),
-    ("frac_reward_zero_std", ("frac_reward_zero_std",), "Groups with no reward spread (no learning signal)",
-     "fraction of groups"),
-    ("tool_calls", ("episodes/tool_calls_mean", "episodes/malformed_tool_calls_mean"),
-     "Tool calls per episode (well-formed and malformed)", "calls per episode"),
+    (
+        "frac_reward_zero_std",
+        ("frac_reward_zero_std",),
+        "Groups with no reward spread (no learning signal)",
+        "fraction of groups",
+    ),
+    (
+        "tool_calls",
+        ("episodes/tool_calls_mean", "episodes/malformed_tool_calls_mean"),
+        "Tool calls per episode (well-formed and malformed)",
+        "calls per episode",
+    ),
 ]
 
 
@@ -108,8 +116,13 @@ def plot_training_curves(
             color = f"C{index}"
             if window > 1:
                 ax.plot(steps, values, alpha=0.3, linewidth=1, color=color, label=f"{key} (per step)")
-                ax.plot(steps, _smooth(values, window), linewidth=2, color=color,
-                        label=f"{key} (moving average of {window})")
+                ax.plot(
+                    steps,
+                    _smooth(values, window),
+                    linewidth=2,
+                    color=color,
+                    label=f"{key} (moving average of {window})",
+                )
             else:
                 ax.plot(steps, values, marker="o" if len(values) < 30 else None, linewidth=2, color=color, label=key)
         ax.set(title=title, xlabel="optimizer step", ylabel=ylabel)
@@ -127,10 +140,12 @@ def plot_training_curves(
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
         ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=2, color="tab:green")
         for step, value in points:
-            ax.annotate(f"{value:.0%}", (step, value), textcoords="offset points", xytext=(0, 7), ha="center",
-                        fontsize=8)
-        ax.set(title="Held-out success rate (eval split, never trained on)", xlabel="optimizer step",
-               ylabel="success rate")
+            ax.annotate(
+                f"{value:.0%}", (step, value), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8
+            )
+        ax.set(
+            title="Held-out success rate (eval split, never trained on)", xlabel="optimizer step", ylabel="success rate"
+        )
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
         save(fig, "held_out_success")
@@ -144,12 +159,23 @@ def plot_training_curves(
         window = max(1, min(10, len(split_values) // 5))
         fig, ax = plt.subplots(figsize=(7.2, 4.2))
         ax.plot(split_steps, split_values, alpha=0.25, linewidth=1, color="tab:blue")
-        ax.plot(split_steps, _smooth(split_values, window), linewidth=2, color="tab:blue",
-                label=f"split rate (groups with differing rewards, moving average of {window})")
+        ax.plot(
+            split_steps,
+            _smooth(split_values, window),
+            linewidth=2,
+            color="tab:blue",
+            label=f"split rate (groups with differing rewards, moving average of {window})",
+        )
         if held_out:
             points = sorted((int(step), float(value)) for step, value in held_out.items())
-            ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=2, color="tab:green",
-                    label="held-out success (target difficulty, all episodes)")
+            ax.plot(
+                [s for s, _ in points],
+                [v for _, v in points],
+                marker="o",
+                linewidth=2,
+                color="tab:green",
+                label="held-out success (target difficulty, all episodes)",
+            )
         ax.set(title="Learning signal and held-out success", xlabel="optimizer step", ylabel="share")
         ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3)
@@ -157,8 +183,7 @@ def plot_training_curves(
         handles, labels = ax.get_legend_handles_labels()
         if difficulty_steps:
             twin = ax.twinx()
-            twin.plot(difficulty_steps, _smooth(difficulty, window), linewidth=1.5, color="tab:orange",
-                      linestyle="--")
+            twin.plot(difficulty_steps, _smooth(difficulty, window), linewidth=1.5, color="tab:orange", linestyle="--")
             twin.set_ylabel("mean sampled difficulty", color="tab:orange")
             handles.append(twin.lines[0])
             labels.append(f"sampled difficulty (moving average of {window})")

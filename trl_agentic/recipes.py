@@ -108,8 +108,11 @@ class ScriptArguments:
         metadata={"help": "Task suite: a bundled name ('calculator', 'files') or an import path 'pkg.module:attr'."}
     )
     agent: str | None = field(
-        default=None, metadata={"help": "Import path 'pkg.module:attr' of an agent replacing the task's agent, or "
-                                        "'harness:<preset>' for a CLI coding agent (e.g. harness:mini-swe-agent)."}
+        default=None,
+        metadata={
+            "help": "Import path 'pkg.module:attr' of an agent replacing the task's agent, or "
+            "'harness:<preset>' for a CLI coding agent (e.g. harness:mini-swe-agent)."
+        },
     )
     agent_command: str | None = field(
         default=None, metadata={"help": "Shell command run per episode as the agent (exclusive with --agent)."}

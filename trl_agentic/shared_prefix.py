@@ -39,7 +39,11 @@ def shared_prefix_length(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 
 def shared_prefix_logps(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, prefix_length: int,
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    prefix_length: int,
     compute_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(logps, entropies)` of the last `logits_to_keep` columns, shaped as TRL's (rows, logits_to_keep), with the
@@ -58,8 +62,9 @@ def shared_prefix_logps(
     first = int(starts[0])
     prefix = input_ids[:1, first : first + prefix_length]
     outputs = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, logits_to_keep=1)
-    states = [(layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1))
-              for layer in outputs.cache.layers]
+    states = [
+        (layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1)) for layer in outputs.cache.layers
+    ]
     cache = DynamicCache(ddp_cache_data=states)
 
     # The rests, right-padded: row b's real tokens after the prefix.
@@ -71,22 +76,32 @@ def shared_prefix_logps(
     columns = (starts + prefix_length).unsqueeze(1) + offsets  # (B, rest_width) in the input layout
     real = offsets.unsqueeze(0) < rest_lengths.unsqueeze(1)
     rest = input_ids.gather(1, columns.clamp(max=width - 1)).masked_fill(~real, 0)
-    rest_mask = torch.cat([torch.ones(rows, prefix_length, dtype=attention_mask.dtype, device=device),
-                           real.to(attention_mask.dtype)], dim=1)
+    rest_mask = torch.cat(
+        [torch.ones(rows, prefix_length, dtype=attention_mask.dtype, device=device), real.to(attention_mask.dtype)],
+        dim=1,
+    )
     # Score the completion tokens only, as TRL does: in the rest, row b's completion starts at its prompt's end.
     completion_start = prompt_lengths - prefix_length  # (B,) index in the rest of the first completion token
     in_completion = offsets.unsqueeze(0) >= completion_start.unsqueeze(1)
     labels = rest.masked_fill(~(real & in_completion), -100)
     position_ids = (prefix_length + offsets).unsqueeze(0).expand(rows, -1)
-    scored = model(input_ids=rest, attention_mask=rest_mask, position_ids=position_ids, cache=cache, labels=labels,
-                   fused_lm_head=True)
+    scored = model(
+        input_ids=rest,
+        attention_mask=rest_mask,
+        position_ids=position_ids,
+        cache=cache,
+        labels=labels,
+        fused_lm_head=True,
+    )
 
     # Back to TRL's columns: completion column c of row b is rest token completion_start[b] + c, whose log-prob the
     # fused head returns at index completion_start[b] + c - 1 (it scores token j + 1 from position j).
     index = (completion_start.unsqueeze(1) - 1 + torch.arange(logits_to_keep, device=device)).clamp(
-        min=0, max=rest_width - 2)
-    inside = (torch.arange(logits_to_keep, device=device).unsqueeze(0)
-              < (lengths - prompt_lengths).unsqueeze(1))  # columns past a row's completion: TRL's padding
+        min=0, max=rest_width - 2
+    )
+    inside = torch.arange(logits_to_keep, device=device).unsqueeze(0) < (lengths - prompt_lengths).unsqueeze(
+        1
+    )  # columns past a row's completion: TRL's padding
     logps = scored.log_probs.gather(1, index).masked_fill(~inside, 0.0)
     entropies = None
     if compute_entropy:

@@ -177,9 +177,13 @@ class AdaptiveTaskSampler(Sampler[int]):
                 "tasks_per_batch, repeat_count, candidates, memory and revisit_pool must be >= 1; got "
                 f"{tasks_per_batch}, {repeat_count}, {candidates}, {memory} and {revisit_pool}."
             )
-        for name, value in (("target_min_share", target_min_share), ("explore", explore),
-                            ("prior_success", prior_success), ("target_affinity", target_affinity),
-                            ("revisit", revisit)):
+        for name, value in (
+            ("target_min_share", target_min_share),
+            ("explore", explore),
+            ("prior_success", prior_success),
+            ("target_affinity", target_affinity),
+            ("revisit", revisit),
+        ):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}.")
         if len(dataset) == 0:
@@ -217,8 +221,9 @@ class AdaptiveTaskSampler(Sampler[int]):
         if target_difficulty is None:
             targets = [max(self.buckets)]
         else:
-            targets = list(target_difficulty) if isinstance(target_difficulty, list | tuple | set) else [
-                target_difficulty]
+            targets = (
+                list(target_difficulty) if isinstance(target_difficulty, list | tuple | set) else [target_difficulty]
+            )
         missing = [t for t in targets if t not in self.buckets]
         if missing:
             raise ValueError(
@@ -286,8 +291,9 @@ class AdaptiveTaskSampler(Sampler[int]):
             others = 1.0 - target_share
             for level in levels:
                 if level in self.targets:
-                    probs[level] = self.target_min_share * (probs[level] / target_share if target_share else
-                                                            1.0 / len(self.targets))
+                    probs[level] = self.target_min_share * (
+                        probs[level] / target_share if target_share else 1.0 / len(self.targets)
+                    )
                 else:
                     probs[level] *= (1.0 - self.target_min_share) / others if others else 0.0
         return probs
@@ -371,8 +377,9 @@ class AdaptiveTaskSampler(Sampler[int]):
             index = candidates[0]
         else:
             # Squared: a task seen to split is clearly preferred over one seen to be always solved (or never).
-            weights = [split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3
-                       for i in candidates]
+            weights = [
+                split_probability(self._task_success(i, level), self.num_generations) ** 2 + 1e-3 for i in candidates
+            ]
             index = self._rng.choices(candidates, weights=weights)[0]
         key = self._key(self.dataset[index])
         self._index_of[key] = index
@@ -382,8 +389,11 @@ class AdaptiveTaskSampler(Sampler[int]):
     def draw_batch(self) -> list[int]:
         """The dataset indices of one generation batch: `tasks_per_batch` tasks drawn now, each `num_generations`
         times in a row."""
-        return [index for index in (self.draw_task() for _ in range(self.tasks_per_batch))
-                for _ in range(self.num_generations)]
+        return [
+            index
+            for index in (self.draw_task() for _ in range(self.tasks_per_batch))
+            for _ in range(self.num_generations)
+        ]
 
     def __iter__(self) -> Iterator[int]:
         for _ in range(len(self.dataset) // self.tasks_per_batch or 1):
@@ -392,8 +402,12 @@ class AdaptiveTaskSampler(Sampler[int]):
                 yield from batch
 
     def __len__(self) -> int:
-        return (len(self.dataset) // self.tasks_per_batch or 1) * self.tasks_per_batch * self.num_generations * (
-            self.repeat_count)
+        return (
+            (len(self.dataset) // self.tasks_per_batch or 1)
+            * self.tasks_per_batch
+            * self.num_generations
+            * (self.repeat_count)
+        )
 
     # Checkpoints
 
@@ -405,8 +419,10 @@ class AdaptiveTaskSampler(Sampler[int]):
             "rng": [version, list(internal), gauss],
             "bucket_estimates": [[lv, [e.successes, e.episodes]] for lv, e in self._bucket_estimates.items()],
             "bucket_splits": [[lv, [e.successes, e.episodes]] for lv, e in self._bucket_splits.items()],
-            "kind_splits": [[lv, [[k[True].successes, k[True].episodes], [k[False].successes, k[False].episodes]]]
-                            for lv, k in self._kind_splits.items()],
+            "kind_splits": [
+                [lv, [[k[True].successes, k[True].episodes], [k[False].successes, k[False].episodes]]]
+                for lv, k in self._kind_splits.items()
+            ],
             "drawn_as": self._drawn_as,
             "task_estimates": {key: [e.successes, e.episodes] for key, e in self._task_estimates.items()},
             "groups_drawn": list(self.groups_drawn.items()),
@@ -419,8 +435,10 @@ class AdaptiveTaskSampler(Sampler[int]):
         """Restore what `state_dict` returned (the same dataset and difficulty levels)."""
         levels = [lv for lv, _ in state["bucket_estimates"]]
         if levels != list(self.buckets):
-            raise ValueError(f"The sampler state is for difficulty levels {levels}, this dataset has "
-                             f"{list(self.buckets)}: resume with the dataset the run was started with.")
+            raise ValueError(
+                f"The sampler state is for difficulty levels {levels}, this dataset has "
+                f"{list(self.buckets)}: resume with the dataset the run was started with."
+            )
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
         self._bucket_estimates = {lv: _Estimate(*e) for lv, e in state["bucket_estimates"]}

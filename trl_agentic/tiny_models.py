@@ -103,7 +103,10 @@ def _training_corpus(seed: int = 0, template: str = "") -> list[str]:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice(["+", "-", "*"])
         corpus.append(f"What is {a} {op} {b}? The answer is {eval(f'{a}{op}{b}')}.")
-        call = {"name": rng.choice(["calculator", "read_file", "write_file", "add"]), "arguments": {"expression": f"{a} {op} {b}"}}
+        call = {
+            "name": rng.choice(["calculator", "read_file", "write_file", "add"]),
+            "arguments": {"expression": f"{a} {op} {b}"},
+        }
         corpus.append(json.dumps(call))
         corpus.append(json.dumps({"name": call["name"], "parameters": call["arguments"]}))
     schema = {

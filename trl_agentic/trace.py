@@ -88,8 +88,11 @@ class Turn:
     @property
     def versions(self) -> list[int]:
         """The policy version that sampled each completion token."""
-        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(
-            self.completion_ids)
+        return (
+            list(self.token_versions)
+            if self.token_versions is not None
+            else [self.policy_version] * len(self.completion_ids)
+        )
 
     @property
     def num_tool_calls(self) -> int:
@@ -151,8 +154,11 @@ class Episode:
     @property
     def versions(self) -> list[int]:
         """The policy version that sampled each completion token."""
-        return list(self.token_versions) if self.token_versions is not None else [self.policy_version] * len(
-            self.completion_ids)
+        return (
+            list(self.token_versions)
+            if self.token_versions is not None
+            else [self.policy_version] * len(self.completion_ids)
+        )
 
     @property
     def num_tool_calls(self) -> int:

@@ -35,8 +35,11 @@ def assistant_masked_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict
         if message["role"] != "assistant":
             continue
         before, through = render(messages[:k], add_generation_prompt=True), render(messages[: k + 1])
-        if not (text.startswith(before) and text.startswith(through)) or len(before) not in ends or (
-                len(through) not in ends):
+        if (
+            not (text.startswith(before) and text.startswith(through))
+            or len(before) not in ends
+            or (len(through) not in ends)
+        ):
             return _assistant_masked_ids_by_prefixes(tokenizer, messages, tools)
         for i in range(ends[len(before)], ends[len(through)]):
             mask[i] = 1
@@ -44,8 +47,9 @@ def assistant_masked_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict
 
 
 def _assistant_masked_ids_by_prefixes(tokenizer, messages: list[dict], tools: list[dict] | None):
-    tokenize = lambda part, **kw: tokenizer.apply_chat_template(part, tools=tools, tokenize=True,  # noqa: E731
-                                                                return_dict=False, **kw)
+    def tokenize(part, **kw):
+        return tokenizer.apply_chat_template(part, tools=tools, tokenize=True, return_dict=False, **kw)
+
     ids = tokenize(messages)
     mask = [0] * len(ids)
     for k, message in enumerate(messages):
@@ -100,8 +104,9 @@ def _chunk_tensors(chunk, pad_token_id: int) -> dict[str, torch.Tensor]:
     return {
         "input_ids": torch.tensor([ids + [pad_token_id] * (width - len(ids)) for ids, _ in chunk]),
         "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk]),
-        "labels": torch.tensor([[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids))
-                                for ids, mask in chunk]),
+        "labels": torch.tensor(
+            [[t if m else -100 for t, m in zip(ids, mask)] + [-100] * (width - len(ids)) for ids, mask in chunk]
+        ),
     }
 
 
@@ -145,8 +150,12 @@ def batch_loss(model: PreTrainedModel, chunks, pad_token_id: int, pool: ThreadPo
 
 def chunk_pool(workers: int) -> ThreadPoolExecutor:
     """Threads for `batch_loss`'s chunks, each running torch with one intra-op thread."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trl-agentic-warm-start",
-                              initializer=torch.set_num_threads, initargs=(1,))
+    return ThreadPoolExecutor(
+        max_workers=workers,
+        thread_name_prefix="trl-agentic-warm-start",
+        initializer=torch.set_num_threads,
+        initargs=(1,),
+    )
 
 
 def warm_start(
@@ -180,7 +189,9 @@ def warm_start(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps)
+    )
     pad = tokenizer.pad_token_id
     threads = torch.get_num_threads()
     pool = chunk_pool(workers) if workers > 1 else None

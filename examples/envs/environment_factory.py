@@ -89,15 +89,28 @@ def main(argv: list[str] | None = None):
     model, tokenizer = load_model_and_tokenizer(args.model)
     gpu = torch.cuda.is_available()
     settings = dict(
-        output_dir=args.output_dir, max_steps=args.steps, num_generations=args.num_generations,
-        per_device_train_batch_size=args.num_generations, max_completion_length=args.max_tokens,
-        max_tool_calling_iterations=args.max_tool_calling_iterations, learning_rate=1e-6, logging_steps=1,
-        report_to="none", save_strategy="no", bf16=gpu, use_cpu=not gpu, use_vllm=args.use_vllm,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.num_generations,
+        max_completion_length=args.max_tokens,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=gpu,
+        use_cpu=not gpu,
+        use_vllm=args.use_vllm,
         vllm_mode="colocate",
     )
     # The same three arguments for both trainers: dataset, environment_factory, reward_funcs.
-    common = dict(train_dataset=guess_dataset(), environment_factory=GuessEnv, reward_funcs=[few_guesses],
-                  processing_class=tokenizer)
+    common = dict(
+        train_dataset=guess_dataset(),
+        environment_factory=GuessEnv,
+        reward_funcs=[few_guesses],
+        processing_class=tokenizer,
+    )
     if args.trainer == "trl":
         trainer = GRPOTrainer(model, args=GRPOConfig(**settings), **common)
         trainer.train()

@@ -74,8 +74,9 @@ class GuessNumberEnvironment(Environment):
         return self._state
 
 
-app = create_app(GuessNumberEnvironment, GuessAction, GuessObservation, env_name="guess_number",
-                 max_concurrent_envs=256)
+app = create_app(
+    GuessNumberEnvironment, GuessAction, GuessObservation, env_name="guess_number", max_concurrent_envs=256
+)
 
 
 # --- the task: dataset, agent and reward (the trainer's side) ----------------------------------------------------
@@ -102,9 +103,16 @@ def make_suite():
     from trl_agentic.tasks import TaskSuite
 
     env = make_env()
-    return TaskSuite(name="openenv_guess_number", tools=[], system_prompt=SYSTEM_PROMPT, build_dataset=build_dataset,
-                     agent=env, reward_funcs=env.reward_funcs, demonstrations=lambda n, seed=0: [],
-                     agent_columns=("prompt", "seed"))
+    return TaskSuite(
+        name="openenv_guess_number",
+        tools=[],
+        system_prompt=SYSTEM_PROMPT,
+        build_dataset=build_dataset,
+        agent=env,
+        reward_funcs=env.reward_funcs,
+        demonstrations=lambda n, seed=0: [],
+        agent_columns=("prompt", "seed"),
+    )
 
 
 def __getattr__(name: str):
@@ -132,15 +140,31 @@ def main(argv: list[str] | None = None):
     model, tokenizer = load_model_and_tokenizer(args.model)
     gpu = torch.cuda.is_available()
     config = AgenticGRPOConfig(
-        output_dir=args.output_dir, max_steps=args.steps, num_generations=args.num_generations,
-        per_device_train_batch_size=args.num_generations, max_completion_length=args.max_tokens,
-        max_turns=MAX_GUESSES, episode_timeout=300, learning_rate=1e-6, log_episodes=True, logging_steps=1,
-        report_to="none", save_strategy="no", bf16=gpu, use_cpu=not gpu,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.num_generations,
+        max_completion_length=args.max_tokens,
+        max_turns=MAX_GUESSES,
+        episode_timeout=300,
+        learning_rate=1e-6,
+        log_episodes=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=gpu,
+        use_cpu=not gpu,
         agent_columns=["prompt", "seed"],  # the seed reaches the environment's reset: a group plays one secret
     )
     env = make_env()
-    trainer = AgenticGRPOTrainer(model, agent=env, reward_funcs=env.reward_funcs, args=config,
-                                 train_dataset=build_dataset("train"), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=env,
+        reward_funcs=env.reward_funcs,
+        args=config,
+        train_dataset=build_dataset("train"),
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:

@@ -97,15 +97,32 @@ def main(argv: list[str] | None = None):
     model, tokenizer = load_model_and_tokenizer(args.model)
     gpu = torch.cuda.is_available()
     config = AgenticGRPOConfig(
-        output_dir=args.output_dir, max_steps=args.steps, num_generations=args.num_generations,
-        per_device_train_batch_size=args.num_generations, max_completion_length=args.max_tokens,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.num_generations,
+        max_completion_length=args.max_tokens,
         reward_weights=SUITE.reward_weights,  # the rubric's weights, one per reward function
         agent_columns=list(SUITE.agent_columns),  # the environment's rollout reads the row as verifiers gives it
-        episode_timeout=300, learning_rate=1e-6, log_episodes=True, logging_steps=1, report_to="none",
-        save_strategy="no", bf16=gpu, use_cpu=not gpu, use_vllm=args.use_vllm, vllm_mode="colocate",
+        episode_timeout=300,
+        learning_rate=1e-6,
+        log_episodes=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=gpu,
+        use_cpu=not gpu,
+        use_vllm=args.use_vllm,
+        vllm_mode="colocate",
     )
-    trainer = AgenticGRPOTrainer(model, agent=SUITE.agent, reward_funcs=SUITE.reward_funcs, args=config,
-                                 train_dataset=SUITE.build_dataset("train"), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=SUITE.agent,
+        reward_funcs=SUITE.reward_funcs,
+        args=config,
+        train_dataset=SUITE.build_dataset("train"),
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:

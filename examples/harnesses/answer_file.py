@@ -59,14 +59,31 @@ def train(harness: Harness, argv: list[str] | None = None) -> AgenticGRPOTrainer
     model, tokenizer = load_model_and_tokenizer(args.model)
     gpu = torch.cuda.is_available()
     config = AgenticGRPOConfig(
-        output_dir=args.output_dir, max_steps=args.steps, num_generations=args.num_generations,
-        per_device_train_batch_size=args.num_generations, max_completion_length=args.max_tokens,
-        max_turns=args.max_turns, episode_timeout=900, learning_rate=1e-6, log_episodes=True, logging_steps=1,
-        report_to="none", save_strategy="no", bf16=gpu, use_cpu=not gpu,
-        use_vllm=args.use_vllm, vllm_mode="colocate",
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        num_generations=args.num_generations,
+        per_device_train_batch_size=args.num_generations,
+        max_completion_length=args.max_tokens,
+        max_turns=args.max_turns,
+        episode_timeout=900,
+        learning_rate=1e-6,
+        log_episodes=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=gpu,
+        use_cpu=not gpu,
+        use_vllm=args.use_vllm,
+        vllm_mode="colocate",
     )
-    trainer = AgenticGRPOTrainer(model, agent=harness, reward_funcs=[answer_file_correct], args=config,
-                                 train_dataset=answer_file_dataset(), processing_class=tokenizer)
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=harness,
+        reward_funcs=[answer_file_correct],
+        args=config,
+        train_dataset=answer_file_dataset(),
+        processing_class=tokenizer,
+    )
     try:
         trainer.train()
     finally:

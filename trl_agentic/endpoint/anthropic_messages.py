@@ -68,8 +68,15 @@ logger = logging.getLogger(__name__)
 
 
 # Anthropic's error `type` for an HTTP status (https://docs.anthropic.com/en/api/errors).
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
 # Thinking blocks carry a signature that Anthropic's API verifies when they come back; ours is a marker (the
 # endpoint matches returned blocks by their content, not by a signature).
 THINKING_SIGNATURE = "trl-agentic"
@@ -149,8 +156,11 @@ async def count_tokens(service: CompletionService, raw: bytes) -> dict[str, int]
     """`POST /v1/messages/count_tokens`: the prompt tokens of the request rendered fresh."""
     req = service.validate(CountTokensRequest, service.parse_json(raw))
     service.check_model(req.model)
-    return {"input_tokens": await service.count_prompt_tokens(chat_messages(req.system, req.messages),
-                                                              chat_tools(req.tools), size=len(raw))}
+    return {
+        "input_tokens": await service.count_prompt_tokens(
+            chat_messages(req.system, req.messages), chat_tools(req.tools), size=len(raw)
+        )
+    }
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -160,9 +170,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     converted = []
     for i, tool in enumerate(tools):
         if tool.get("type") not in (None, "custom"):
-            raise APIError(400, f"tools.{i} has type {tool.get('type')!r}: server tools run on Anthropic's servers; "
-                                "this endpoint serves the agent's own tools (name, description, input_schema).",
-                           param=f"tools.{i}")
+            raise APIError(
+                400,
+                f"tools.{i} has type {tool.get('type')!r}: server tools run on Anthropic's servers; "
+                "this endpoint serves the agent's own tools (name, description, input_schema).",
+                param=f"tools.{i}",
+            )
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise APIError(400, f"tools.{i} needs a 'name' and an 'input_schema' object.", param=f"tools.{i}")
         function = {"name": tool["name"]}
@@ -188,8 +201,9 @@ def _tool_choice(choice: dict[str, Any] | None, tools: list[dict] | None) -> tup
         if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names tool {name!r}, which is not in 'tools'.", param="tool_choice")
         return None, name
-    raise APIError(400, f"Unsupported tool_choice type {kind!r}: use 'auto', 'any', 'tool' or 'none'.",
-                   param="tool_choice")
+    raise APIError(
+        400, f"Unsupported tool_choice type {kind!r}: use 'auto', 'any', 'tool' or 'none'.", param="tool_choice"
+    )
 
 
 def chat_messages(system: str | list[dict] | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -210,25 +224,35 @@ def chat_messages(system: str | list[dict] | None, messages: list[dict[str, Any]
         where = f"messages.{i}"
         role, content = message.get("role"), message.get("content")
         if role not in ("user", "assistant", "system"):
-            raise APIError(400, f"{where}.role must be 'user', 'assistant' or 'system', not {role!r}.",
-                           param=f"{where}.role")
+            raise APIError(
+                400, f"{where}.role must be 'user', 'assistant' or 'system', not {role!r}.", param=f"{where}.role"
+            )
         if role == "system":
             out.append({"role": "system", "content": _text(content, f"{where}.content")})
             continue
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):
-            raise APIError(400, f"{where}.content must be a string or a list of content blocks.",
-                           param=f"{where}.content")
+            raise APIError(
+                400, f"{where}.content must be a string or a list of content blocks.", param=f"{where}.content"
+            )
         if role == "assistant":
             out.append(_assistant_message(blocks, where))
         else:
             out.extend(_user_messages(blocks, where))
     if not any(message.get("role") == "user" for message in messages):
-        raise APIError(400, "The messages hold no user message: there is nothing to answer. Put the task in a user "
-                            "message (system messages alone are instructions).", param="messages")
+        raise APIError(
+            400,
+            "The messages hold no user message: there is nothing to answer. Put the task in a user "
+            "message (system messages alone are instructions).",
+            param="messages",
+        )
     if messages[-1].get("role") == "assistant":
-        raise APIError(400, "The last message is an assistant message (a prefill); this endpoint answers user turns "
-                            "only: end with a user message.", param=f"messages.{len(messages) - 1}")
+        raise APIError(
+            400,
+            "The last message is an assistant message (a prefill); this endpoint answers user turns "
+            "only: end with a user message.",
+            param=f"messages.{len(messages) - 1}",
+        )
     return out
 
 
@@ -244,15 +268,25 @@ def _assistant_message(blocks: list, where: str) -> dict[str, Any]:
         elif kind == "redacted_thinking":
             continue  # encrypted reasoning of another model: nothing the template can render
         elif kind == "tool_use":
-            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or not isinstance(
-                block.get("input"), dict
+            if (
+                not isinstance(block.get("id"), str)
+                or not isinstance(block.get("name"), str)
+                or not isinstance(block.get("input"), dict)
             ):
                 raise APIError(400, f"{at} (tool_use) needs 'id', 'name' and an 'input' object.", param=at)
-            calls.append({"id": block["id"], "type": "function",
-                          "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})
+            calls.append(
+                {
+                    "id": block["id"],
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+                }
+            )
         else:
-            raise APIError(400, f"{at} has type {kind!r}; an assistant message takes 'text', 'thinking' and "
-                                "'tool_use' blocks.", param=at)
+            raise APIError(
+                400,
+                f"{at} has type {kind!r}; an assistant message takes 'text', 'thinking' and 'tool_use' blocks.",
+                param=at,
+            )
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts or not calls else None}
     if reasoning:
         message["reasoning_content"] = "\n".join(reasoning)
@@ -276,16 +310,20 @@ def _user_messages(blocks: list, where: str) -> list[dict[str, Any]]:
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            tool = {"role": "tool", "tool_call_id": block["tool_use_id"],
-                    "content": _text(block.get("content") or "", f"{at}.content")}
+            tool = {
+                "role": "tool",
+                "tool_call_id": block["tool_use_id"],
+                "content": _text(block.get("content") or "", f"{at}.content"),
+            }
             if block.get("is_error"):
                 tool["is_error"] = True
             out.append(tool)
         elif kind in ("image", "document", "search_result"):
             raise APIError(400, f"{at} is a {kind} block; the served model reads text only.", param=at)
         else:
-            raise APIError(400, f"{at} has type {kind!r}; a user message takes 'text' and 'tool_result' blocks.",
-                           param=at)
+            raise APIError(
+                400, f"{at} has type {kind!r}; a user message takes 'text' and 'tool_result' blocks.", param=at
+            )
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -306,8 +344,9 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def message_body(model: str, message_id: str, choice: Choice, completion: Completion,
-                 streamed: list[str] = ()) -> dict[str, Any]:
+def message_body(
+    model: str, message_id: str, choice: Choice, completion: Completion, streamed: list[str] = ()
+) -> dict[str, Any]:
     """The Anthropic `message` of one answer; `streamed` are the kinds of text blocks (`"thinking"`, `"text"`) a
     stream already sent, in their order: they keep their places."""
     message = choice.message
@@ -319,17 +358,32 @@ def message_body(model: str, message_id: str, choice: Choice, completion: Comple
         elif kind == "text" and texts[kind]:
             content.append({"type": "text", "text": texts[kind]})
     for call in message.get("tool_calls") or []:
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": json.loads(call["function"]["arguments"])})
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": json.loads(call["function"]["arguments"]),
+            }
+        )
     if choice.stop_sequence is not None:
         stop_reason = "stop_sequence"
     else:
         stop_reason = {"tool_calls": "tool_use", "length": "max_tokens"}.get(choice.finish_reason, "end_turn")
     return {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": stop_reason, "stop_sequence": choice.stop_sequence,
-        "usage": {"input_tokens": completion.prompt_tokens, "output_tokens": completion.completion_tokens,
-                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": choice.stop_sequence,
+        "usage": {
+            "input_tokens": completion.prompt_tokens,
+            "output_tokens": completion.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
     }
 
 
@@ -338,16 +392,33 @@ async def _stream_events(service: CompletionService, call, answer: AsyncIterator
     their text starts (one at a time, in the order the text comes), tool_use blocks once parsed, `message_delta` with
     the stop reason and usage, `message_stop`."""
     prompt_tokens = len(call.prompt_ids)
-    yield {"type": "message_start", "message": {
-        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0,
-                                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}}
+    yield {
+        "type": "message_start",
+        "message": {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": prompt_tokens,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        },
+    }
     streamed: list[str] = []  # kinds of the text blocks opened, in order
 
     def stop_block(kind):
         if kind == "thinking":
-            yield {"type": "content_block_delta", "index": len(streamed) - 1,
-                   "delta": {"type": "signature_delta", "signature": THINKING_SIGNATURE}}
+            yield {
+                "type": "content_block_delta",
+                "index": len(streamed) - 1,
+                "delta": {"type": "signature_delta", "signature": THINKING_SIGNATURE},
+            }
         yield {"type": "content_block_stop", "index": len(streamed) - 1}
 
     try:
@@ -361,11 +432,17 @@ async def _stream_events(service: CompletionService, call, answer: AsyncIterator
                     for e in stop_block(streamed[-1]):
                         yield e
                 streamed.append(kind)
-                block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                                                                              "signature": ""}
+                block = (
+                    {"type": "text", "text": ""}
+                    if kind == "text"
+                    else {"type": "thinking", "thinking": "", "signature": ""}
+                )
                 yield {"type": "content_block_start", "index": len(streamed) - 1, "content_block": block}
-            delta = {"type": "text_delta", "text": item.text} if kind == "text" else {
-                "type": "thinking_delta", "thinking": item.text}
+            delta = (
+                {"type": "text_delta", "text": item.text}
+                if kind == "text"
+                else {"type": "thinking_delta", "thinking": item.text}
+            )
             yield {"type": "content_block_delta", "index": len(streamed) - 1, "delta": delta}
     except APIError as error:
         yield {"type": "error", "error": error_body(error.status, error.message)["error"]}
@@ -383,23 +460,45 @@ async def _stream_events(service: CompletionService, call, answer: AsyncIterator
         if index < len(streamed):
             continue
         if block["type"] == "thinking":  # text the answer has, though none of it streamed
-            yield {"type": "content_block_start", "index": index,
-                   "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
-            yield {"type": "content_block_delta", "index": index,
-                   "delta": {"type": "thinking_delta", "thinking": block["thinking"]}}
-            yield {"type": "content_block_delta", "index": index,
-                   "delta": {"type": "signature_delta", "signature": block["signature"]}}
+            yield {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+            }
+            yield {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "thinking_delta", "thinking": block["thinking"]},
+            }
+            yield {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "signature_delta", "signature": block["signature"]},
+            }
         elif block["type"] == "text":
             yield {"type": "content_block_start", "index": index, "content_block": {"type": "text", "text": ""}}
-            yield {"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": block["text"]}}
+            yield {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "text_delta", "text": block["text"]},
+            }
         else:  # tool_use
-            yield {"type": "content_block_start", "index": index,
-                   "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}}
-            yield {"type": "content_block_delta", "index": index,
-                   "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+            yield {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}},
+            }
+            yield {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+            }
         yield {"type": "content_block_stop", "index": index}
-    yield {"type": "message_delta", "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
-           "usage": {"output_tokens": body["usage"]["output_tokens"]}}
+    yield {
+        "type": "message_delta",
+        "delta": {"stop_reason": body["stop_reason"], "stop_sequence": body["stop_sequence"]},
+        "usage": {"output_tokens": body["usage"]["output_tokens"]},
+    }
     yield {"type": "message_stop"}
 
 

@@ -47,13 +47,7 @@ from .chat_completions import serve_chat_completions
 from .protocol import CloseEpisodeRequest, OpenEpisodeRequest, error_body
 from .responses import serve_responses
 from .service import APIError, CompletionService, EndpointSettings, SamplingOverrides
-from .sessions import (
-    EpisodeLimits,
-    EpisodeRegistry,
-    EpisodeSession,
-    TooManyOpenEpisodesError,
-    redact_episode_ids,
-)
+from .sessions import EpisodeLimits, EpisodeRegistry, EpisodeSession, TooManyOpenEpisodesError, redact_episode_ids
 
 
 logger = logging.getLogger(__name__)
@@ -102,17 +96,22 @@ def create_app(
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, _):
-        return _error_response(request.url.path,
-                               APIError(405, f"Method {request.method} not allowed on {request.url.path}"))
+        return _error_response(
+            request.url.path, APIError(405, f"Method {request.method} not allowed on {request.url.path}")
+        )
 
     # Episodes
 
     def episode_from_key(request: Request) -> EpisodeSession:
         key = _episode_key(request)
         if not key:
-            raise APIError(401, "Missing API key: send the episode key as 'Authorization: Bearer <key>' (or "
-                                "'x-api-key: <key>', or 'x-goog-api-key: <key>').", "authentication_error",
-                           "missing_api_key")
+            raise APIError(
+                401,
+                "Missing API key: send the episode key as 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>', or 'x-goog-api-key: <key>').",
+                "authentication_error",
+                "missing_api_key",
+            )
         session = registry.by_key(key)
         if session is None:
             raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
@@ -121,12 +120,17 @@ def create_app(
     def episode_from_path(episode_id: str, request: Request) -> EpisodeSession:
         session = registry.by_id(episode_id)
         if session is None or session.closed:
-            raise APIError(404, "Unknown or closed episode (the id in the path).", "invalid_request_error",
-                           "episode_not_found")
+            raise APIError(
+                404, "Unknown or closed episode (the id in the path).", "invalid_request_error", "episode_not_found"
+            )
         key = _episode_key(request)
         if key.startswith("sk-ep-") and not secrets.compare_digest(key.encode(), session.key.encode()):
-            raise APIError(401, "This episode key belongs to another episode than the one in the path.",
-                           "authentication_error", "invalid_api_key")
+            raise APIError(
+                401,
+                "This episode key belongs to another episode than the one in the path.",
+                "authentication_error",
+                "invalid_api_key",
+            )
         return session
 
     def check_admin(request: Request) -> None:
@@ -157,10 +161,13 @@ def create_app(
         if model is not None:
             service.check_model(model)
             return {"id": model, "object": "model", "created": now, "owned_by": "trl-agentic"}
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "trl-agentic"}
-            for name in settings.served_model_names
-        ]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": now, "owned_by": "trl-agentic"}
+                for name in settings.served_model_names
+            ],
+        }
 
     @app.get("/v1/models")
     @app.get("/v1/models/{model}")
@@ -246,8 +253,12 @@ def create_app(
         except TooManyOpenEpisodesError as error:
             raise APIError(429, str(error), "rate_limit_error", "too_many_open_episodes") from None
         base = str(request.base_url).rstrip("/")
-        return {"id": session.episode.id, "key": session.key, "base_url": f"{base}/v1",
-                "path_base_url": f"{base}/episodes/{session.episode.id}/v1"}
+        return {
+            "id": session.episode.id,
+            "key": session.key,
+            "base_url": f"{base}/v1",
+            "path_base_url": f"{base}/episodes/{session.episode.id}/v1",
+        }
 
     @app.get("/admin/episodes/{episode_id}")
     async def get_episode(episode_id: str, request: Request):
@@ -263,8 +274,12 @@ def create_app(
         check_admin(request)
         body = service.validate(CloseEpisodeRequest, await read_json(request, required=False) or {})
         if body.status is not None and (body.status not in EPISODE_STATUSES or body.status == "running"):
-            raise APIError(400, f"Unknown episode status {body.status!r}; use one of "
-                                f"{[s for s in EPISODE_STATUSES if s != 'running']}.", param="status")
+            raise APIError(
+                400,
+                f"Unknown episode status {body.status!r}; use one of "
+                f"{[s for s in EPISODE_STATUSES if s != 'running']}.",
+                param="status",
+            )
         try:
             episode = registry.finish(episode_id, body.status, body.result, body.error)
         except KeyError:
@@ -350,10 +365,15 @@ class _ServerErrors:
         except Exception as error:  # noqa: BLE001 - a bug or an engine failure, never the client's mistake
             if started:
                 raise
-            logger.exception("Internal error while serving %s %s", scope.get("method"),
-                             redact_episode_ids(scope.get("path", "")))
-            response = _error_response(scope.get("path", ""), APIError(
-                500, f"Internal error: {type(error).__name__}: {error}", "server_error", code="internal_error"))
+            logger.exception(
+                "Internal error while serving %s %s", scope.get("method"), redact_episode_ids(scope.get("path", ""))
+            )
+            response = _error_response(
+                scope.get("path", ""),
+                APIError(
+                    500, f"Internal error: {type(error).__name__}: {error}", "server_error", code="internal_error"
+                ),
+            )
             await response(scope, receive, send)
 
 

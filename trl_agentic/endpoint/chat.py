@@ -91,8 +91,12 @@ class ChatRenderer:
     ```
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict[str, Any] | None = None,
-                 incremental: bool = True):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        incremental: bool = True,
+    ):
         if tokenizer.chat_template is None:
             raise ValueError("The tokenizer has no chat template; set `tokenizer.chat_template` before serving it.")
         self.tokenizer = tokenizer
@@ -135,8 +139,11 @@ class ChatRenderer:
         self._generation_prompt = with_prompt[len(without) :] if with_prompt.startswith(without) else None
         self._plain_tail = self._tail_after({"role": "user", "content": "question"})  # see `_is_plain_query`
         if incremental:
-            key = (str(tokenizer.chat_template), json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
-                   tuple(sorted(self._end_of_turn_by_text)))
+            key = (
+                str(tokenizer.chat_template),
+                json.dumps(self.chat_template_kwargs, sort_keys=True, default=str),
+                tuple(sorted(self._end_of_turn_by_text)),
+            )
             if key not in _WINDOWS_ARE_EXACT:  # probing costs ~50 ms: once per template and process
                 _WINDOWS_ARE_EXACT[key] = self._windows_are_exact()
             incremental = _WINDOWS_ARE_EXACT[key]
@@ -162,12 +169,25 @@ class ChatRenderer:
         inside: set[str] = set()
         if special is not None:
             user = {"role": "user", "content": "zzquestionzz"}
-            call = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": "zzvaluezz"}}}]}
-            tool = {"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
-                "type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
-            probes = [({"role": "assistant", "content": "zzanswerzz"}, {"role": "user", "content": "again"}),
-                      (call, {"role": "tool", "tool_call_id": "call_0", "content": "result"})]
+            call = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "id": "call_0", "function": {"name": "probe", "arguments": {"x": "zzvaluezz"}}}
+                ],
+            }
+            tool = {
+                "type": "function",
+                "function": {
+                    "name": "probe",
+                    "description": "A probe.",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+                },
+            }
+            probes = [
+                ({"role": "assistant", "content": "zzanswerzz"}, {"role": "user", "content": "again"}),
+                (call, {"role": "tool", "tool_call_id": "call_0", "content": "result"}),
+            ]
             for (message, after), marker in zip(probes, ("zzanswerzz", "zzvaluezz"), strict=True):
                 try:
                     last = self.render_text([user, message], [tool], add_generation_prompt=False)
@@ -194,8 +214,12 @@ class ChatRenderer:
                 elif closer.group() not in history and (rendered := special.match(history, at)) is not None:
                     history_end[stop] = rendered.group()
             try:  # the special tokens of an answer with reasoning, before its text: inside the turn
-                thought = {"role": "assistant", "content": "zzanswerzz", "reasoning_content": "zzthoughtzz",
-                           "thinking": "zzthoughtzz"}
+                thought = {
+                    "role": "assistant",
+                    "content": "zzanswerzz",
+                    "reasoning_content": "zzthoughtzz",
+                    "thinking": "zzthoughtzz",
+                }
                 before = self.render_text([user], None, add_generation_prompt=False)
                 turn = self.render_text([user, thought], None, add_generation_prompt=False)
                 start = len(os.path.commonprefix([before, turn]))
@@ -326,8 +350,12 @@ class ChatRenderer:
             if window is not None:
                 head, start = window
                 try:
-                    return self._continue(messages[:head] + messages[start : len(parent_messages)],
-                                          messages[:head] + messages[start:], tools, completion_ids)
+                    return self._continue(
+                        messages[:head] + messages[start : len(parent_messages)],
+                        messages[:head] + messages[start:],
+                        tools,
+                        completion_ids,
+                    )
                 except Exception:  # noqa: BLE001 - a template may refuse a window (e.g. roles must alternate):
                     pass  # render the whole conversation, which raises only if the request itself is bad
         return self._continue(parent_messages, messages, tools, completion_ids)
@@ -399,12 +427,25 @@ class ChatRenderer:
         """Whether windows give this template's whole-conversation answer on probe conversations (tool loops, new
         queries, reasoning, with and without a system message and tools)."""
         eot = next(iter(self.end_of_turn_ids))
-        tools = [{"type": "function", "function": {"name": "probe", "description": "A probe.", "parameters": {
-            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "probe",
+                    "description": "A probe.",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                },
+            }
+        ]
 
         def call(k, reasoning=None):
-            message = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}]}
+            message = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "id": f"call_{k}", "function": {"name": "probe", "arguments": {"x": k}}}
+                ],
+            }
             if reasoning:
                 message["reasoning_content"] = reasoning
             return message
@@ -424,20 +465,44 @@ class ChatRenderer:
         wrapped = {"role": "user", "content": "<tool_response>\nresult\n</tool_response>"}
         cases = []
         for reasoning in (None, "thinking"):
-            loop = [{"role": "user", "content": "question"}, call(0, reasoning), tool(0), call(1, reasoning), tool(1),
-                    call(2, reasoning), tool(2), text(3, reasoning), {"role": "user", "content": "again"},
-                    call(4, reasoning), tool(4), tool(5)]
+            loop = [
+                {"role": "user", "content": "question"},
+                call(0, reasoning),
+                tool(0),
+                call(1, reasoning),
+                tool(1),
+                call(2, reasoning),
+                tool(2),
+                text(3, reasoning),
+                {"role": "user", "content": "again"},
+                call(4, reasoning),
+                tool(4),
+                tool(5),
+            ]
             chat = [{"role": "user", "content": "hi"}]
             for k in range(3):
                 chat += [text(k, reasoning), {"role": "user", "content": f"more {k}"}]
             for system in ([], [{"role": "system", "content": "be brief"}]):
-                cases += [(system + loop[:7], len(system) + 5, tools), (system + loop[:9], len(system) + 7, tools),
-                          (system + loop, len(system) + 9, tools), (system + chat[:5], len(system) + 3, None),
-                          (system + chat, len(system) + 5, None)]
+                cases += [
+                    (system + loop[:7], len(system) + 5, tools),
+                    (system + loop[:9], len(system) + 7, tools),
+                    (system + loop, len(system) + 9, tools),
+                    (system + chat[:5], len(system) + 3, None),
+                    (system + chat, len(system) + 5, None),
+                ]
             if reasoning:
                 for first in ({"role": "user", "content": "question"}, wrapped):
-                    tagged = [first, text(0, reasoning), {"role": "user", "content": "again"}, text(1, reasoning),
-                              wrapped, call(2, reasoning), tool(2), call(3, reasoning), tool(3)]
+                    tagged = [
+                        first,
+                        text(0, reasoning),
+                        {"role": "user", "content": "again"},
+                        text(1, reasoning),
+                        wrapped,
+                        call(2, reasoning),
+                        tool(2),
+                        call(3, reasoning),
+                        tool(3),
+                    ]
                     cases += [(tagged, 5, tools), ([{"role": "system", "content": "be brief"}] + tagged, 6, tools)]
         try:
             for messages, answer, tools_ in cases:
@@ -447,16 +512,18 @@ class ChatRenderer:
                 head, start = window
                 try:
                     whole = self._continue(messages[:answer], messages, tools_, [eot])
-                    windowed = self._continue(messages[:head] + messages[start:answer],
-                                              messages[:head] + messages[start:], tools_, [eot])
+                    windowed = self._continue(
+                        messages[:head] + messages[start:answer], messages[:head] + messages[start:], tools_, [eot]
+                    )
                 except Exception:  # noqa: BLE001 - a probe this template cannot render tells nothing
                     continue
                 if whole != windowed:
-                    raise ValueError(f"a window of {len(messages) - start + head} of {len(messages)} messages "
-                                     f"continues differently after message {answer}")
+                    raise ValueError(
+                        f"a window of {len(messages) - start + head} of {len(messages)} messages "
+                        f"continues differently after message {answer}"
+                    )
         except ValueError as error:
-            logger.warning("Rendering whole conversations per call (the chat template is not window-local: %s).",
-                           error)
+            logger.warning("Rendering whole conversations per call (the chat template is not window-local: %s).", error)
             return False
         finally:
             self.rendered_messages = self.encoded_chars = 0
@@ -482,8 +549,9 @@ class ChatRenderer:
                 return self._parse_reasoning(completion_ids, prompt_ids, text), False
             return {"role": "assistant", "content": text}, False
         try:
-            parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids), tools=tools,
-                                                   schema=self._response_template)
+            parsed = self.tokenizer.parse_response(
+                completion_ids, prefix=self.prompt_tail(prompt_ids), tools=tools, schema=self._response_template
+            )
             if not isinstance(parsed, dict):
                 raise ValueError("parse_response returned no message")
             calls = parsed.get("tool_calls") or []
@@ -537,15 +605,17 @@ class ChatRenderer:
         # Reasoning only: a tool call (the request offered none) is text. Without reasoning, the text as decoded.
         return self._parse_text(completion_ids, prompt_ids, reasoned_only=True, text=text)
 
-    def _parse_text(self, completion_ids: list[int], prompt_ids: list[int], reasoned_only: bool,
-                    text: str | None = None) -> dict[str, Any]:
+    def _parse_text(
+        self, completion_ids: list[int], prompt_ids: list[int], reasoned_only: bool, text: str | None = None
+    ) -> dict[str, Any]:
         """The reply parsed with the template's text fields (`_text_template`): `{content, reasoning_content}`.
         The decoded text as content when that fails, or, with `reasoned_only`, when the model did not reason."""
         parsed = None
         if self._text_template is not None:
             try:
-                parsed = self.tokenizer.parse_response(completion_ids, prefix=self.prompt_tail(prompt_ids),
-                                                       tools=None, schema=self._text_template)
+                parsed = self.tokenizer.parse_response(
+                    completion_ids, prefix=self.prompt_tail(prompt_ids), tools=None, schema=self._text_template
+                )
             except Exception:  # noqa: BLE001 - unparseable: the text as it is
                 pass
         content = (parsed.get("content") or "") if isinstance(parsed, dict) else None

@@ -68,17 +68,26 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
     if not req.stream:
         completion = await service.complete(session, conversation, request)
         usage, choices = _usage(completion), _choices(service.tokenizer, completion, req.logprobs)
-        return {"id": response_id, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": choices, "usage": usage, "system_fingerprint": f"policy-v{completion.policy_version}"}
+        return {
+            "id": response_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+            "usage": usage,
+            "system_fingerprint": f"policy-v{completion.policy_version}",
+        }
     call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunks = _stream_chunks(service, call, service.stream(call, request), response_id, created, req.model,
-                            req.logprobs, include_usage)
+    chunks = _stream_chunks(
+        service, call, service.stream(call, request), response_id, created, req.model, req.logprobs, include_usage
+    )
     return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
 
-def _validate(service: CompletionService, session: EpisodeSession, body: Any
-              ) -> tuple[ChatCompletionRequest, list[dict], list[dict] | None]:
+def _validate(
+    service: CompletionService, session: EpisodeSession, body: Any
+) -> tuple[ChatCompletionRequest, list[dict], list[dict] | None]:
     """The validated request, its messages dumped (the recorded `request_messages`) and normalized (`None`: left to
     the service). An agent re-sends the whole conversation each call; validating, dumping and normalizing 127
     messages cost a 64-turn call ~400 us (issue 29), so the messages equal to the episode's `ValidatedPrefix` are
@@ -92,8 +101,9 @@ def _validate(service: CompletionService, session: EpisodeSession, body: Any
     reused = _common_prefix(prefix.raw, messages) if prefix is not None and type(messages) is list else 0
     if reused:
         # From the last reused message on: the list stays non-empty (`min_length`), that message is known valid.
-        req = service.validate(ChatCompletionRequest, {**body, "messages": messages[reused - 1 :]},
-                               skipped=("messages", reused - 1))
+        req = service.validate(
+            ChatCompletionRequest, {**body, "messages": messages[reused - 1 :]}, skipped=("messages", reused - 1)
+        )
         added = req.model_dump(exclude_none=True, include={"messages"})["messages"][1:]
         dumped = prefix.dumped[:reused] + added
         normalized = prefix.normalized[:reused] + [template_message(m) for m in added]
@@ -147,17 +157,21 @@ def _plain(message: Any) -> bool:
         elif type(value) is str:
             continue
         elif key == "content" and type(value) is list:
-            if not all(type(part) is dict and part.keys() <= _PART_FIELDS and _strings(part.values())
-                       for part in value):
+            if not all(
+                type(part) is dict and part.keys() <= _PART_FIELDS and _strings(part.values()) for part in value
+            ):
                 return False
         elif key == "tool_calls" and type(value) is list:
             for call in value:
                 if type(call) is not dict or not call.keys() <= _CALL_FIELDS:
                     return False
                 function = call.get("function")
-                if (type(function) is not dict or not function.keys() <= _FUNCTION_FIELDS
-                        or not _strings(function.values())
-                        or not all(v is None or type(v) is str for k, v in call.items() if k != "function")):
+                if (
+                    type(function) is not dict
+                    or not function.keys() <= _FUNCTION_FIELDS
+                    or not _strings(function.values())
+                    or not all(v is None or type(v) is str for k, v in call.items() if k != "function")
+                ):
                     return False
         else:
             return False
@@ -169,14 +183,23 @@ def _strings(values) -> bool:
 
 
 def _usage(completion: Completion) -> dict:
-    return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
-            "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+    }
 
 
 def _choices(tokenizer, completion: Completion, logprobs: bool | None) -> list[dict]:
-    return [{"index": i, "message": choice.message, "finish_reason": choice.finish_reason,
-             "logprobs": _logprobs_body(tokenizer, choice.output) if logprobs else None}
-            for i, choice in enumerate(completion.choices)]
+    return [
+        {
+            "index": i,
+            "message": choice.message,
+            "finish_reason": choice.finish_reason,
+            "logprobs": _logprobs_body(tokenizer, choice.output) if logprobs else None,
+        }
+        for i, choice in enumerate(completion.choices)
+    ]
 
 
 def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
@@ -196,8 +219,13 @@ def _logprobs_body(tokenizer, out: GenerationOutput) -> dict:
 
 async def _stream_chunks(service, call, answer, response_id, created, model, logprobs, include_usage):
     def chunk(choice_index, delta, finish=None, logprobs=None):
-        return {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": choice_index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
+        return {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": choice_index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
 
     for index in range(call.conversation.n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -217,14 +245,31 @@ async def _stream_chunks(service, call, answer, response_id, created, model, log
     for choice in _choices(service.tokenizer, completion, logprobs):
         index, message = choice["index"], choice["message"]
         for j, call_ in enumerate(message.get("tool_calls") or []):
-            yield chunk(index, {"tool_calls": [{"index": j, "id": call_["id"], "type": "function",
-                                                "function": {"name": call_["function"]["name"], "arguments": ""}}]})
+            yield chunk(
+                index,
+                {
+                    "tool_calls": [
+                        {
+                            "index": j,
+                            "id": call_["id"],
+                            "type": "function",
+                            "function": {"name": call_["function"]["name"], "arguments": ""},
+                        }
+                    ]
+                },
+            )
             arguments = call_["function"]["arguments"]
             yield chunk(index, {"tool_calls": [{"index": j, "function": {"arguments": arguments}}]})
         yield chunk(index, {}, choice["finish_reason"], choice["logprobs"])
     if include_usage:
-        yield {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [], "usage": _usage(completion)}
+        yield {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _usage(completion),
+        }
 
 
 async def _sse(chunks):

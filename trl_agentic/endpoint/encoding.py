@@ -71,8 +71,9 @@ class TextEncoder:
             # the cut goes only after those that strip no whitespace around them.
             self._cut_after = {t.content for t in raw if not (t.lstrip or t.rstrip or t.single_word)}
             if self._cut_after:
-                self._cut = re.compile("|".join(re.escape(t) for t in sorted({t.content for t in raw},
-                                                                              key=lambda t: (-len(t), t))))
+                self._cut = re.compile(
+                    "|".join(re.escape(t) for t in sorted({t.content for t in raw}, key=lambda t: (-len(t), t)))
+                )
                 if not self._pieces_add_up():
                     self._cut = None
 
@@ -119,19 +120,26 @@ class TextEncoder:
     def _default_state(self) -> bool:
         # What `__call__` would reset or honour before calling the backend.
         backend = self._backend
-        return (backend.truncation is None and backend.padding is None and not backend.encode_special_tokens
-                and not self.tokenizer.split_special_tokens)
+        return (
+            backend.truncation is None
+            and backend.padding is None
+            and not backend.encode_special_tokens
+            and not self.tokenizer.split_special_tokens
+        )
 
     def _pieces_add_up(self) -> bool:
         tokens = sorted(self._cut_after)
         words = ["x", " x", "  x", "\nx", " \n", "Hello world", " Hello", "é", "e\u0301", "ﬁ", "12 34", "\t", ""]
-        texts = ["".join(t + w for t, w in zip(tokens * len(words), words)),
-                 "".join(w + t + w for t in tokens for w in words),
-                 " ".join(tokens) + " end"]
+        texts = [
+            "".join(t + w for t, w in zip(tokens * len(words), words)),
+            "".join(w + t + w for t in tokens for w in words),
+            " ".join(tokens) + " end",
+        ]
         for text in texts + [w + tokens[0] for w in words]:
             whole = self._backend.encode(text, add_special_tokens=False).ids
-            split = [i for piece in self._pieces(text)
-                     for i in self._backend.encode(piece, add_special_tokens=False).ids]
+            split = [
+                i for piece in self._pieces(text) for i in self._backend.encode(piece, add_special_tokens=False).ids
+            ]
             if whole != split:
                 return False
         return True

@@ -54,17 +54,45 @@ logger = logging.getLogger(__name__)
 
 
 # Google's canonical status name for an HTTP status (https://ai.google.dev/gemini-api/docs/troubleshooting).
-STATUSES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-            405: "UNIMPLEMENTED", 409: "ABORTED", 413: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED",
-            499: "CANCELLED", 500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+STATUSES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    409: "ABORTED",
+    413: "INVALID_ARGUMENT",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    500: "INTERNAL",
+    501: "UNIMPLEMENTED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
 # Paths in the Gemini API's shape: `/v1beta/...`, and `/v1/models/{model}:{method}` (its stable version).
 _ROUTE = re.compile(r"/v1beta/|/v1/models/[^/]+:[A-Za-z]+$")
 # Part fields that carry data (a part holds exactly one); the others (`thought`, `thoughtSignature`, ...) qualify it.
-_DATA_FIELDS = ("text", "functionCall", "functionResponse", "inlineData", "fileData", "executableCode",
-                "codeExecutionResult")
+_DATA_FIELDS = (
+    "text",
+    "functionCall",
+    "functionResponse",
+    "inlineData",
+    "fileData",
+    "executableCode",
+    "codeExecutionResult",
+)
 # Tool fields of Google's hosted tools: they run on Google's servers, not here.
-_HOSTED_TOOLS = ("googleSearch", "googleSearchRetrieval", "codeExecution", "urlContext", "computerUse", "fileSearch",
-                 "googleMaps", "enterpriseWebSearch", "retrieval")
+_HOSTED_TOOLS = (
+    "googleSearch",
+    "googleSearchRetrieval",
+    "codeExecution",
+    "urlContext",
+    "computerUse",
+    "fileSearch",
+    "googleMaps",
+    "enterpriseWebSearch",
+    "retrieval",
+)
 
 
 def is_gemini_route(path: str) -> bool:
@@ -74,11 +102,18 @@ def is_gemini_route(path: str) -> bool:
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """Google's error shape for a response of HTTP `status`; `param`, the field at fault, as a `BadRequest` detail."""
-    error: dict[str, Any] = {"code": status, "message": message,
-                             "status": STATUSES.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")}
+    error: dict[str, Any] = {
+        "code": status,
+        "message": message,
+        "status": STATUSES.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT"),
+    }
     if param:
-        error["details"] = [{"@type": "type.googleapis.com/google.rpc.BadRequest",
-                             "fieldViolations": [{"field": param, "description": message}]}]
+        error["details"] = [
+            {
+                "@type": "type.googleapis.com/google.rpc.BadRequest",
+                "fieldViolations": [{"field": param, "description": message}],
+            }
+        ]
     return {"error": error}
 
 
@@ -118,20 +153,29 @@ async def serve(service: CompletionService, session: EpisodeSession, target: str
         service.check_model(model)
         return await count_tokens(service, raw)
     if method not in ("generateContent", "streamGenerateContent"):
-        raise APIError(404, f"Unknown method {target!r}: this endpoint serves 'generateContent', "
-                            "'streamGenerateContent' and 'countTokens' of models/{model}.", code="not_found")
+        raise APIError(
+            404,
+            f"Unknown method {target!r}: this endpoint serves 'generateContent', "
+            "'streamGenerateContent' and 'countTokens' of models/{model}.",
+            code="not_found",
+        )
     service.check_model(model)
     stream = method == "streamGenerateContent"
     req = service.validate(GenerateContentRequest, _camel_body(service.parse_json(raw)))
     if req.cachedContent is not None:
-        raise APIError(400, "cachedContent names content cached on Google's servers; send the contents instead.",
-                       param="cachedContent")
+        raise APIError(
+            400,
+            "cachedContent names content cached on Google's servers; send the contents instead.",
+            param="cachedContent",
+        )
     config = req.generationConfig
     tools = chat_tools(req.tools)
     tool_choice, forced = _tool_choice(req.toolConfig, tools)
-    requested = {"model": model, "stream": stream,
-                 **req.model_dump(exclude_unset=True, exclude_none=True,
-                                  exclude={"contents", "systemInstruction", "tools"})}
+    requested = {
+        "model": model,
+        "stream": stream,
+        **req.model_dump(exclude_unset=True, exclude_none=True, exclude={"contents", "systemInstruction", "tools"}),
+    }
     conversation = Conversation(
         messages=chat_messages(req.systemInstruction, req.contents),
         tools=tools,
@@ -151,8 +195,13 @@ async def serve(service: CompletionService, session: EpisodeSession, target: str
         messages_param="contents",
         size=len(raw),
     )
-    shape = _Shape(model, f"trl-{uuid.uuid4().hex}", bool((config.thinkingConfig or {}).get("includeThoughts")),
-                   bool(config.responseLogprobs), service.tokenizer)
+    shape = _Shape(
+        model,
+        f"trl-{uuid.uuid4().hex}",
+        bool((config.thinkingConfig or {}).get("includeThoughts")),
+        bool(config.responseLogprobs),
+        service.tokenizer,
+    )
     if not stream:
         return shape.response(await service.complete(session, conversation, request))
     call = await service.prepare(session, conversation)  # admitted; errors before the stream are answered as such
@@ -170,12 +219,14 @@ async def count_tokens(service: CompletionService, raw: bytes) -> dict[str, Any]
         body = _camel(inner, "generateContentRequest")
     contents = body.get("contents")
     if not isinstance(contents, list) or not contents:
-        raise APIError(400, "countTokens needs 'contents' (a non-empty list), or a 'generateContentRequest'.",
-                       param="contents")
+        raise APIError(
+            400, "countTokens needs 'contents' (a non-empty list), or a 'generateContentRequest'.", param="contents"
+        )
     system, tools = body.get("systemInstruction"), body.get("tools")
     if system is not None and not isinstance(system, dict):
-        raise APIError(400, "systemInstruction must be a content object ({'parts': [{'text': ...}]}).",
-                       param="systemInstruction")
+        raise APIError(
+            400, "systemInstruction must be a content object ({'parts': [{'text': ...}]}).", param="systemInstruction"
+        )
     if tools is not None and not isinstance(tools, list):
         raise APIError(400, "tools must be a list.", param="tools")
     messages = chat_messages(system, contents, answerable=False)
@@ -189,9 +240,15 @@ def models_body(names: list[str], context_length: int) -> dict[str, Any]:
 
 
 def model_body(name: str, context_length: int) -> dict[str, Any]:
-    return {"name": f"models/{name}", "baseModelId": name, "version": "trl-agentic", "displayName": name,
-            "inputTokenLimit": context_length, "outputTokenLimit": context_length,
-            "supportedGenerationMethods": ["generateContent", "countTokens"]}
+    return {
+        "name": f"models/{name}",
+        "baseModelId": name,
+        "version": "trl-agentic",
+        "displayName": name,
+        "inputTokenLimit": context_length,
+        "outputTokenLimit": context_length,
+        "supportedGenerationMethods": ["generateContent", "countTokens"],
+    }
 
 
 # Requests → chat
@@ -225,8 +282,9 @@ def _camel_body(body: Any) -> dict[str, Any]:
         config["thinkingConfig"] = _camel(config["thinkingConfig"], "generationConfig.thinkingConfig")
     tool_config = body.get("toolConfig")
     if isinstance(tool_config, dict) and isinstance(tool_config.get("functionCallingConfig"), dict):
-        tool_config["functionCallingConfig"] = _camel(tool_config["functionCallingConfig"],
-                                                      "toolConfig.functionCallingConfig")
+        tool_config["functionCallingConfig"] = _camel(
+            tool_config["functionCallingConfig"], "toolConfig.functionCallingConfig"
+        )
     return body
 
 
@@ -239,8 +297,12 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         tool = _camel(tool, f"tools[{i}]")
         hosted = [key for key in tool if key in _HOSTED_TOOLS]
         if hosted:
-            raise APIError(400, f"tools[{i}] is Google's hosted tool {hosted[0]!r}, which runs on Google's servers; "
-                                "this endpoint serves the agent's own functionDeclarations.", param=f"tools[{i}]")
+            raise APIError(
+                400,
+                f"tools[{i}] is Google's hosted tool {hosted[0]!r}, which runs on Google's servers; "
+                "this endpoint serves the agent's own functionDeclarations.",
+                param=f"tools[{i}]",
+            )
         declarations = tool.get("functionDeclarations")
         if not isinstance(declarations, list):
             raise APIError(400, f"tools[{i}] needs 'functionDeclarations' (a list).", param=f"tools[{i}]")
@@ -255,8 +317,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
                 function["description"] = declaration["description"]
             schema, json_schema = declaration.get("parameters"), declaration.get("parametersJsonSchema")
             if schema is not None and json_schema is not None:
-                raise APIError(400, f"{where} has both 'parameters' and 'parametersJsonSchema': send one.",
-                               param=where)
+                raise APIError(400, f"{where} has both 'parameters' and 'parametersJsonSchema': send one.", param=where)
             if schema is not None or json_schema is not None:
                 parameters = json_schema if json_schema is not None else _json_schema(schema)
                 if not isinstance(parameters, dict):
@@ -290,8 +351,9 @@ def _tool_choice(config: dict[str, Any] | None, tools: list[dict] | None) -> tup
     if calling is None:
         return None, None
     if not isinstance(calling, dict):
-        raise APIError(400, "toolConfig.functionCallingConfig must be an object.",
-                       param="toolConfig.functionCallingConfig")
+        raise APIError(
+            400, "toolConfig.functionCallingConfig must be an object.", param="toolConfig.functionCallingConfig"
+        )
     mode = calling.get("mode", "AUTO")
     names = calling.get("allowedFunctionNames") or []
     where = "toolConfig.functionCallingConfig"
@@ -300,25 +362,32 @@ def _tool_choice(config: dict[str, Any] | None, tools: list[dict] | None) -> tup
     if mode == "NONE":
         return "none", None
     if mode != "ANY":
-        raise APIError(400, f"Unsupported {where}.mode {mode!r}: use 'AUTO', 'ANY', 'NONE' or 'VALIDATED'.",
-                       param=f"{where}.mode")
+        raise APIError(
+            400, f"Unsupported {where}.mode {mode!r}: use 'AUTO', 'ANY', 'NONE' or 'VALIDATED'.", param=f"{where}.mode"
+        )
     if not tools:
         raise APIError(400, f"{where}.mode 'ANY' needs function declarations in 'tools'.", param=f"{where}.mode")
     declared = [t["function"]["name"] for t in tools]
     if not isinstance(names, list) or any(name not in declared for name in names):
-        raise APIError(400, f"{where}.allowedFunctionNames {names!r} names functions that are not declared "
-                            f"(declared: {declared}).", param=f"{where}.allowedFunctionNames")
+        raise APIError(
+            400,
+            f"{where}.allowedFunctionNames {names!r} names functions that are not declared (declared: {declared}).",
+            param=f"{where}.allowedFunctionNames",
+        )
     if len(set(names)) == 1:
         return None, names[0]
     if names and set(names) != set(declared):
-        raise APIError(400, f"{where}.allowedFunctionNames restricts the call to {len(set(names))} of the "
-                            f"{len(declared)} declared functions; this endpoint can force one function or any: "
-                            "name one, or none.", param=f"{where}.allowedFunctionNames")
+        raise APIError(
+            400,
+            f"{where}.allowedFunctionNames restricts the call to {len(set(names))} of the "
+            f"{len(declared)} declared functions; this endpoint can force one function or any: "
+            "name one, or none.",
+            param=f"{where}.allowedFunctionNames",
+        )
     return "required", None
 
 
-def chat_messages(system: dict[str, Any] | None, contents: list[Any], answerable: bool = True
-                  ) -> list[dict[str, Any]]:
+def chat_messages(system: dict[str, Any] | None, contents: list[Any], answerable: bool = True) -> list[dict[str, Any]]:
     """`systemInstruction` + `contents` as chat messages (see the module's table); 400 naming the part it cannot
     take. `answerable`: the contents must end with a user turn (not for countTokens)."""
     out: list[dict[str, Any]] = []
@@ -353,8 +422,12 @@ def chat_messages(system: dict[str, Any] | None, contents: list[Any], answerable
             raise APIError(400, f"{where}.role must be 'user' or 'model', not {role!r}.", param=f"{where}.role")
     end_model_turn()
     if answerable and out and out[-1]["role"] == "assistant":
-        raise APIError(400, "The last content is the model's (a prefill); this endpoint answers user turns only: end "
-                            "with a user content.", param=f"contents[{len(contents) - 1}]")
+        raise APIError(
+            400,
+            "The last content is the model's (a prefill); this endpoint answers user turns only: end "
+            "with a user content.",
+            param=f"contents[{len(contents) - 1}]",
+        )
     return out
 
 
@@ -368,11 +441,13 @@ def _parts(content: dict[str, Any], where: str) -> list[dict[str, Any]]:
         part = _camel(part, at)
         kinds = [key for key in _DATA_FIELDS if key in part]
         if len(kinds) != 1:
-            raise APIError(400, f"{at} must hold exactly one of {list(_DATA_FIELDS)} (it holds {kinds or 'none'}).",
-                           param=at)
+            raise APIError(
+                400, f"{at} must hold exactly one of {list(_DATA_FIELDS)} (it holds {kinds or 'none'}).", param=at
+            )
         if kinds[0] in ("inlineData", "fileData"):
-            raise APIError(400, f"{at} is {kinds[0]} (an image, file or audio); the served model reads text only.",
-                           param=at)
+            raise APIError(
+                400, f"{at} is {kinds[0]} (an image, file or audio); the served model reads text only.", param=at
+            )
         if kinds[0] in ("executableCode", "codeExecutionResult"):
             raise APIError(400, f"{at} is {kinds[0]}: code execution runs on Google's servers, not here.", param=at)
         if kinds[0] == "text" and not isinstance(part["text"], str):
@@ -398,14 +473,18 @@ def _model_message(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             call = _camel(part["functionCall"], f"{at}.functionCall")
             name, args = call.get("name"), call.get("args", {})
             if not isinstance(name, str) or not name or not isinstance(args, dict):
-                raise APIError(400, f"{at}.functionCall needs a 'name' and 'args' as an object.",
-                               param=f"{at}.functionCall")
+                raise APIError(
+                    400, f"{at}.functionCall needs a 'name' and 'args' as an object.", param=f"{at}.functionCall"
+                )
             # An id the client did not keep is made from the call's place: the same on every turn that resends it.
             call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"{name}@{at}"
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}})
         else:
-            raise APIError(400, f"{at} is a functionResponse in a model content; a model content takes text and "
-                                "functionCall parts.", param=at)
+            raise APIError(
+                400,
+                f"{at} is a functionResponse in a model content; a model content takes text and functionCall parts.",
+                param=at,
+            )
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
@@ -414,8 +493,7 @@ def _model_message(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return message
 
 
-def _user_messages(parts: list[dict[str, Any]], where: str, unanswered: list[tuple[str, str]]
-                   ) -> list[dict[str, Any]]:
+def _user_messages(parts: list[dict[str, Any]], where: str, unanswered: list[tuple[str, str]]) -> list[dict[str, Any]]:
     # Function responses become tool messages in place; the text parts around them become user messages.
     out: list[dict[str, Any]] = []
     texts: list[str] = []
@@ -430,11 +508,17 @@ def _user_messages(parts: list[dict[str, Any]], where: str, unanswered: list[tup
         response = _camel(part["functionResponse"], f"{at}.functionResponse")
         name, result = response.get("name"), response.get("response", {})
         if not isinstance(name, str) or not name or not isinstance(result, dict):
-            raise APIError(400, f"{at}.functionResponse needs a 'name' and 'response' as an object.",
-                           param=f"{at}.functionResponse")
+            raise APIError(
+                400,
+                f"{at}.functionResponse needs a 'name' and 'response' as an object.",
+                param=f"{at}.functionResponse",
+            )
         if response.get("parts"):
-            raise APIError(400, f"{at}.functionResponse has 'parts' (images or files); the served model reads text "
-                                "only.", param=f"{at}.functionResponse.parts")
+            raise APIError(
+                400,
+                f"{at}.functionResponse has 'parts' (images or files); the served model reads text only.",
+                param=f"{at}.functionResponse.parts",
+            )
         call_id = response.get("id") if isinstance(response.get("id"), str) and response.get("id") else None
         answered = next((k for k, (i, n) in enumerate(unanswered) if (i == call_id if call_id else n == name)), None)
         if answered is not None:
@@ -469,7 +553,12 @@ class _Shape:
 
     def __init__(self, model: str, response_id: str, thoughts: bool, logprobs: bool, tokenizer):
         self.model, self.response_id, self.thoughts, self.logprobs, self.tokenizer = (
-            model, response_id, thoughts, logprobs, tokenizer)
+            model,
+            response_id,
+            thoughts,
+            logprobs,
+            tokenizer,
+        )
 
     def chunk(self, candidates: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"candidates": candidates}
@@ -480,8 +569,9 @@ class _Shape:
         return body
 
     def response(self, completion: Completion) -> dict[str, Any]:
-        candidates = [self.candidate(index, choice, self.parts(choice)) for index, choice in
-                      enumerate(completion.choices)]
+        candidates = [
+            self.candidate(index, choice, self.parts(choice)) for index, choice in enumerate(completion.choices)
+        ]
         return self.chunk(candidates, usage(completion))
 
     def parts(self, choice: Choice, streamed: dict[str, str] | None = None) -> list[dict[str, Any]]:
@@ -492,18 +582,27 @@ class _Shape:
             if not text or (kind == "reasoning" and not self.thoughts):
                 continue
             sent = streamed.get(kind, "")
-            rest = text[len(sent):] if text.startswith(sent) else ""
+            rest = text[len(sent) :] if text.startswith(sent) else ""
             if rest:
                 parts.append({"text": rest, "thought": True} if kind == "reasoning" else {"text": rest})
         for call in message.get("tool_calls") or []:
-            parts.append({"functionCall": {"id": call["id"], "name": call["function"]["name"],
-                                           "args": json.loads(call["function"]["arguments"])}})
+            parts.append(
+                {
+                    "functionCall": {
+                        "id": call["id"],
+                        "name": call["function"]["name"],
+                        "args": json.loads(call["function"]["arguments"]),
+                    }
+                }
+            )
         return parts
 
     def candidate(self, index: int, choice: Choice, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        candidate: dict[str, Any] = {"content": {"role": "model", "parts": parts},
-                                     "finishReason": "MAX_TOKENS" if choice.finish_reason == "length" else "STOP",
-                                     "index": index}
+        candidate: dict[str, Any] = {
+            "content": {"role": "model", "parts": parts},
+            "finishReason": "MAX_TOKENS" if choice.finish_reason == "length" else "STOP",
+            "index": index,
+        }
         out = choice.output
         if out.logprobs:
             candidate["avgLogprobs"] = sum(out.logprobs) / len(out.logprobs)
@@ -516,14 +615,19 @@ class _Shape:
             return {"token": self.tokenizer.decode([token_id]), "tokenId": token_id, "logProbability": logprob}
 
         chosen = [entry(t, lp) for t, lp in zip(out.token_ids, out.logprobs)]
-        top = [{"candidates": [entry(t, lp) for t, lp in (out.top_logprobs[k] if out.top_logprobs else [])]}
-               for k in range(len(out.token_ids))]
+        top = [
+            {"candidates": [entry(t, lp) for t, lp in (out.top_logprobs[k] if out.top_logprobs else [])]}
+            for k in range(len(out.token_ids))
+        ]
         return {"topCandidates": top, "chosenCandidates": chosen}
 
 
 def usage(completion: Completion) -> dict[str, int]:
-    return {"promptTokenCount": completion.prompt_tokens, "candidatesTokenCount": completion.completion_tokens,
-            "totalTokenCount": completion.prompt_tokens + completion.completion_tokens}
+    return {
+        "promptTokenCount": completion.prompt_tokens,
+        "candidatesTokenCount": completion.completion_tokens,
+        "totalTokenCount": completion.prompt_tokens + completion.completion_tokens,
+    }
 
 
 async def _stream_chunks(call, answer: AsyncIterator, shape: _Shape):
@@ -553,8 +657,10 @@ async def _stream_chunks(call, answer: AsyncIterator, shape: _Shape):
         logger.exception("Internal error while streaming a Gemini response")
         yield error_body(500, f"Internal error: {type(error).__name__}: {error}")
         return
-    candidates = [shape.candidate(index, choice, shape.parts(choice, streamed[index]))
-                  for index, choice in enumerate(completion.choices)]
+    candidates = [
+        shape.candidate(index, choice, shape.parts(choice, streamed[index]))
+        for index, choice in enumerate(completion.choices)
+    ]
     if held is not None:
         parts = candidates[held["index"]]["content"]["parts"]
         parts[:0] = held["content"]["parts"]

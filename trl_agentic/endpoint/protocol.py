@@ -133,8 +133,10 @@ class ChatCompletionRequest(BaseModel):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
-            raise ValueError(f"seed + n - 1 must fit in int64 (choice i samples with seed + i); use a seed <= "
-                             f"{INT64_MAX - self.n + 1}")
+            raise ValueError(
+                f"seed + n - 1 must fit in int64 (choice i samples with seed + i); use a seed <= "
+                f"{INT64_MAX - self.n + 1}"
+            )
         return self
 
     @property
@@ -179,8 +181,12 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     # from an escape or from their (invalid) UTF-8 bytes, so the per-string walk runs only when the raw text holds
     # one of those, or when the body nests too deep, to name the problem (or clear a false alarm).
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-    if (b"\\ud" in data or b"\\uD" in data or (b"\xed" in data and _SURROGATE_BYTES.search(data))
-            or _nests_deeper_than(data, max_depth)):
+    if (
+        b"\\ud" in data
+        or b"\\uD" in data
+        or (b"\xed" in data and _SURROGATE_BYTES.search(data))
+        or _nests_deeper_than(data, max_depth)
+    ):
         _check_json_value(value, max_depth)
     return value
 
@@ -242,8 +248,10 @@ def _check_text(text: str, path: tuple) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"a string at {_path_text(path)} holds a lone UTF-16 surrogate (e.g. '\\ud800'), which has "
-                         "no UTF-8 encoding; send valid Unicode") from None
+        raise ValueError(
+            f"a string at {_path_text(path)} holds a lone UTF-16 surrogate (e.g. '\\ud800'), which has "
+            "no UTF-8 encoding; send valid Unicode"
+        ) from None
 
 
 def _path_text(path: tuple) -> str:

@@ -91,11 +91,20 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
     service.check_model(req.model)
     for name in ("conversation", "prompt"):
         if getattr(req, name) is not None:
-            raise APIError(400, f"'{name}' is not supported by this endpoint: send the conversation as 'input' "
-                                "(and 'previous_response_id').", param=name, code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"'{name}' is not supported by this endpoint: send the conversation as 'input' "
+                "(and 'previous_response_id').",
+                param=name,
+                code="unsupported_parameter",
+            )
     if req.background:
-        raise APIError(400, "Background responses are not supported by this endpoint.", param="background",
-                       code="unsupported_parameter")
+        raise APIError(
+            400,
+            "Background responses are not supported by this endpoint.",
+            param="background",
+            code="unsupported_parameter",
+        )
     tools = request_tools(req.tools, service.settings.hosted_tools)
     tool_choice, forced = _tool_choice(req.tool_choice, tools.chat)
 
@@ -191,14 +200,21 @@ def request_tools(tools: list[dict[str, Any]] | None, hosted_tools: str = "drop"
                 raise APIError(400, f"{where} (a namespace) needs a 'name'.", param=f"{where}.name")
             members = tool.get("tools")
             if not isinstance(members, list) or not members:
-                raise APIError(400, f"{where} (namespace {namespace!r}) needs 'tools', a list of function tools.",
-                               param=f"{where}.tools")
+                raise APIError(
+                    400,
+                    f"{where} (namespace {namespace!r}) needs 'tools', a list of function tools.",
+                    param=f"{where}.tools",
+                )
             for j, member in enumerate(members):
                 inner = f"{where}.tools[{j}]"
                 if not isinstance(member, dict) or member.get("type") != "function":
                     kind_j = member.get("type") if isinstance(member, dict) else None
-                    raise APIError(400, f"{inner} has type {kind_j!r}; a namespace holds function tools only.",
-                                   param=inner, code="unsupported_tool")
+                    raise APIError(
+                        400,
+                        f"{inner} has type {kind_j!r}; a namespace holds function tools only.",
+                        param=inner,
+                        code="unsupported_tool",
+                    )
                 function = _chat_function(member, inner)
                 flat = namespaced_name(namespace, function["function"]["name"])
                 result.namespaced[flat] = (namespace, function["function"]["name"])
@@ -207,22 +223,34 @@ def request_tools(tools: list[dict[str, Any]] | None, hosted_tools: str = "drop"
         elif hosted_tools == "drop" and isinstance(kind, str) and kind:
             result.dropped.append(kind)
         else:
-            raise APIError(400, f"{where} has type {kind!r}; this endpoint runs function and namespace tools only "
-                                "(hosted tools such as web_search run on OpenAI's servers: leave them out, or start "
-                                "the endpoint with hosted_tools='drop' to drop them with a warning).", param=where,
-                           code="unsupported_tool")
+            raise APIError(
+                400,
+                f"{where} has type {kind!r}; this endpoint runs function and namespace tools only "
+                "(hosted tools such as web_search run on OpenAI's servers: leave them out, or start "
+                "the endpoint with hosted_tools='drop' to drop them with a warning).",
+                param=where,
+                code="unsupported_tool",
+            )
     names = [t["function"]["name"] for t in converted]
     if len(set(names)) < len(names):
         duplicate = next(name for name in names if names.count(name) > 1)
-        raise APIError(400, f"Two tools are named {duplicate!r} (namespace members are named "
-                            "'<namespace>__<name>'); tool names must be unique.", param="tools")
+        raise APIError(
+            400,
+            f"Two tools are named {duplicate!r} (namespace members are named "
+            "'<namespace>__<name>'); tool names must be unique.",
+            param="tools",
+        )
     for kind in result.dropped:
         level = logging.DEBUG if kind in _warned_hosted_tools else logging.WARNING
         _warned_hosted_tools.add(kind)
-        logger.log(level, "Dropped a tool of type %r from a Responses request: this endpoint runs function and "
-                          "namespace tools only, so the model does not see it (listed on each turn as "
-                          "requested_sampling['dropped_tools']; EndpointSettings(hosted_tools='reject') refuses such "
-                          "requests instead).", kind)
+        logger.log(
+            level,
+            "Dropped a tool of type %r from a Responses request: this endpoint runs function and "
+            "namespace tools only, so the model does not see it (listed on each turn as "
+            "requested_sampling['dropped_tools']; EndpointSettings(hosted_tools='reject') refuses such "
+            "requests instead).",
+            kind,
+        )
     result.chat = converted or None
     return result
 
@@ -247,8 +275,12 @@ def _tool_choice(choice: str | dict | None, tools: list[dict] | None) -> tuple[s
         return choice, None
     name = choice.get("name")
     if choice.get("type") != "function" or not isinstance(name, str):
-        raise APIError(400, f"Unsupported tool_choice {choice!r}: use 'auto', 'none', 'required' or "
-                            "{'type': 'function', 'name': ...}.", param="tool_choice")
+        raise APIError(
+            400,
+            f"Unsupported tool_choice {choice!r}: use 'auto', 'none', 'required' or "
+            "{'type': 'function', 'name': ...}.",
+            param="tool_choice",
+        )
     if name not in {t["function"]["name"] for t in tools or []}:
         raise APIError(400, f"tool_choice names function {name!r}, which is not in 'tools'.", param="tool_choice")
     return None, name
@@ -259,9 +291,12 @@ def _stored_conversation(session: EpisodeSession, response_id: str | None) -> li
     chain, current = [], response_id
     while current is not None:
         if current not in session.responses:
-            raise APIError(400, f"Previous response with id {current!r} not found (in this episode, stored with "
-                                "'store' not false).", param="previous_response_id",
-                           code="previous_response_not_found")
+            raise APIError(
+                400,
+                f"Previous response with id {current!r} not found (in this episode, stored with 'store' not false).",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         current, messages = session.responses[current]
         chain.append(messages)
     return [m for messages in reversed(chain) for m in messages]
@@ -287,8 +322,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{where}.role must be 'user', 'system', 'developer' or 'assistant', not "
-                                    f"{role!r}.", param=f"{where}.role")
+                raise APIError(
+                    400,
+                    f"{where}.role must be 'user', 'system', 'developer' or 'assistant', not {role!r}.",
+                    param=f"{where}.role",
+                )
             text = _text(item.get("content"), f"{where}.content")
             if role == "assistant":
                 open_assistant("content", "tool_calls")["content"] = text
@@ -311,19 +349,31 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if not isinstance(item["namespace"], str) or not item["namespace"]:
                     raise APIError(400, f"{where}.namespace must be a non-empty string.", param=f"{where}.namespace")
                 name = namespaced_name(item["namespace"], name)  # as the model sampled it
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": name, "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": name, "arguments": item["arguments"]},
+            }
             open_assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where} (a function_call_output) needs 'call_id'.", param=f"{where}.call_id")
             assistant = None
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output"), f"{where}.output")})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _text(item.get("output"), f"{where}.output"),
+                }
+            )
         else:
-            raise APIError(400, f"{where} has type {kind!r}; this endpoint takes 'message', 'function_call', "
-                                "'function_call_output' and 'reasoning' items.", param=f"{where}.type",
-                           code="unsupported_item")
+            raise APIError(
+                400,
+                f"{where} has type {kind!r}; this endpoint takes 'message', 'function_call', "
+                "'function_call_output' and 'reasoning' items.",
+                param=f"{where}.type",
+                code="unsupported_item",
+            )
     for message in messages:
         if message["role"] == "assistant" and message["content"] is None and not message.get("tool_calls"):
             message["content"] = ""
@@ -341,15 +391,22 @@ def _decrypted_reasoning(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.startswith(ENCRYPTED_REASONING_PREFIX):
         return ""
     try:
-        encoded = value[len(ENCRYPTED_REASONING_PREFIX):].encode("ascii")
+        encoded = value[len(ENCRYPTED_REASONING_PREFIX) :].encode("ascii")
         return base64.b64decode(encoded, altchars=b"-_", validate=True).decode("utf-8")
     except (binascii.Error, UnicodeError, ValueError):
-        raise APIError(400, f"{where} is not an encrypted_content this endpoint issued (it was altered).",
-                       param=where) from None
+        raise APIError(
+            400, f"{where} is not an encrypted_content this endpoint issued (it was altered).", param=where
+        ) from None
 
 
-_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal",
-               "reasoning_text": "text", "summary_text": "text"}
+_TEXT_PARTS = {
+    "input_text": "text",
+    "output_text": "text",
+    "text": "text",
+    "refusal": "refusal",
+    "reasoning_text": "text",
+    "summary_text": "text",
+}
 
 
 def _text(content: Any, where: str, separator: str = "") -> str:
@@ -364,15 +421,20 @@ def _text(content: Any, where: str, separator: str = "") -> str:
         key = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if key is None or not isinstance(part.get(key), str):
             if kind in ("input_image", "input_file", "input_audio"):
-                raise APIError(400, f"{where}[{j}] is an {kind} part; the served model reads text only.",
-                               param=f"{where}[{j}]", code="unsupported_content")
+                raise APIError(
+                    400,
+                    f"{where}[{j}] is an {kind} part; the served model reads text only.",
+                    param=f"{where}[{j}]",
+                    code="unsupported_content",
+                )
             raise APIError(400, f"{where}[{j}] is not a text part (type {kind!r}).", param=f"{where}[{j}]")
         texts.append(part[key])
     return separator.join(texts)
 
 
-def output_items(choice: Choice, req: ResponsesRequest, tools: RequestTools,
-                 streamed: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def output_items(
+    choice: Choice, req: ResponsesRequest, tools: RequestTools, streamed: list[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """The output items of one answer: reasoning, message (unless only tool calls), function calls (a namespace
     member's with its `namespace` and member `name`). `streamed` are the reasoning / message items a stream already
     opened, in their order: they keep their ids and places."""
@@ -381,20 +443,36 @@ def output_items(choice: Choice, req: ResponsesRequest, tools: RequestTools,
     texts = {"reasoning": message.get("reasoning_content"), "message": message.get("content")}
     calls = message.get("tool_calls") or []
     kinds = [item["type"] for item in streamed]
-    kinds += [kind for kind, wanted in (("reasoning", bool(texts["reasoning"])),
-                                        ("message", bool(texts["message"]) or not calls))
-              if wanted and kind not in kinds]
+    kinds += [
+        kind
+        for kind, wanted in (("reasoning", bool(texts["reasoning"])), ("message", bool(texts["message"]) or not calls))
+        if wanted and kind not in kinds
+    ]
     ids = {item["type"]: item["id"] for item in streamed}
     for kind in kinds:
         if kind == "reasoning":
             items.append(_reasoning_item(ids.get(kind, f"rs_{uuid.uuid4().hex}"), texts["reasoning"] or "", req))
         else:
-            items.append({"type": "message", "id": ids.get(kind, f"msg_{uuid.uuid4().hex}"), "status": "completed",
-                          "role": "assistant", "content": [{"type": "output_text", "text": texts["message"] or "",
-                                                            "annotations": [], "logprobs": []}]})
+            items.append(
+                {
+                    "type": "message",
+                    "id": ids.get(kind, f"msg_{uuid.uuid4().hex}"),
+                    "status": "completed",
+                    "role": "assistant",
+                    "content": [
+                        {"type": "output_text", "text": texts["message"] or "", "annotations": [], "logprobs": []}
+                    ],
+                }
+            )
     for call in calls:
-        item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+        item = {
+            "type": "function_call",
+            "id": f"fc_{uuid.uuid4().hex}",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
         if item["name"] in tools.namespaced:  # how Codex routes it: by namespace and member name
             item["namespace"], item["name"] = tools.namespaced[item["name"]]
         items.append(item)
@@ -402,38 +480,76 @@ def output_items(choice: Choice, req: ResponsesRequest, tools: RequestTools,
 
 
 def _reasoning_item(item_id: str, text: str, req: ResponsesRequest) -> dict[str, Any]:
-    item = {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": "completed"}
+    item = {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
+    }
     if "reasoning.encrypted_content" in (req.include or ()):
         item["encrypted_content"] = encrypted_reasoning(text)
     return item
 
 
-def response_body(req: ResponsesRequest, response_id: str, created: int, output: list[dict],
-                  completion: Completion | None, choice: Choice) -> dict[str, Any]:
+def response_body(
+    req: ResponsesRequest,
+    response_id: str,
+    created: int,
+    output: list[dict],
+    completion: Completion | None,
+    choice: Choice,
+) -> dict[str, Any]:
     """The `response` object (`completion` `None`: one still in progress, without usage)."""
     incomplete = choice.finish_reason == "length"
-    usage = None if completion is None else {
-        "input_tokens": completion.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": completion.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": completion.prompt_tokens + completion.completion_tokens}
+    usage = (
+        None
+        if completion is None
+        else {
+            "input_tokens": completion.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": completion.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        }
+    )
     return {
-        "id": response_id, "object": "response", "created_at": created,
-        "status": "incomplete" if incomplete else "completed", "background": False, "error": None,
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": "incomplete" if incomplete else "completed",
+        "background": False,
+        "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
-        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "reasoning": (req.model_extra or {}).get("reasoning"),
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": req.model,
+        "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": (req.model_extra or {}).get("reasoning"),
         "store": req.store is not False,
         "temperature": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p if req.top_p is not None else 1.0, "text": {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
-        "usage": usage, "metadata": {}, "user": None,
+        "top_p": req.top_p if req.top_p is not None else 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "truncation": "disabled",
+        "usage": usage,
+        "metadata": {},
+        "user": None,
     }
 
 
-async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: ResponsesRequest, tools: RequestTools,
-                         response_id: str, created: int, added: list[dict]):
+async def _stream_events(
+    answer: AsyncIterator,
+    session: EpisodeSession,
+    req: ResponsesRequest,
+    tools: RequestTools,
+    response_id: str,
+    created: int,
+    added: list[dict],
+):
     """The Responses event sequence, as the answer is sampled: `response.created`, then a reasoning item and a
     message item opened as their text starts (one at a time, in the order the text comes), function calls once
     parsed, `response.completed` (or `.incomplete`) with the same items."""
@@ -443,8 +559,12 @@ async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: Re
         return {"type": kind, "sequence_number": next(sequence), **data}
 
     placeholder = Choice({"role": "assistant", "content": ""}, "stop", None)
-    started = {**response_body(req, response_id, created, [], None, placeholder), "status": "in_progress",
-               "usage": None, "incomplete_details": None}
+    started = {
+        **response_body(req, response_id, created, [], None, placeholder),
+        "status": "in_progress",
+        "usage": None,
+        "incomplete_details": None,
+    }
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
     opened: list[dict[str, Any]] = []  # reasoning / message items, in the order they opened
@@ -464,16 +584,31 @@ async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: Re
 
     def open_(kind):
         if kind == "content":
-            item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant",
-                    "content": []}
+            item = {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
         else:
-            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [],
-                    "status": "in_progress"}
+            item = {
+                "type": "reasoning",
+                "id": f"rs_{uuid.uuid4().hex}",
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
         opened.append(item)
         yield event("response.output_item.added", output_index=len(opened) - 1, item=item)
         if kind == "content":
-            yield event("response.content_part.added", item_id=item["id"], output_index=len(opened) - 1,
-                        content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            yield event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=len(opened) - 1,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+            )
 
     try:
         async for item in answer:
@@ -499,8 +634,9 @@ async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: Re
         return
     except Exception as error:  # noqa: BLE001 - the response has started: say so in the stream, then end it
         logger.exception("Internal error while streaming a response")
-        yield event("error", code="internal_error", message=f"Internal error: {type(error).__name__}: {error}",
-                    param=None)
+        yield event(
+            "error", code="internal_error", message=f"Internal error: {type(error).__name__}: {error}", param=None
+        )
         return
     (choice,) = completion.choices
     _store(session, req, response_id, added, choice)
@@ -519,8 +655,9 @@ async def _stream_events(answer: AsyncIterator, session: EpisodeSession, req: Re
                 yield e
             continue
         ids = {"item_id": item["id"], "output_index": index}
-        yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress",
-                                                                            "arguments": ""})
+        yield event(
+            "response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""}
+        )
         yield event("response.function_call_arguments.delta", **ids, delta=item["arguments"])
         yield event("response.function_call_arguments.done", **ids, name=item["name"], arguments=item["arguments"])
         yield event("response.output_item.done", output_index=index, item=item)

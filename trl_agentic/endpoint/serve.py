@@ -37,41 +37,76 @@ def make_parser() -> argparse.ArgumentParser:
         prog="trl-agentic serve",
         description="Serve a model behind the OpenAI-compatible endpoint that records every sampled token.",
     )
-    parser.add_argument("--model", required=True,
-                        help="Hub id or local path, or 'tiny:<family>[:<hidden>x<layers>]' for a tiny random model.")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="Hub id or local path, or 'tiny:<family>[:<hidden>x<layers>]' for a tiny random model.",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Interface to bind (loopback by default).")
     parser.add_argument("--port", type=int, default=8000, help="Port to bind.")
-    parser.add_argument("--admin-token", default=None,
-                        help=f"Bearer token of the /admin routes (default: ${ADMIN_TOKEN_ENV}, else a random one).")
-    parser.add_argument("--served-model-name", default=SERVED_MODEL_NAME,
-                        help="Value of `model` the endpoint answers to (others get 404).")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="Weights dtype ('auto': bfloat16 on GPU, float32 on CPU).")
+    parser.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"Bearer token of the /admin routes (default: ${ADMIN_TOKEN_ENV}, else a random one).",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=SERVED_MODEL_NAME,
+        help="Value of `model` the endpoint answers to (others get 404).",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="Weights dtype ('auto': bfloat16 on GPU, float32 on CPU).",
+    )
     parser.add_argument("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
-    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
-                        help="Most concurrent calls sampled together.")
-    parser.add_argument("--batch-wait-ms", type=float, default=DEFAULT_BATCH_WAIT_MS,
-                        help="How long the first call of a batch waits for others to join.")
-    parser.add_argument("--max-context-length", type=int, default=None,
-                        help="Prompt + completion tokens accepted (default: the model's max_position_embeddings).")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="Imposed temperature (default: the request's).")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="Most concurrent calls sampled together."
+    )
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=DEFAULT_BATCH_WAIT_MS,
+        help="How long the first call of a batch waits for others to join.",
+    )
+    parser.add_argument(
+        "--max-context-length",
+        type=int,
+        default=None,
+        help="Prompt + completion tokens accepted (default: the model's max_position_embeddings).",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="Imposed temperature (default: the request's).")
     parser.add_argument("--top-p", type=float, default=None, help="Imposed top-p (default: the request's).")
     parser.add_argument("--top-k", type=int, default=None, help="Imposed top-k (default: none).")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="Cap on tokens per call (a request may ask for fewer).")
-    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                        help="max_tokens of a request that sets none.")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="Cap on tokens per call (a request may ask for fewer)."
+    )
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="max_tokens of a request that sets none."
+    )
     parser.add_argument("--max-turns", type=int, default=None, help="Default cap on model calls per episode.")
-    parser.add_argument("--max-episode-tokens", type=int, default=None,
-                        help="Default cap on sampled tokens per episode.")
-    parser.add_argument("--max-open-episodes", type=int, default=DEFAULT_MAX_OPEN_EPISODES,
-                        help="Most episodes open at once; opening more is answered 429 (0: no cap).")
-    parser.add_argument("--episode-idle-timeout", type=float, default=DEFAULT_EPISODE_IDLE_TIMEOUT,
-                        help="Seconds without a call after which an episode is closed with status 'cancelled' "
-                             "(0: never).")
-    parser.add_argument("--chat-template-kwargs", type=json.loads, default=None,
-                        help='JSON object of extra chat-template variables, e.g. \'{"enable_thinking": false}\'.')
+    parser.add_argument(
+        "--max-episode-tokens", type=int, default=None, help="Default cap on sampled tokens per episode."
+    )
+    parser.add_argument(
+        "--max-open-episodes",
+        type=int,
+        default=DEFAULT_MAX_OPEN_EPISODES,
+        help="Most episodes open at once; opening more is answered 429 (0: no cap).",
+    )
+    parser.add_argument(
+        "--episode-idle-timeout",
+        type=float,
+        default=DEFAULT_EPISODE_IDLE_TIMEOUT,
+        help="Seconds without a call after which an episode is closed with status 'cancelled' (0: never).",
+    )
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON object of extra chat-template variables, e.g. '{\"enable_thinking\": false}'.",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
     return parser
 
@@ -128,8 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         episode_idle_timeout=args.episode_idle_timeout or None,
     )
     if not app.state.renderer.can_parse_tools:
-        print(f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
-              "returned as text content.", file=sys.stderr)
+        print(
+            f"warning: no tool-call parser is known for the chat template of {args.model!r}; tool calls are "
+            "returned as text content.",
+            file=sys.stderr,
+        )
 
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
@@ -144,8 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         f"  curl -s -X POST {url}/admin/episodes/<id>/close -H 'Authorization: Bearer {shown_token}'",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                log_config=uvicorn_log_config())
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=30,
+        log_config=uvicorn_log_config(),
+    )
     return 0
 
 

@@ -142,11 +142,13 @@ class EndpointServer:
         future: Future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         return future.result(timeout)
 
-    def open_episode(self, task_index=0, group_index=0, metadata=None, limits: EpisodeLimits | None = None,
-                     seed: int | None = None) -> EpisodeSession:
+    def open_episode(
+        self, task_index=0, group_index=0, metadata=None, limits: EpisodeLimits | None = None, seed: int | None = None
+    ) -> EpisodeSession:
         """Open an episode (`EpisodeRegistry.open`); with a `seed`, its calls sample from seeds derived from it."""
-        return self.registry.open(task_index, group_index, metadata, limits or self.app.state.settings.default_limits,
-                                  seed)
+        return self.registry.open(
+            task_index, group_index, metadata, limits or self.app.state.settings.default_limits, seed
+        )
 
     def episode_base_url(self, session: EpisodeSession) -> str:
         return f"{self.url}/episodes/{session.episode.id}/v1"

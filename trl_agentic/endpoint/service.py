@@ -101,9 +101,11 @@ class EndpointSettings:
             raise ValueError(f"hosted_tools must be 'drop' or 'reject', not {self.hosted_tools!r}.")
         # An empty token matched a request that sends none: the admin routes were open to anyone (issue 29, N6).
         if not isinstance(self.admin_token, str) or not self.admin_token.strip():
-            raise ValueError(f"admin_token is empty ({self.admin_token!r}): the admin routes would be open to any "
-                             "request. Pass a secret token (e.g. 'sk-admin-' + secrets.token_urlsafe(32)), or leave "
-                             "admin_token unset for a random one.")
+            raise ValueError(
+                f"admin_token is empty ({self.admin_token!r}): the admin routes would be open to any "
+                "request. Pass a secret token (e.g. 'sk-admin-' + secrets.token_urlsafe(32)), or leave "
+                "admin_token unset for a random one."
+            )
 
 
 class APIError(Exception):
@@ -112,8 +114,14 @@ class APIError(Exception):
     `type_`, `code` and `param` are OpenAI's fields; the Anthropic shape derives its `type` from `status`.
     """
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
@@ -233,8 +241,9 @@ class CompletionService:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"Request body of {declared} bytes is over the limit of {limit}.",
-                           code="request_too_large")
+            raise APIError(
+                413, f"Request body of {declared} bytes is over the limit of {limit}.", code="request_too_large"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -265,13 +274,21 @@ class CompletionService:
             if skipped and len(loc) > 1 and loc[0] == skipped[0] and isinstance(loc[1], int):
                 loc = (loc[0], loc[1] + skipped[1], *loc[2:])
             param = ".".join(str(p) for p in loc)
-            raise APIError(400, f"Invalid request: {param or 'body'}: {first.get('msg')}", param=param or None,
-                           code="invalid_request") from None
+            raise APIError(
+                400,
+                f"Invalid request: {param or 'body'}: {first.get('msg')}",
+                param=param or None,
+                code="invalid_request",
+            ) from None
 
     def check_model(self, model: str) -> None:
         if model not in self.settings.served_model_names:
-            raise APIError(404, f"The model {model!r} does not exist; this endpoint serves "
-                                f"{self.settings.served_model_names}.", code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this endpoint serves {self.settings.served_model_names}.",
+                code="model_not_found",
+                param="model",
+            )
 
     # Model calls
 
@@ -283,8 +300,11 @@ class CompletionService:
             try:
                 return len(self.renderer.render([template_message(m) for m in messages], tools))
             except _TEMPLATE_ERRORS as error:
-                raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
-                               code="template_error") from None
+                raise APIError(
+                    400,
+                    f"The chat template rejected these messages: {type(error).__name__}: {error}",
+                    code="template_error",
+                ) from None
 
         return await asyncio.to_thread(count) if size > OFFLOAD_BYTES else count()
 
@@ -352,22 +372,31 @@ class CompletionService:
             plan = session.plan_prompt(renderer, messages, tools)
         except _TEMPLATE_ERRORS as error:
             # The template is code run on what the agent sent: any of these is the request's doing.
-            raise APIError(400, f"The chat template rejected these messages: {type(error).__name__}: {error}",
-                           code="template_error") from None
+            raise APIError(
+                400,
+                f"The chat template rejected these messages: {type(error).__name__}: {error}",
+                code="template_error",
+            ) from None
         # tool_choice "required" / a named function: start the assistant turn with the template's tool-call opening
         # (prompt tokens, not sampled) so the model can only complete a call.
         forced: list[int] = []
-        if tools and (conversation.tool_choice == "required" or conversation.forced_tool_name) and (
-            renderer.can_parse_tools
+        if (
+            tools
+            and (conversation.tool_choice == "required" or conversation.forced_tool_name)
+            and (renderer.can_parse_tools)
         ):
             forced = renderer.tool_call_prefix(tools, conversation.forced_tool_name)
         prompt_ids = plan.prompt_ids + forced
         context = engine.max_context_length
         if len(prompt_ids) >= context:
             session.flags.add("context_overflow")
-            raise APIError(400, f"This model's maximum context length is {context} tokens; the "
-                                f"{conversation.messages_param} take {len(prompt_ids)}.",
-                           code="context_length_exceeded", param=conversation.messages_param)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens; the "
+                f"{conversation.messages_param} take {len(prompt_ids)}.",
+                code="context_length_exceeded",
+                param=conversation.messages_param,
+            )
 
         overrides = settings.overrides
         caps = [conversation.max_tokens or settings.default_max_tokens, context - len(prompt_ids)]
@@ -386,8 +415,13 @@ class CompletionService:
         reserved = sampling.max_tokens * n if budget is not None else 0
         return PreparedCall(session, conversation, messages, plan, forced, prompt_ids, sampling, reserved)
 
-    async def run(self, call: PreparedCall, request: Request, on_delta: Callable[[Delta], None] | None = None,
-                  client_gone: asyncio.Event | None = None) -> Completion:
+    async def run(
+        self,
+        call: PreparedCall,
+        request: Request,
+        on_delta: Callable[[Delta], None] | None = None,
+        client_gone: asyncio.Event | None = None,
+    ) -> Completion:
         """Sample a prepared call and record its turns; `on_delta` receives each choice's text as it is sampled (when
         the engine streams, else at the end), `client_gone` set means the client went away (as a disconnect does).
 
@@ -399,8 +433,13 @@ class CompletionService:
         finally:
             call.finish()  # whatever ended the call early (an engine error, a bug): its admission is released
 
-    async def _run(self, call: PreparedCall, request: Request, on_delta: Callable[[Delta], None] | None,
-                   client_gone: asyncio.Event | None) -> Completion:
+    async def _run(
+        self,
+        call: PreparedCall,
+        request: Request,
+        on_delta: Callable[[Delta], None] | None,
+        client_gone: asyncio.Event | None,
+    ) -> Completion:
         engine, renderer = self.engine, self.renderer
         conversation, plan, forced = call.conversation, call.plan, call.forced
         messages, tools, prompt_ids, sampling = call.messages, conversation.tools, call.prompt_ids, call.sampling
@@ -409,24 +448,40 @@ class CompletionService:
 
         def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
             return Turn(
-                index=0, prompt_ids=prompt_ids, completion_ids=out.token_ids if out else [],
-                logprobs=out.logprobs if out else [], finish_reason=finish,
+                index=0,
+                prompt_ids=prompt_ids,
+                completion_ids=out.token_ids if out else [],
+                logprobs=out.logprobs if out else [],
+                finish_reason=finish,
                 policy_version=out.versions[0] if out and out.versions else engine.policy_version,
                 token_versions=out.versions if out and out.versions and out.versions[-1] != out.versions[0] else None,
-                request_messages=conversation.messages, request_tools=tools, response_message=message,
-                prompt_source=plan.source, parent_turn=plan.parent, drift=plan.drift, fork_reason=plan.fork_reason,
-                malformed_tool_call=malformed, forced_tokens=len(forced), sampling=sampling.to_dict(),
-                requested_sampling=conversation.requested, wall_time=time.monotonic() - started,
+                request_messages=conversation.messages,
+                request_tools=tools,
+                response_message=message,
+                prompt_source=plan.source,
+                parent_turn=plan.parent,
+                drift=plan.drift,
+                fork_reason=plan.fork_reason,
+                malformed_tool_call=malformed,
+                forced_tokens=len(forced),
+                sampling=sampling.to_dict(),
+                requested_sampling=conversation.requested,
+                wall_time=time.monotonic() - started,
                 wire_format=conversation.wire_format,
             )
 
         parse_tools = conversation.tool_choice != "none"
         streams = [self._answer_stream(i, call, parse_tools, on_delta) for i in range(n)] if on_delta else None
-        generation = asyncio.ensure_future(asyncio.gather(*[
-            engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i), on_token=streams[i].feed)
-            if streams and self.engine_streams else engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i))
-            for i in range(n)
-        ]))
+        generation = asyncio.ensure_future(
+            asyncio.gather(
+                *[
+                    engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i), on_token=streams[i].feed)
+                    if streams and self.engine_streams
+                    else engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i))
+                    for i in range(n)
+                ]
+            )
+        )
         generation.add_done_callback(lambda future: future.cancelled() or future.exception())  # cancelled: unread
         watchers = {asyncio.ensure_future(_wait_for_disconnect(request))}
         if client_gone is not None:
@@ -445,14 +500,20 @@ class CompletionService:
             generation.cancel()
             cancelled = [(turn_of(None, {}, "cancelled"), messages, tools, plan.keys) for _ in range(n)]
             call.finish(cancelled)
-            raise APIError(499, "The client closed the connection before the answer was ready.",
-                           code="client_closed_request")
+            raise APIError(
+                499, "The client closed the connection before the answer was ready.", code="client_closed_request"
+            )
         outputs = generation.result()
         choices, turns = [], []
         for out in outputs:
             out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
-            message, malformed = renderer.parse(forced + out.token_ids, plan.prompt_ids, tools,
-                                                parse_tools=parse_tools, split_reasoning=conversation.split_reasoning)
+            message, malformed = renderer.parse(
+                forced + out.token_ids,
+                plan.prompt_ids,
+                tools,
+                parse_tools=parse_tools,
+                split_reasoning=conversation.split_reasoning,
+            )
             if message.get("tool_calls") and not _strict_json_arguments(message["tool_calls"]):
                 # Python's parser takes NaN, 1e999 and lone surrogates; JSON has none of them, and the Messages
                 # answer could not be written (a 500 after the turn was recorded). A broken tool call, as any other.
@@ -463,24 +524,33 @@ class CompletionService:
             turns.append((turn_of(out, message, finish, malformed), messages, tools, plan.keys))
             choices.append(Choice(message, finish, out, stop))
         if not call.finish(turns):
-            raise APIError(409, "The episode was closed while this call was running; its answer is not recorded.",
-                           code="episode_closed")
+            raise APIError(
+                409,
+                "The episode was closed while this call was running; its answer is not recorded.",
+                code="episode_closed",
+            )
         if streams:
             for stream, choice in zip(streams, choices, strict=True):
                 stream.finish(choice.message, choice.output.token_ids)  # not streamed: split per token
         return Completion(choices, len(prompt_ids), engine.policy_version)
 
-    def _answer_stream(self, index: int, call: PreparedCall, parse_tools: bool,
-                       on_delta: Callable[[Delta], None]) -> AnswerStream:
+    def _answer_stream(
+        self, index: int, call: PreparedCall, parse_tools: bool, on_delta: Callable[[Delta], None]
+    ) -> AnswerStream:
         conversation, renderer = call.conversation, self.renderer
         tools = conversation.tools
         parsed = renderer.can_parse_tools and ((parse_tools and tools) or conversation.split_reasoning)
         stream = AnswerStream(
-            index, self.tokenizer, on_delta,
+            index,
+            self.tokenizer,
+            on_delta,
             response_template=self.tokenizer.response_template if parsed else None,
-            prefix_ids=renderer.prompt_tail(call.plan.prompt_ids), tools=tools if parse_tools else None,
-            stops=conversation.stop, pieces=lambda ids, text: content_pieces(self.tokenizer, ids, text),
-            strip_content=bool(parse_tools and tools), hold_ids=self.hold_ids,
+            prefix_ids=renderer.prompt_tail(call.plan.prompt_ids),
+            tools=tools if parse_tools else None,
+            stops=conversation.stop,
+            pieces=lambda ids, text: content_pieces(self.tokenizer, ids, text),
+            strip_content=bool(parse_tools and tools),
+            hold_ids=self.hold_ids,
         )
         if call.forced and self.engine_streams:
             stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first
@@ -503,15 +573,15 @@ def _strict_json_arguments(tool_calls: list[dict]) -> bool:
 def _dropped_special_ids(tokenizer) -> frozenset[int]:
     """Ids whose text `decode(..., skip_special_tokens=True)` drops (special added tokens)."""
     candidates = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    return frozenset(i for i in candidates
-                     if tokenizer.decode([i]) and not tokenizer.decode([i], skip_special_tokens=True))
+    return frozenset(
+        i for i in candidates if tokenizer.decode([i]) and not tokenizer.decode([i], skip_special_tokens=True)
+    )
 
 
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)
 
 
-async def _relay(task: asyncio.Future, queue: asyncio.Queue, gone: asyncio.Event
-                 ) -> AsyncIterator[Delta | Completion]:
+async def _relay(task: asyncio.Future, queue: asyncio.Queue, gone: asyncio.Event) -> AsyncIterator[Delta | Completion]:
     # The deltas of a started call, then its Completion; a consumer that leaves early tells the call its client went.
     try:
         while (delta := await queue.get()) is not None:
@@ -541,8 +611,9 @@ def _with_seed(sampling: SamplingParams, seed: int | None, i: int) -> SamplingPa
     return SamplingParams(**{**sampling.to_dict(), "seed": seed + i})
 
 
-def apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]
-                       ) -> tuple[GenerationOutput, str | None, str | None]:
+def apply_stop_strings(
+    tokenizer, out: GenerationOutput, stops: list[str]
+) -> tuple[GenerationOutput, str | None, str | None]:
     """Cut the sampled ids after the token that completes the first stop string (those tokens were sampled and are
     kept); the returned content ends before the stop string, as OpenAI does. Returns `(output, content, stop)`,
     `content` and `stop` `None` when no stop string was found."""
@@ -555,8 +626,10 @@ def apply_stop_strings(tokenizer, out: GenerationOutput, stops: list[str]
     position, stop = min(hits)
     pieces = text_pieces(tokenizer, out.token_ids)
     if "".join(piece for _, piece in pieces) != text:  # the decoder is not incremental: decode prefixes instead
-        ends = [(k, len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)))
-                for k in range(1, len(out.token_ids) + 1)]
+        ends = [
+            (k, len(tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)))
+            for k in range(1, len(out.token_ids) + 1)
+        ]
     else:
         ends, length = [], 0
         for k, piece in pieces:

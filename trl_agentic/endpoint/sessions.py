@@ -73,8 +73,13 @@ class EpisodeLimits:
 def message_key(message: dict) -> bytes:
     """A digest of what must match for a message to count as the same one (`comparable_message`): canonical JSON,
     keys sorted, integral floats as ints (`==`, which compared messages before keys did, holds 1 == 1.0)."""
-    text = json.dumps(_integral_floats(comparable_message(message)), sort_keys=True, ensure_ascii=False,
-                      separators=(",", ":"), default=repr)
+    text = json.dumps(
+        _integral_floats(comparable_message(message)),
+        sort_keys=True,
+        ensure_ascii=False,
+        separators=(",", ":"),
+        default=repr,
+    )
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
@@ -194,8 +199,9 @@ class EpisodeSession:
                 budget = left // choices
                 if budget <= 0:
                     self.flags.add("limit_exceeded")
-                    raise EpisodeLimitError(f"Episode limit reached: at most {limits.max_episode_tokens} sampled "
-                                            "tokens.")
+                    raise EpisodeLimitError(
+                        f"Episode limit reached: at most {limits.max_episode_tokens} sampled tokens."
+                    )
                 self.reserved_tokens += budget * choices
             self.in_flight += choices
             self.last_active = time.monotonic()
@@ -206,8 +212,12 @@ class EpisodeSession:
         with self._lock:
             self.reserved_tokens -= tokens
 
-    def finish_call(self, choices: int, reserved_tokens: int,
-                    turns: list[tuple[Turn, list[dict], list[dict] | None, list[bytes] | None]]) -> bool:
+    def finish_call(
+        self,
+        choices: int,
+        reserved_tokens: int,
+        turns: list[tuple[Turn, list[dict], list[dict] | None, list[bytes] | None]],
+    ) -> bool:
         """Release what `admit` held and record the call's turns `(turn, messages, tools, keys)`: `messages` as
         the template read them (normalized), `keys` their `prefix_keys` (computed when `None`).
 
@@ -220,8 +230,9 @@ class EpisodeSession:
                 continue
             answer = template_message(turn.response_message)
             keys = prefix_keys(messages) if keys is None else keys
-            histories.append(_TurnHistory(messages, tools, answer, keys + prefix_keys([answer], keys[-1] if keys
-                                                                                       else b"")))
+            histories.append(
+                _TurnHistory(messages, tools, answer, keys + prefix_keys([answer], keys[-1] if keys else b""))
+            )
         with self._lock:
             self.in_flight -= choices
             self.reserved_tokens -= reserved_tokens
@@ -293,8 +304,9 @@ class EpisodeSession:
                 fork_reason = FORK_TOOLS_CHANGED
             else:
                 # Windows render the request's own messages: exact when the parent's are the same, field for field.
-                continuation = renderer.continue_from(history.messages, messages, tools, best.completion_ids,
-                                                      same_prefix=same)
+                continuation = renderer.continue_from(
+                    history.messages, messages, tools, best.completion_ids, same_prefix=same
+                )
                 if continuation is not None:
                     prompt = best.prompt_ids + best.completion_ids + continuation.glue + continuation.suffix
                     return PromptPlan(prompt, "continued", best.index, 0, None, keys)
@@ -316,8 +328,9 @@ class EpisodeSession:
             drift = len(exact) - common_prefix_length(exact, prompt)
         return PromptPlan(prompt, "rendered", None, drift, fork_reason, keys)
 
-    def record(self, turn: Turn, messages: list[dict], tools: list[dict] | None,
-               keys: list[bytes] | None = None) -> bool:
+    def record(
+        self, turn: Turn, messages: list[dict], tools: list[dict] | None, keys: list[bytes] | None = None
+    ) -> bool:
         """Append a finished turn (of a call not counted in flight); returns False when the episode was closed."""
         return self.finish_call(0, 0, [(turn, messages, tools, keys)])
 
@@ -439,11 +452,15 @@ class EpisodeRegistry:
             return []
         now = time.monotonic() if now is None else now
         with self._lock:
-            idle = [s for s in self._by_id.values()
-                    if s.in_flight == 0 and not s.closed and now - s.last_active > self.idle_timeout]
+            idle = [
+                s
+                for s in self._by_id.values()
+                if s.in_flight == 0 and not s.closed and now - s.last_active > self.idle_timeout
+            ]
         for session in idle:
-            episode = session.close(status="cancelled",
-                                    error=f"closed by the endpoint: no call for {self.idle_timeout:g}s")
+            episode = session.close(
+                status="cancelled", error=f"closed by the endpoint: no call for {self.idle_timeout:g}s"
+            )
             with self._lock:
                 self._by_id.pop(episode.id, None)
                 self._by_key.pop(session.key, None)

@@ -222,8 +222,9 @@ class EnvironmentAgent:
             return await self._run(client, task, name, environment)
         except Exception as error:  # a crash of the environment or of a model call: the episode's, with its instance
             message = "".join(traceback.format_exception_only(type(error), error)).strip()
-            raise AgentCrash(message, {"traceback": traceback.format_exc()[-4000:],
-                                       "environment_instance": environment}) from error
+            raise AgentCrash(
+                message, {"traceback": traceback.format_exc()[-4000:], "environment_instance": environment}
+            ) from error
 
     async def _run(self, client: Any, task: dict[str, Any], name: str | None, environment: Any) -> EnvironmentResult:
         # `reset(**row)`: every column the agent holds, without the routing column in the dict form (TRL).
@@ -266,7 +267,10 @@ class EnvironmentAgent:
             messages += results
 
         result = EnvironmentResult(
-            environment_name=name, answer=message.content or "", tool_calls=tool_calls, tool_failures=tool_failures,
+            environment_name=name,
+            answer=message.content or "",
+            tool_calls=tool_calls,
+            tool_failures=tool_failures,
             observation=observation if isinstance(observation, str | None) else str(observation),
             cut_at_budget=cut_at_budget,
         )
@@ -275,8 +279,9 @@ class EnvironmentAgent:
 
     # TRL's completion budget
 
-    def use_tokenizer(self, tokenizer: Any, max_completion_length: int | None,
-                      chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    def use_tokenizer(
+        self, tokenizer: Any, max_completion_length: int | None, chat_template_kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Hold episodes to TRL's budget: `max_completion_length` tokens after the first prompt, tool results
         included. The tool results' tokens are counted as TRL counts them (`GRPOTrainer._get_tool_suffix_ids`), with
         the chat template the endpoint renders with. Without it, each model call is capped on its own."""
@@ -396,8 +401,12 @@ async def run_tool_calls(methods: Mapping[str, Callable], tool_calls: Sequence[A
                 outcome = {"error": str(outcome)}
             results.append((call_id, name, outcome))
     messages = [
-        {"role": "tool", "tool_call_id": call_id, "name": name,
-         "content": result if isinstance(result, list) else str(result)}
+        {
+            "role": "tool",
+            "tool_call_id": call_id,
+            "name": name,
+            "content": result if isinstance(result, list) else str(result),
+        }
         for call_id, name, result in results
     ]
     return messages, failures
@@ -450,11 +459,17 @@ def with_environments(reward_func: Callable) -> Callable:
         n = len(episodes)
         if isinstance(kwargs.get("prompts"), list) and len(kwargs["prompts"]) == n:
             # The prompts the model saw, `reset`'s text included, as TRL passes them.
-            kwargs = {**kwargs, "prompts": [
-                episode.messages[: len(prompt)] if isinstance(episode.result, EnvironmentResult) and isinstance(
-                    prompt, list) and len(episode.messages) >= len(prompt) else prompt
-                for episode, prompt in zip(episodes, kwargs["prompts"], strict=True)
-            ]}
+            kwargs = {
+                **kwargs,
+                "prompts": [
+                    episode.messages[: len(prompt)]
+                    if isinstance(episode.result, EnvironmentResult)
+                    and isinstance(prompt, list)
+                    and len(episode.messages) >= len(prompt)
+                    else prompt
+                    for episode, prompt in zip(episodes, kwargs["prompts"], strict=True)
+                ],
+            }
         if len(kept) == n:
             return None, {**kwargs, "environments": environments}
         subset = {k: [v[i] for i in kept] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
@@ -521,7 +536,8 @@ def environment_suite(
         tools=tools,
         system_prompt="",
         build_dataset=lambda split="train", size=None, seed=0, **knobs: (
-            dataset if size is None or size >= len(dataset) else dataset.select(range(size))),
+            dataset if size is None or size >= len(dataset) else dataset.select(range(size))
+        ),
         agent=agent,
         reward_funcs=agent.reward_funcs(reward_funcs),
         demonstrations=lambda n, seed=0: [],
@@ -557,25 +573,33 @@ def environment_factory_agent(
     TRL passes the whole row to `reset` (the environment sees every column: docs/envs_environment_factory.md).
     """
     if agent is not None:
-        raise ValueError("Pass either `agent=` or `environment_factory=`, not both: `environment_factory` builds the "
-                         "agent (TRL's tool loop over the endpoint).")
+        raise ValueError(
+            "Pass either `agent=` or `environment_factory=`, not both: `environment_factory` builds the "
+            "agent (TRL's tool loop over the endpoint)."
+        )
     environment_agent = EnvironmentAgent(environment_factory, args.max_tool_calling_iterations)
     num_user_funcs = 0 if reward_funcs is None else len(reward_funcs) if isinstance(reward_funcs, list | tuple) else 1
     funcs = environment_agent.reward_funcs(reward_funcs)
     if args.reward_weights is not None and len(args.reward_weights) == num_user_funcs < len(funcs):
         args.reward_weights = [*args.reward_weights, *[1.0] * (len(funcs) - num_user_funcs)]
     if train_dataset is None:
-        raise ValueError("`environment_factory` needs a `train_dataset` (at least a `prompt` column, and an "
-                         "`environment` column for a dict of factories); rows generated by `reset` alone are not "
-                         "supported yet.")
+        raise ValueError(
+            "`environment_factory` needs a `train_dataset` (at least a `prompt` column, and an "
+            "`environment` column for a dict of factories); rows generated by `reset` alone are not "
+            "supported yet."
+        )
     columns = getattr(train_dataset, "column_names", None)
     if columns is not None:
         if "prompt" not in columns:
-            raise ValueError(f"The dataset has no `prompt` column (columns: {columns}). Add one, e.g. "
-                             "`[{'role': 'user', 'content': ''}]` when `reset` returns the task's text.")
+            raise ValueError(
+                f"The dataset has no `prompt` column (columns: {columns}). Add one, e.g. "
+                "`[{'role': 'user', 'content': ''}]` when `reset` returns the task's text."
+            )
         if environment_agent.multi_environment and ENVIRONMENT_COLUMN not in columns:
-            raise ValueError(f"A dict `environment_factory` needs an `{ENVIRONMENT_COLUMN}` column naming each row's "
-                             f"environment (one of {list(environment_agent.factories)}); the dataset has {columns}.")
+            raise ValueError(
+                f"A dict `environment_factory` needs an `{ENVIRONMENT_COLUMN}` column naming each row's "
+                f"environment (one of {list(environment_agent.factories)}); the dataset has {columns}."
+            )
         if list(args.agent_columns) == ["prompt"]:
             args.agent_columns = list(columns)
     return environment_agent, funcs

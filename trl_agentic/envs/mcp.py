@@ -85,8 +85,15 @@ def _server_config(name: str, spec: ServerSpec) -> _ServerConfig:
     if not isinstance(name, str) or not name:
         raise ValueError(f"MCPAgent(servers=...): server names must be non-empty strings, got {name!r}.")
     if type(spec).__name__ == "StdioServerParameters":  # the SDK's own type, without importing it here
-        return _server_config(name, {"command": spec.command, "args": list(spec.args), "env": spec.env or {},
-                                     "cwd": None if spec.cwd is None else str(spec.cwd)})
+        return _server_config(
+            name,
+            {
+                "command": spec.command,
+                "args": list(spec.args),
+                "env": spec.env or {},
+                "cwd": None if spec.cwd is None else str(spec.cwd),
+            },
+        )
     if isinstance(spec, str):
         if spec.startswith(("http://", "https://")):
             return _ServerConfig(name, "http", url=spec)
@@ -99,17 +106,21 @@ def _server_config(name: str, spec: ServerSpec) -> _ServerConfig:
             raise ValueError(f"{where}: a command must be a non-empty list of strings, got {spec!r}.")
         return _ServerConfig(name, "stdio", command=tuple(spec))
     if not isinstance(spec, Mapping):
-        raise ValueError(f"{where}: expected a URL, a command (string or list), a mapping "
-                         f"{{'command', 'args', 'env'}} / {{'url', 'headers'}}, or StdioServerParameters; got "
-                         f"{type(spec).__name__}.")
+        raise ValueError(
+            f"{where}: expected a URL, a command (string or list), a mapping "
+            f"{{'command', 'args', 'env'}} / {{'url', 'headers'}}, or StdioServerParameters; got "
+            f"{type(spec).__name__}."
+        )
     known = {"command", "args", "env", "cwd", "url", "headers", "type", "transport"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; a server takes {sorted(known)}.")
     transport = spec.get("type", spec.get("transport"))
     if transport == "sse":
-        raise ValueError(f"{where}: the legacy SSE transport is not supported; serve the server over streamable "
-                         "HTTP (a 'url') or stdio (a 'command').")
+        raise ValueError(
+            f"{where}: the legacy SSE transport is not supported; serve the server over streamable "
+            "HTTP (a 'url') or stdio (a 'command')."
+        )
     if transport is not None and transport not in HTTP_TRANSPORTS + STDIO_TRANSPORTS:
         raise ValueError(f"{where}: unknown transport {transport!r}; use 'stdio' or 'http'.")
     command = spec.get("command")
@@ -120,17 +131,29 @@ def _server_config(name: str, spec: ServerSpec) -> _ServerConfig:
     url = spec.get("url")
     if url is not None or transport in HTTP_TRANSPORTS:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"{where}: a streamable HTTP server needs a 'url' starting with http:// or https://, "
-                             f"got {url!r}.")
+            raise ValueError(
+                f"{where}: a streamable HTTP server needs a 'url' starting with http:// or https://, got {url!r}."
+            )
         if command and "{port}" not in url:
-            raise ValueError(f"{where}: a 'command' serving the URL needs '{{port}}' in the URL (and in its "
-                             "arguments), so that each server gets a free port; without a command, the URL must "
-                             "already be served.")
+            raise ValueError(
+                f"{where}: a 'command' serving the URL needs '{{port}}' in the URL (and in its "
+                "arguments), so that each server gets a free port; without a command, the URL must "
+                "already be served."
+            )
         if "{port}" in url and not command:
-            raise ValueError(f"{where}: the URL has '{{port}}' but no 'command' serves it; add the command, or give "
-                             "the URL of a running server.")
-        return _ServerConfig(name, "http", command=command, env=env, cwd=spec.get("cwd"), url=url,
-                             headers=dict(spec.get("headers") or {}))
+            raise ValueError(
+                f"{where}: the URL has '{{port}}' but no 'command' serves it; add the command, or give "
+                "the URL of a running server."
+            )
+        return _ServerConfig(
+            name,
+            "http",
+            command=command,
+            env=env,
+            cwd=spec.get("cwd"),
+            url=url,
+            headers=dict(spec.get("headers") or {}),
+        )
     if not command:
         raise ValueError(f"{where}: give a 'command' (stdio) or a 'url' (streamable HTTP).")
     return _ServerConfig(name, "stdio", command=command, env=env, cwd=spec.get("cwd"))
@@ -200,14 +223,17 @@ class _Connection:
             await asyncio.wait_for(asyncio.shield(self.ready), self.agent.startup_timeout)
         except asyncio.TimeoutError:
             self._stop_starting()
-            raise AgentCrash(f"MCP server {self.config.name!r} did not start and list its tools within "
-                             f"{self.agent.startup_timeout:.0f}s (MCPAgent(startup_timeout=...)).",
-                             self.metadata()) from None
+            raise AgentCrash(
+                f"MCP server {self.config.name!r} did not start and list its tools within "
+                f"{self.agent.startup_timeout:.0f}s (MCPAgent(startup_timeout=...)).",
+                self.metadata(),
+            ) from None
         except (asyncio.CancelledError, AgentCrash):
             raise  # a cancelled episode closes its fresh servers itself; a shared one stays for the others
         except Exception as error:
-            raise AgentCrash(f"MCP server {self.config.name!r} could not start or be reached: {_describe(error)}",
-                             self.metadata()) from None
+            raise AgentCrash(
+                f"MCP server {self.config.name!r} could not start or be reached: {_describe(error)}", self.metadata()
+            ) from None
 
     async def close(self) -> None:
         if self.task is None:
@@ -287,8 +313,13 @@ class _Connection:
             url = url.replace("{port}", str(port))
             argv = [part.replace("{port}", str(port)) for part in self.config.command]
             process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=self.stderr, stderr=self.stderr,
-                env=self._environment(), cwd=self.config.cwd, start_new_session=True,
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=self.stderr,
+                stderr=self.stderr,
+                env=self._environment(),
+                cwd=self.config.cwd,
+                start_new_session=True,
             )
             _LIVE_GROUPS.add(process.pid)
             stack.callback(_kill_group, process.pid)
@@ -297,8 +328,9 @@ class _Connection:
             attempt = AsyncExitStack()
             try:
                 # The SDK's default timeouts for MCP (30 s to connect, 300 s to read a held-open stream).
-                http_client = await attempt.enter_async_context(httpx2.AsyncClient(
-                    headers=dict(self.config.headers), timeout=httpx2.Timeout(30.0, read=300.0)))
+                http_client = await attempt.enter_async_context(
+                    httpx2.AsyncClient(headers=dict(self.config.headers), timeout=httpx2.Timeout(30.0, read=300.0))
+                )
                 transport = streamable_http_client(url, http_client=http_client)
                 client = await attempt.enter_async_context(Client(transport))
             except Exception as error:
@@ -306,8 +338,11 @@ class _Connection:
                 if process is None or not _is_connection_refused(error, httpx2):
                     raise
                 if process.returncode is not None:
-                    raise AgentCrash(f"MCP server {self.config.name!r} exited with status {process.returncode} "
-                                     "before serving its URL", self.metadata()) from None
+                    raise AgentCrash(
+                        f"MCP server {self.config.name!r} exited with status {process.returncode} "
+                        "before serving its URL",
+                        self.metadata(),
+                    ) from None
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 0.2)
                 continue
@@ -328,8 +363,11 @@ def _describe(error: BaseException) -> str:
 
 
 def _is_connection_refused(error: BaseException, httpx2) -> bool:
-    return all(isinstance(e, (httpx2.ConnectError, ConnectionRefusedError)) or
-               (e.__cause__ is not None and _is_connection_refused(e.__cause__, httpx2)) for e in _leaves(error))
+    return all(
+        isinstance(e, (httpx2.ConnectError, ConnectionRefusedError))
+        or (e.__cause__ is not None and _is_connection_refused(e.__cause__, httpx2))
+        for e in _leaves(error)
+    )
 
 
 @contextlib.contextmanager
@@ -511,20 +549,26 @@ class MCPAgent:
             self._shared_names = {c.name for c in self._configs} if self.shared else set()
         else:
             if isinstance(self.shared, str):
-                raise ValueError(f"MCPAgent(shared={self.shared!r}): give a list of server names, e.g. "
-                                 f"shared=[{self.shared!r}], or True for all.")
+                raise ValueError(
+                    f"MCPAgent(shared={self.shared!r}): give a list of server names, e.g. "
+                    f"shared=[{self.shared!r}], or True for all."
+                )
             self._shared_names = set(self.shared)
             unknown = sorted(self._shared_names - set(self.servers))
             if unknown:
-                raise ValueError(f"MCPAgent(shared={list(self.shared)!r}): {unknown} are not servers; the servers "
-                                 f"are {list(self.servers)}.")
+                raise ValueError(
+                    f"MCPAgent(shared={list(self.shared)!r}): {unknown} are not servers; the servers "
+                    f"are {list(self.servers)}."
+                )
         if self.max_turns < 1:
             raise ValueError(f"MCPAgent(max_turns={self.max_turns}): an episode needs at least 1 model call.")
         for knob in ("tool_timeout", "startup_timeout", "max_tool_output_chars"):
             value = getattr(self, knob)
             if value is not None and value <= 0:
-                raise ValueError(f"MCPAgent({knob}={value}) must be > 0" +
-                                 (" (or None: no limit)." if knob != "startup_timeout" else "."))
+                raise ValueError(
+                    f"MCPAgent({knob}={value}) must be > 0"
+                    + (" (or None: no limit)." if knob != "startup_timeout" else ".")
+                )
         self._shared_connections: dict[str, _Connection] = {}
         self._lock = threading.Lock()
 
@@ -588,8 +632,9 @@ class MCPAgent:
         if connections:
             _MCPLoop.get().run_sync(_close_all(connections), timeout=CLOSE_TIMEOUT_S + 5)
 
-    async def _tool_loop(self, client, task: dict[str, Any], connections: list[_Connection], mcp_loop: _MCPLoop,
-                         model: str) -> dict[str, Any]:
+    async def _tool_loop(
+        self, client, task: dict[str, Any], connections: list[_Connection], mcp_loop: _MCPLoop, model: str
+    ) -> dict[str, Any]:
         names = openai_tool_names([(c.config.name, [tool.name for tool in c.tools]) for c in connections])
         routes: dict[str, tuple[_Connection, str]] = {}
         schemas = []
@@ -621,8 +666,10 @@ class MCPAgent:
 
     def _prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         if self.prompt_column not in task:
-            raise ValueError(f"The task has no {self.prompt_column!r} column (it has {sorted(task)}); set "
-                             "MCPAgent(prompt_column=...) and list that column in AgenticGRPOConfig.agent_columns.")
+            raise ValueError(
+                f"The task has no {self.prompt_column!r} column (it has {sorted(task)}); set "
+                "MCPAgent(prompt_column=...) and list that column in AgenticGRPOConfig.agent_columns."
+            )
         prompt = task[self.prompt_column]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
         if self.system_prompt is not None:
@@ -634,8 +681,14 @@ class MCPAgent:
         from mcp_types import CONNECTION_CLOSED
 
         name = call.function.name if call.type == "function" else None
-        entry: dict[str, Any] = {"tool": name, "server": None, "mcp_tool": None, "arguments": None,
-                                 "content": "", "is_error": True}
+        entry: dict[str, Any] = {
+            "tool": name,
+            "server": None,
+            "mcp_tool": None,
+            "arguments": None,
+            "content": "",
+            "is_error": True,
+        }
         if call.type != "function":
             entry["content"] = f"Error: unsupported tool call type {call.type!r}; call one of the provided functions."
             return entry
@@ -652,8 +705,9 @@ class MCPAgent:
             entry["content"] = f"Error: the arguments of {name!r} are not valid JSON ({error.msg}). Send a JSON object."
             return entry
         if not isinstance(arguments, dict):
-            entry["content"] = (f"Error: the arguments of {name!r} must be a JSON object, got "
-                                f"{type(arguments).__name__}.")
+            entry["content"] = (
+                f"Error: the arguments of {name!r} must be a JSON object, got {type(arguments).__name__}."
+            )
             return entry
         entry["arguments"] = arguments
         try:
@@ -661,14 +715,18 @@ class MCPAgent:
         except MCPError as error:
             if error.code == CONNECTION_CLOSED:
                 connection.broken = True
-                raise AgentCrash(f"MCP server {connection.config.name!r} closed the connection during a call of "
-                                 f"{tool!r}", connection.metadata()) from None
+                raise AgentCrash(
+                    f"MCP server {connection.config.name!r} closed the connection during a call of {tool!r}",
+                    connection.metadata(),
+                ) from None
             entry["content"] = f"Error: {error.message}"  # a JSON-RPC error (invalid params, a timeout): text
             return entry
         except Exception as error:  # noqa: BLE001 - the transport failed: the server is gone, so is the episode
             connection.broken = True
-            raise AgentCrash(f"MCP server {connection.config.name!r} failed during a call of {tool!r}: "
-                             f"{_describe(error)}", connection.metadata()) from None
+            raise AgentCrash(
+                f"MCP server {connection.config.name!r} failed during a call of {tool!r}: {_describe(error)}",
+                connection.metadata(),
+            ) from None
         entry["content"] = tool_result_text(result, self.max_tool_output_chars)
         entry["is_error"] = bool(result.is_error)
         if result.structured_content is not None:

@@ -183,11 +183,25 @@ def from_openenv(
     ```
     """
     return OpenEnvAgent(
-        server=server, client=client, action=action, action_format=action_format, tool_name=tool_name,
-        observation_to_message=observation_to_message, reply_to_action=reply_to_action, max_turns=max_turns,
-        reset_columns=reset_columns, reset_kwargs=reset_kwargs, reward=reward, reward_funcs=reward_funcs,
-        per_episode=per_episode, app_dir=app_dir, env=env, inherit_env=inherit_env,
-        startup_timeout=startup_timeout, message_timeout=message_timeout, model=model,
+        server=server,
+        client=client,
+        action=action,
+        action_format=action_format,
+        tool_name=tool_name,
+        observation_to_message=observation_to_message,
+        reply_to_action=reply_to_action,
+        max_turns=max_turns,
+        reset_columns=reset_columns,
+        reset_kwargs=reset_kwargs,
+        reward=reward,
+        reward_funcs=reward_funcs,
+        per_episode=per_episode,
+        app_dir=app_dir,
+        env=env,
+        inherit_env=inherit_env,
+        startup_timeout=startup_timeout,
+        message_timeout=message_timeout,
+        model=model,
     )
 
 
@@ -208,15 +222,37 @@ class OpenEnvAgent:
     runs; `close()` stops a shared local server (also done at exit).
     """
 
-    def __init__(self, *, server, client, action, action_format, tool_name, observation_to_message, reply_to_action,
-                 max_turns, reset_columns, reset_kwargs, reward, reward_funcs, per_episode, app_dir, env, inherit_env,
-                 startup_timeout, message_timeout, model):
+    def __init__(
+        self,
+        *,
+        server,
+        client,
+        action,
+        action_format,
+        tool_name,
+        observation_to_message,
+        reply_to_action,
+        max_turns,
+        reset_columns,
+        reset_kwargs,
+        reward,
+        reward_funcs,
+        per_episode,
+        app_dir,
+        env,
+        inherit_env,
+        startup_timeout,
+        message_timeout,
+        model,
+    ):
         # Where the environment runs
         self._url, self._command = _parse_server(server, app_dir)
         if per_episode and self._url is not None:
-            raise ValueError(f"per_episode=True starts a server per episode, but server={server!r} is a URL of a "
-                             "running one. Pass the environment's app ('package.module:app') or a command with "
-                             "'{port}' instead, or drop per_episode.")
+            raise ValueError(
+                f"per_episode=True starts a server per episode, but server={server!r} is a URL of a "
+                "running one. Pass the environment's app ('package.module:app') or a command with "
+                "'{port}' instead, or drop per_episode."
+            )
         self.per_episode = per_episode
         self._server_env = {**command_environment(_server_inherited(inherit_env)), **(env or {})}
         self._startup_timeout = startup_timeout
@@ -226,11 +262,15 @@ class OpenEnvAgent:
 
         # Actions and observations
         if action_format is not None and action_format not in ACTION_FORMATS:
-            raise ValueError(f"action_format={action_format!r}: use one of {list(ACTION_FORMATS)} (or None to "
-                             "decide from the action's schema).")
+            raise ValueError(
+                f"action_format={action_format!r}: use one of {list(ACTION_FORMATS)} (or None to "
+                "decide from the action's schema)."
+            )
         if action is not None and not hasattr(action, "model_json_schema"):
-            raise ValueError(f"action={action!r} is not an OpenEnv Action class (a pydantic model); pass the class "
-                             "the environment's server was created with, or leave it out.")
+            raise ValueError(
+                f"action={action!r} is not an OpenEnv Action class (a pydantic model); pass the class "
+                "the environment's server was created with, or leave it out."
+            )
         self.client_cls = client
         self.action_cls = action
         self._action_format = action_format
@@ -243,8 +283,9 @@ class OpenEnvAgent:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns}: an episode needs at least 1 model call.")
         if reward not in REWARD_MODES:
-            raise ValueError(f"reward={reward!r}: use one of {list(REWARD_MODES)}, or pass reward_funcs= to score "
-                             "episodes yourself.")
+            raise ValueError(
+                f"reward={reward!r}: use one of {list(REWARD_MODES)}, or pass reward_funcs= to score episodes yourself."
+            )
         self.max_turns = max_turns
         self.reset_columns = None if reset_columns is None else tuple(reset_columns)
         self.reset_kwargs = dict(reset_kwargs or {})
@@ -313,12 +354,22 @@ class OpenEnvAgent:
             if local is not None:
                 local.stop()  # also on the episode's timeout (a cancellation)
 
-    async def _play(self, policy, url: str, protocol: _Protocol, task: dict[str, Any],
-                    reset: dict[str, Any]) -> dict[str, Any]:
+    async def _play(
+        self, policy, url: str, protocol: _Protocol, task: dict[str, Any], reset: dict[str, Any]
+    ) -> dict[str, Any]:
         prompt = task.get("prompt") or []
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        record = {"reward": None, "rewards": [], "done": False, "steps": 0, "turns": 0, "finish": "max_turns",
-                  "observations": [], "actions": [], "server": url}
+        record = {
+            "reward": None,
+            "rewards": [],
+            "done": False,
+            "steps": 0,
+            "turns": 0,
+            "finish": "max_turns",
+            "observations": [],
+            "actions": [],
+            "server": url,
+        }
         env = self._env_client(url)
         try:
             try:
@@ -331,7 +382,8 @@ class OpenEnvAgent:
             record["done"] = bool(result.done)
             while not record["done"] and record["turns"] < self.max_turns:
                 response = await policy.chat.completions.create(
-                    model=self.model, messages=messages, **({"tools": protocol.tools} if protocol.tools else {}))
+                    model=self.model, messages=messages, **({"tools": protocol.tools} if protocol.tools else {})
+                )
                 record["turns"] += 1
                 reply = response.choices[0].message
                 # Sent back exactly as returned, as agents that append `response.choices[0].message` do.
@@ -348,8 +400,9 @@ class OpenEnvAgent:
             record["reward"] = float(sum(rewards)) if self.reward == "sum" else float(rewards[-1])
         return record
 
-    async def _act(self, env, url: str, protocol: _Protocol, messages: list[dict[str, Any]], reply,
-                   record: dict[str, Any]) -> bool:
+    async def _act(
+        self, env, url: str, protocol: _Protocol, messages: list[dict[str, Any]], reply, record: dict[str, Any]
+    ) -> bool:
         """Turn one reply into an action and step the environment; answer the model. False: the episode ends."""
         message = reply.model_dump(exclude_none=True)
         calls = list(reply.tool_calls or []) if protocol.format == "tool" else []
@@ -399,8 +452,13 @@ class OpenEnvAgent:
         if protocol.format == "tool" and calls:
             messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": content})
             for call in calls[1:]:
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": "Error: not run; one action per turn, this one was the first call's."})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "content": "Error: not run; one action per turn, this one was the first call's.",
+                    }
+                )
         else:
             messages.append({"role": "user", "content": content})
 
@@ -440,8 +498,10 @@ class OpenEnvAgent:
         else:
             missing = [c for c in self.reset_columns if c not in task]
             if missing:
-                raise AgentCrash(f"reset_columns {missing} are not in the agent's task (its columns: {sorted(task)});"
-                                 " add them to AgenticGRPOConfig.agent_columns (or the suite's agent_columns).")
+                raise AgentCrash(
+                    f"reset_columns {missing} are not in the agent's task (its columns: {sorted(task)});"
+                    " add them to AgenticGRPOConfig.agent_columns (or the suite's agent_columns)."
+                )
             columns = {c: task[c] for c in self.reset_columns}
         return {**self.reset_kwargs, **columns}
 
@@ -458,15 +518,19 @@ class OpenEnvAgent:
                 response.raise_for_status()
                 schema = response.json()["action"]
             except Exception as error:  # noqa: BLE001 - reported with what to do instead
-                raise AgentCrash(f"could not read the action schema from {_http_url(url)}/schema ({error}); pass "
-                                 "action=<the environment's Action class>, or action_format= and reply_to_action=.")
-        self._protocol = _protocol_from_schema(schema, self._action_format, self._tool_name,
-                                               custom_reply=self.reply_to_action is not None)
+                raise AgentCrash(
+                    f"could not read the action schema from {_http_url(url)}/schema ({error}); pass "
+                    "action=<the environment's Action class>, or action_format= and reply_to_action=."
+                )
+        self._protocol = _protocol_from_schema(
+            schema, self._action_format, self._tool_name, custom_reply=self.reply_to_action is not None
+        )
         return self._protocol
 
 
-def _protocol_from_schema(schema: dict[str, Any], action_format: str | None, tool_name: str | None,
-                          custom_reply: bool = False) -> _Protocol:
+def _protocol_from_schema(
+    schema: dict[str, Any], action_format: str | None, tool_name: str | None, custom_reply: bool = False
+) -> _Protocol:
     """`_Protocol` for an action's JSON schema.
 
     Example:
@@ -486,9 +550,11 @@ def _protocol_from_schema(schema: dict[str, Any], action_format: str | None, too
     text_field = strings[0] if len(required) == 1 and strings else None
     chosen = action_format or ("text" if text_field else "tool")
     if chosen == "text" and text_field is None and not custom_reply:
-        raise ValueError(f"action_format='text' needs an action with exactly one required string field; this one's "
-                         f"required fields are {required} ({schema.get('title', 'the action')}). Use "
-                         "action_format='tool', or pass reply_to_action= to build the action from the reply.")
+        raise ValueError(
+            f"action_format='text' needs an action with exactly one required string field; this one's "
+            f"required fields are {required} ({schema.get('title', 'the action')}). Use "
+            "action_format='tool', or pass reply_to_action= to build the action from the reply."
+        )
     tools = None
     if chosen == "tool":
         title = schema.get("title") or "Action"
@@ -497,8 +563,7 @@ def _protocol_from_schema(schema: dict[str, Any], action_format: str | None, too
         if "$defs" in schema:
             parameters["$defs"] = schema["$defs"]
         description = schema.get("description") or f"Take one action in the environment ({title})."
-        tools = [{"type": "function", "function": {"name": name, "description": description,
-                                                   "parameters": parameters}}]
+        tools = [{"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}]
     return _Protocol(chosen, tools, text_field, tuple(properties))
 
 
@@ -544,8 +609,14 @@ class _LocalServer:
         command = [part.replace("{port}", str(self.port)) for part in self.command]
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server must never block on it
         try:
-            self.process = subprocess.Popen(command, env=self.env, stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, stderr=self._stderr, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=self._stderr,
+                start_new_session=True,
+            )
         except OSError as error:
             raise AgentCrash(f"could not start the environment server {command}: {error}") from error
         deadline = time.monotonic() + timeout
@@ -554,16 +625,22 @@ class _LocalServer:
                 if self.process.poll() is not None:
                     tail = self.stderr_tail()
                     self.stop()
-                    raise AgentCrash(f"the environment server {command} exited with status "
-                                     f"{self.process.returncode} before answering /health", {"stderr_tail": tail})
+                    raise AgentCrash(
+                        f"the environment server {command} exited with status "
+                        f"{self.process.returncode} before answering /health",
+                        {"stderr_tail": tail},
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(f"{self.url}/health").status_code == 200:
                         return self
                 if time.monotonic() > deadline:
                     tail = self.stderr_tail()
                     self.stop()
-                    raise AgentCrash(f"the environment server {command} did not answer {self.url}/health within "
-                                     f"{timeout:g} s (startup_timeout)", {"stderr_tail": tail})
+                    raise AgentCrash(
+                        f"the environment server {command} did not answer {self.url}/health within "
+                        f"{timeout:g} s (startup_timeout)",
+                        {"stderr_tail": tail},
+                    )
                 time.sleep(0.1)
         raise AgentCrash(f"the environment server {command} was stopped while starting")
 
@@ -617,18 +694,34 @@ def _parse_server(server: Any, app_dir: str | None) -> tuple[str | None, list[st
     if isinstance(server, str) and re.match(r"^(https?|wss?)://", server):
         return server.rstrip("/"), None
     if isinstance(server, str) and re.fullmatch(r"[\w.]+:[\w.]+", server):
-        command = [sys.executable, "-m", "uvicorn", server, "--host", "127.0.0.1", "--port", "{port}",
-                   "--app-dir", os.path.abspath(app_dir or os.getcwd()), "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            server,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "--app-dir",
+            os.path.abspath(app_dir or os.getcwd()),
+            "--log-level",
+            "warning",
+        ]
         return None, command
     if app_dir is not None:
         raise ValueError(f"app_dir={app_dir!r} is for server='package.module:app'; server={server!r} is not one.")
     command = server.split() if isinstance(server, str) else list(server) if isinstance(server, Sequence) else None
     if not command or not all(isinstance(part, str) for part in command):
-        raise ValueError(f"server={server!r}: pass the URL of a running environment server ('http://host:port'), "
-                         "its FastAPI app ('package.module:app'), or a command serving it on '{port}'.")
+        raise ValueError(
+            f"server={server!r}: pass the URL of a running environment server ('http://host:port'), "
+            "its FastAPI app ('package.module:app'), or a command serving it on '{port}'."
+        )
     if not any("{port}" in part for part in command):
-        raise ValueError(f"The server command {command} needs '{{port}}' in its arguments (the free loopback port "
-                         "it is to serve on), e.g. ['python', '-m', 'my_env.server.app', '--port', '{port}'].")
+        raise ValueError(
+            f"The server command {command} needs '{{port}}' in its arguments (the free loopback port "
+            "it is to serve on), e.g. ['python', '-m', 'my_env.server.app', '--port', '{port}']."
+        )
     return None, command
 
 
@@ -677,9 +770,11 @@ def _environment_error(what: str, url: str, error: Exception) -> AgentCrash:
     # 0.4 often sees only the close (ConnectionClosedOK) when it comes before the frame is read.
     closed_at_once = what == "reset" and type(error).__name__.startswith("ConnectionClosed")
     if _error_code(error) == "CAPACITY_REACHED" or closed_at_once:
-        message += (". OpenEnv refuses a session when its server already runs max_concurrent_envs of them: serve "
-                    "it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at once (an environment "
-                    "with SUPPORTS_CONCURRENT_SESSIONS = True), or start a server per episode (per_episode=True).")
+        message += (
+            ". OpenEnv refuses a session when its server already runs max_concurrent_envs of them: serve "
+            "it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at once (an environment "
+            "with SUPPORTS_CONCURRENT_SESSIONS = True), or start a server per episode (per_episode=True)."
+        )
     return AgentCrash(message, {"environment_error": str(error)})
 
 

@@ -188,8 +188,9 @@ def rubric_reward_funcs(rubric: Any) -> tuple[list[Callable], list[float]]:
 def _reward_func(rubric: Any, func: Callable, name: str) -> Callable:
     is_group = rubric._is_group_func(func)
 
-    async def reward(prompts: list, completions: list, episodes: list | None = None, example_id: list | None = None,
-                     **kwargs: Any) -> list[float | None]:
+    async def reward(
+        prompts: list, completions: list, episodes: list | None = None, example_id: list | None = None, **kwargs: Any
+    ) -> list[float | None]:
         if episodes is None:
             raise ValueError(
                 f"The reward function {name!r} scores verifiers rollouts and needs `episodes=` (AgenticGRPOTrainer and "

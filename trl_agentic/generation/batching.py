@@ -149,8 +149,11 @@ class DynamicBatcher:
     async def _run_isolating(self, batch: list[Request]) -> None:
         try:
             outputs = await asyncio.to_thread(
-                self.generate_batch, [r.prompt_ids for r in batch], [r.sampling for r in batch],
-                [r.cancelled for r in batch], [r.emit for r in batch],
+                self.generate_batch,
+                [r.prompt_ids for r in batch],
+                [r.sampling for r in batch],
+                [r.cancelled for r in batch],
+                [r.emit for r in batch],
             )
         except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not to the worker
             batch = [r for r in batch if not r.future.done()]

@@ -118,8 +118,11 @@ class PrefixCache:
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if nbytes > self.max_bytes:
             return
-        if (replaces is not None and self._entries.get(id(replaces)) is replaces
-                and tokens[: len(replaces.tokens)] == replaces.tokens):
+        if (
+            replaces is not None
+            and self._entries.get(id(replaces)) is replaces
+            and tokens[: len(replaces.tokens)] == replaces.tokens
+        ):
             self._remove(replaces)
         entry = PrefixEntry(tokens, keys, values, block_hashes(tokens), nbytes)
         self._entries[id(entry)] = entry

@@ -489,8 +489,13 @@ class TransformersEngine:
         if request.cancelled.is_set():
             return None
         try:
-            return self._new_row(request.prompt_ids, request.sampling, self._answer(request), request.cancelled,
-                                 request.emit if request.on_token is not None else None)
+            return self._new_row(
+                request.prompt_ids,
+                request.sampling,
+                self._answer(request),
+                request.cancelled,
+                request.emit if request.on_token is not None else None,
+            )
         except Exception as error:  # noqa: BLE001 - this request's own failure
             request.fail_threadsafe(error)
             return None
@@ -518,8 +523,16 @@ class TransformersEngine:
         # A random stream of its own (issue 29, L4): a request's draws never depend on or move torch's global RNG, nor
         # another request's draws.
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return _Row(prompt, sampling, max_new, _stream_key(seed), done, cancelled, emit,
-                    tops=[] if sampling.top_logprobs else None)
+        return _Row(
+            prompt,
+            sampling,
+            max_new,
+            _stream_key(seed),
+            done,
+            cancelled,
+            emit,
+            tops=[] if sampling.top_logprobs else None,
+        )
 
     @property
     def _device(self) -> torch.device:
@@ -533,10 +546,7 @@ class TransformersEngine:
     # One batch, synchronously
 
     def generate_batch(
-        self,
-        prompts: list[list[int]],
-        samplings: list[SamplingParams],
-        cancelled: list[threading.Event] | None = None,
+        self, prompts: list[list[int]], samplings: list[SamplingParams], cancelled: list[threading.Event] | None = None
     ) -> list[GenerationOutput]:
         """Sample a completion for each prompt, together, in the calling thread (the same prefill, decode and prefix
         cache as `generate`). A row whose `cancelled` event is set stops sampling (finish reason `"cancelled"`).
@@ -544,8 +554,12 @@ class TransformersEngine:
         results: list[GenerationOutput | BaseException | None] = [None] * len(prompts)
         rows = []
         for i, (prompt, sampling) in enumerate(zip(prompts, samplings, strict=True)):
-            row = self._new_row(list(prompt), sampling, lambda result, i=i: results.__setitem__(i, result),
-                                cancelled[i] if cancelled is not None else None)
+            row = self._new_row(
+                list(prompt),
+                sampling,
+                lambda result, i=i: results.__setitem__(i, result),
+                cancelled[i] if cancelled is not None else None,
+            )
             if row is not None:
                 rows.append(row)
         with self._using_model():
@@ -590,8 +604,9 @@ class TransformersEngine:
         for them: a GRPO group's G identical first prompts, the system prompt and tool schemas of every episode.
         Without this each row prefills its whole prompt (a group's first turns cost G full prefills). Returns whether
         anything was computed."""
-        fresh = sorted((row for row in rows if len(row.prompt) - 1 - row.reused >= SHARED_PREFIX_MIN),
-                       key=lambda row: row.prompt)
+        fresh = sorted(
+            (row for row in rows if len(row.prompt) - 1 - row.reused >= SHARED_PREFIX_MIN), key=lambda row: row.prompt
+        )
         computed = False
         for prefix in _shared_prefixes([row.prompt for row in fresh], [row.reused for row in fresh]):
             try:
@@ -609,8 +624,9 @@ class TransformersEngine:
         device = self._device
         cache = None
         if reused:
-            cache = DynamicCache(ddp_cache_data=[_stack_prefixes([(entry, reused)], layer, reused)
-                                                 for layer in range(len(entry.keys))])
+            cache = DynamicCache(
+                ddp_cache_data=[_stack_prefixes([(entry, reused)], layer, reused) for layer in range(len(entry.keys))]
+            )
         outputs = self._module(
             input_ids=torch.tensor([tokens[reused:]], device=device),
             attention_mask=torch.ones((1, len(tokens)), dtype=torch.long, device=device),
@@ -654,8 +670,11 @@ class TransformersEngine:
         cache = None
         if past:
             entries = [(row.entry, start) for row, start in zip(rows, reused)]
-            cache = DynamicCache(ddp_cache_data=[_stack_prefixes(entries, layer, past) for layer in
-                                                 range(len(next(e for e, s in entries if s).keys))])
+            cache = DynamicCache(
+                ddp_cache_data=[
+                    _stack_prefixes(entries, layer, past) for layer in range(len(next(e for e, s in entries if s).keys))
+                ]
+            )
         sampling = self._sampling_inputs(rows)
         outputs = self._module(
             input_ids=input_ids.to(device),
@@ -703,8 +722,9 @@ class TransformersEngine:
         key, draw index and greediness. Made before the forward is queued: a copy from host memory waits for the work
         queued before it, and here there is none."""
         temperatures = torch.tensor([max(row.sampling.temperature, 1e-5) for row in rows])
-        streams = torch.tensor([[row.key, len(row.tokens), row.sampling.temperature <= 0] for row in rows],
-                               dtype=torch.int64)
+        streams = torch.tensor(
+            [[row.key, len(row.tokens), row.sampling.temperature <= 0] for row in rows], dtype=torch.int64
+        )
         return temperatures.to(self._device), streams.to(self._device)
 
     def _sample(self, batch: _Batch, logits: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -720,8 +740,11 @@ class TransformersEngine:
         for i, row in enumerate(rows):
             if row.cancelled is not None and row.cancelled.is_set():
                 row.finish = "cancelled"  # its client went away: free the row
-            if row.finish is None and row.sampling.temperature > 0 and (
-                    row.sampling.top_k > 0 or row.sampling.top_p < 1.0):
+            if (
+                row.finish is None
+                and row.sampling.temperature > 0
+                and (row.sampling.top_k > 0 or row.sampling.top_p < 1.0)
+            ):
                 try:
                     probs[i] = _restrict(probs[i], row.sampling)
                 except Exception as error:  # noqa: BLE001 - this row's own failure
@@ -914,8 +937,9 @@ def _inference_module(model: torch.nn.Module, inference_copy: bool) -> torch.nn.
     memo: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         if inference_copy and _copied(p):
-            memo[id(p)] = torch.nn.Parameter(torch.empty(_full_shape(p), dtype=p.dtype, device=p.device),
-                                             requires_grad=False)
+            memo[id(p)] = torch.nn.Parameter(
+                torch.empty(_full_shape(p), dtype=p.dtype, device=p.device), requires_grad=False
+            )
         else:
             memo[id(p)] = p
     for b in model.buffers():
@@ -936,8 +960,10 @@ def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inferen
     replaced by `load_state_dict(assign=True)` or unfrozen need a new module)."""
     if module is None:
         return False
-    for mine, theirs, copied in ((dict(module.named_parameters()), model.named_parameters(), _copied),
-                                 (dict(module.named_buffers()), model.named_buffers(), lambda b: True)):
+    for mine, theirs, copied in (
+        (dict(module.named_parameters()), model.named_parameters(), _copied),
+        (dict(module.named_buffers()), model.named_buffers(), lambda b: True),
+    ):
         count = 0
         for name, tensor in theirs:
             count += 1
@@ -945,8 +971,13 @@ def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inferen
             if not (inference_copy and copied(tensor)):
                 if own is not tensor:
                     return False
-            elif (own is None or own is tensor or own.shape != _full_shape(tensor) or own.dtype != tensor.dtype
-                  or own.device != tensor.device):
+            elif (
+                own is None
+                or own is tensor
+                or own.shape != _full_shape(tensor)
+                or own.dtype != tensor.dtype
+                or own.device != tensor.device
+            ):
                 return False
         if count != len(mine):
             return False
@@ -989,8 +1020,10 @@ def _weights_checksum(model: torch.nn.Module) -> list[int]:
     sums = []
     for p in model.parameters():
         flat = p.detach().reshape(-1)
-        if flat.element_size() < 4 and (flat.numel() * flat.element_size()) % 4 == 0 == (
-                flat.storage_offset() * flat.element_size()) % 4:
+        if (
+            flat.element_size() < 4
+            and (flat.numel() * flat.element_size()) % 4 == 0 == (flat.storage_offset() * flat.element_size()) % 4
+        ):
             flat = flat.view(torch.int32)  # bf16 pairs: int32 sums are as exact and faster
         else:
             flat = flat.view(_INTEGERS_OF_SIZE[flat.element_size()])

@@ -135,8 +135,14 @@ class VLLMColocateEngine(DynamicBatcher):
 
         params = [
             VLLMSamplingParams(
-                n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-                max_tokens=s.max_tokens, logprobs=s.top_logprobs, seed=s.seed, stop_token_ids=s.stop_token_ids,
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else -1,
+                max_tokens=s.max_tokens,
+                logprobs=s.top_logprobs,
+                seed=s.seed,
+                stop_token_ids=s.stop_token_ids,
                 skip_special_tokens=False,
             )
             for s in samplings

@@ -154,7 +154,9 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         rewards = list(rewards)  # TRL takes any iterable
         _check_rewards(name, rewards, len(episodes) if episodes is not None else None)
         if masks and episodes is not None:
-            return [None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)]
+            return [
+                None if ep is not None and ep.status != "ok" else r for r, ep in zip(rewards, episodes, strict=True)
+            ]
         return rewards
 
     if inspect.iscoroutinefunction(reward_func):
@@ -199,8 +201,10 @@ class RewardModelFunc:
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         if tokenizer is None:
             if not name or name == type(model).__name__:
-                raise ValueError(f"The reward model {type(model).__name__} has no name_or_path to load its tokenizer "
-                                 "from; pass RewardModelFunc(model, tokenizer=...).")
+                raise ValueError(
+                    f"The reward model {type(model).__name__} has no name_or_path to load its tokenizer "
+                    "from; pass RewardModelFunc(model, tokenizer=...)."
+                )
             tokenizer = AutoTokenizer.from_pretrained(name)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -214,14 +218,17 @@ class RewardModelFunc:
         from trl.data_utils import apply_chat_template, is_conversational
 
         if is_conversational({"prompt": prompts[0]}):
-            texts = [apply_chat_template({"messages": p + c}, self.tokenizer)["text"]
-                     for p, c in zip(prompts, completions, strict=True)]
+            texts = [
+                apply_chat_template({"messages": p + c}, self.tokenizer)["text"]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
         device = PartialState().device
         self.model.to(device)
-        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
-                                add_special_tokens=False).to(device)
+        inputs = self.tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        ).to(device)
         with torch.inference_mode():
             return self.model(**inputs).logits[:, 0].float().tolist()
 
@@ -252,5 +259,7 @@ def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[flo
             "AgenticGRPOTrainer passes to reward functions; plain TRL does not (use `mask_truncated_completions`)."
         )
     # an episode that never called the model had nothing cut
-    return [-1.0 if episode.turns and episode.turns[-1].finish_reason == "length" else 0.0
-            for episode in kwargs["episodes"][: len(completions)]]
+    return [
+        -1.0 if episode.turns and episode.turns[-1].finish_reason == "length" else 0.0
+        for episode in kwargs["episodes"][: len(completions)]
+    ]

@@ -101,14 +101,17 @@ class CallableAgent:
         if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
             if context.http_client is not None:
                 return await self.fn(openai.AsyncOpenAI(**kwargs, http_client=context.http_client), task)
-            async with openai.AsyncOpenAI(**kwargs, http_client=openai.DefaultAsyncHttpxClient(trust_env=False)) as client:
+            async with openai.AsyncOpenAI(
+                **kwargs, http_client=openai.DefaultAsyncHttpxClient(trust_env=False)
+            ) as client:
                 return await self.fn(client, task)
         with self._lock:
             if self._sync_http_client is None:
                 # trust_env=False (as every client this module builds for the endpoint): the endpoint is ours; a proxy
                 # set in the environment for the agent's other traffic must not carry its model calls.
-                self._sync_http_client = httpx.Client(limits=httpx.Limits(max_connections=None), timeout=None,
-                                                      trust_env=False)
+                self._sync_http_client = httpx.Client(
+                    limits=httpx.Limits(max_connections=None), timeout=None, trust_env=False
+                )
         client = openai.OpenAI(**kwargs, http_client=self._sync_http_client)  # not closed: the pool is shared
         return await run_in_daemon_thread(lambda: self.fn(client, task))
 
@@ -119,8 +122,9 @@ class CallableAgent:
             import anthropic
         except ImportError:
             raise ImportError("This agent takes an anthropic client: pip install 'trl-agentic[anthropic]'.") from None
-        kwargs = dict(base_url=context.anthropic_base_url, api_key=context.api_key, max_retries=0,
-                      timeout=context.timeout)
+        kwargs = dict(
+            base_url=context.anthropic_base_url, api_key=context.api_key, max_retries=0, timeout=context.timeout
+        )
         if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
             http_client = anthropic.DefaultAsyncHttpxClient(trust_env=False)
             async with anthropic.AsyncAnthropic(**kwargs, http_client=http_client) as client:

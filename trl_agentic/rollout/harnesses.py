@@ -72,14 +72,31 @@ def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path,
     config_dir = home / ".config" / "mini-swe-agent"
     config_dir.mkdir(parents=True, exist_ok=True)
     argv = [
-        binary, "--yolo", "--exit-immediately", "--task", task, "--model", f"openai/{context.model}",
-        "--output", str(home / "trajectory.json"),
-        "--config", "mini.yaml", "--config", "agent.cost_limit=0", "--config", "agent.step_limit=0",
+        binary,
+        "--yolo",
+        "--exit-immediately",
+        "--task",
+        task,
+        "--model",
+        f"openai/{context.model}",
+        "--output",
+        str(home / "trajectory.json"),
+        "--config",
+        "mini.yaml",
+        "--config",
+        "agent.cost_limit=0",
+        "--config",
+        "agent.step_limit=0",
     ]
     env = {
-        "OPENAI_BASE_URL": context.base_url, "OPENAI_API_BASE": context.base_url, "OPENAI_API_KEY": context.api_key,
-        "MSWEA_GLOBAL_CONFIG_DIR": str(config_dir), "MSWEA_CONFIGURED": "true", "MSWEA_SILENT_STARTUP": "1",
-        "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no price-list download
+        "OPENAI_BASE_URL": context.base_url,
+        "OPENAI_API_BASE": context.base_url,
+        "OPENAI_API_KEY": context.api_key,
+        "MSWEA_GLOBAL_CONFIG_DIR": str(config_dir),
+        "MSWEA_CONFIGURED": "true",
+        "MSWEA_SILENT_STARTUP": "1",
+        "MSWEA_COST_TRACKING": "ignore_errors",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no price-list download
     }
     return argv, env
 
@@ -88,11 +105,26 @@ def _claude_code(binary: str, task: str, context: EpisodeContext, work: Path, ho
     # Claude Code 2.x headless (`-p`): the Anthropic Messages route, its key as ANTHROPIC_API_KEY; no telemetry, error
     # reports, auto-update or other non-essential traffic. `--allowedTools` is the headless permission rule for its
     # file and shell tools (`--dangerously-skip-permissions` refuses to run as root outside a declared sandbox).
-    argv = [binary, "-p", task, "--model", context.model,
-            "--allowedTools", "Bash", "Edit", "Write", "Read", "Glob", "Grep"]
+    argv = [
+        binary,
+        "-p",
+        task,
+        "--model",
+        context.model,
+        "--allowedTools",
+        "Bash",
+        "Edit",
+        "Write",
+        "Read",
+        "Glob",
+        "Grep",
+    ]
     env = {
-        "ANTHROPIC_BASE_URL": context.anthropic_base_url, "ANTHROPIC_API_KEY": context.api_key,
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+        "ANTHROPIC_BASE_URL": context.anthropic_base_url,
+        "ANTHROPIC_API_KEY": context.api_key,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1",
     }
     return argv, env
@@ -140,8 +172,13 @@ def _gemini_cli(binary: str, task: str, context: EpisodeContext, work: Path, hom
     (home / ".gemini").mkdir()
     (home / ".gemini" / "settings.json").write_text(json.dumps(_GEMINI_SETTINGS))
     argv = [binary, "-m", context.model, "--yolo", "-p", task]
-    env = {"GOOGLE_GEMINI_BASE_URL": context.anthropic_base_url, "GEMINI_API_KEY": context.api_key,
-           "NO_COLOR": "1", "TERM": "dumb", "CI": "1"}
+    env = {
+        "GOOGLE_GEMINI_BASE_URL": context.anthropic_base_url,
+        "GEMINI_API_KEY": context.api_key,
+        "NO_COLOR": "1",
+        "TERM": "dumb",
+        "CI": "1",
+    }
     return argv, env
 
 
@@ -161,19 +198,27 @@ def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home:
         "autoupdate": False,
         "share": "disabled",
         "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
-        "provider": {"trl-agentic": {
-            "npm": "@ai-sdk/openai-compatible", "name": "trl-agentic",
-            "options": {"baseURL": context.base_url, "apiKey": "{env:TRL_AGENTIC_API_KEY}"},
-            "models": {context.model: {"name": context.model}},
-        }},
+        "provider": {
+            "trl-agentic": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "trl-agentic",
+                "options": {"baseURL": context.base_url, "apiKey": "{env:TRL_AGENTIC_API_KEY}"},
+                "models": {context.model: {"name": context.model}},
+            }
+        },
     }
     (config_home / "opencode" / "opencode.json").write_text(json.dumps(config, indent=2))
     (home / ".npmrc").write_text("offline=true\n")
     env = {
-        "TRL_AGENTIC_API_KEY": context.api_key, "XDG_CONFIG_HOME": str(config_home),
-        "XDG_DATA_HOME": str(home / ".local" / "share"), "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"), "OPENCODE_DISABLE_AUTOUPDATE": "1",
-        "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "NO_COLOR": "1",
+        "TRL_AGENTIC_API_KEY": context.api_key,
+        "XDG_CONFIG_HOME": str(config_home),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "OPENCODE_DISABLE_AUTOUPDATE": "1",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "NO_COLOR": "1",
     }
     return [binary, "run", "--model", f"trl-agentic/{context.model}", task], env
 
@@ -238,8 +283,11 @@ class Harness:
         candidate = self.binary or os.environ.get(self.binary_env_var) or self.preset.executable
         found = shutil.which(candidate)
         if found is None:
-            where = f"{candidate!r} is not an executable" if self.binary or os.environ.get(self.binary_env_var) \
+            where = (
+                f"{candidate!r} is not an executable"
+                if self.binary or os.environ.get(self.binary_env_var)
                 else f"{candidate!r} is not on PATH"
+            )
             raise HarnessNotFoundError(
                 f"Harness {self.name!r} not found: {where}. Install it ({self.preset.install}), or point at it with "
                 f"Harness({self.name!r}, binary=...) or ${self.binary_env_var}."
@@ -248,8 +296,10 @@ class Harness:
 
     def task_text(self, task: dict[str, Any]) -> str:
         if self.task_column not in task:
-            raise ValueError(f"The task has no {self.task_column!r} column (it has {sorted(task)}); set "
-                             "Harness(task_column=...) and list that column in AgenticGRPOConfig.agent_columns.")
+            raise ValueError(
+                f"The task has no {self.task_column!r} column (it has {sorted(task)}); set "
+                "Harness(task_column=...) and list that column in AgenticGRPOConfig.agent_columns."
+            )
         value = task[self.task_column]
         if isinstance(value, str):
             return value
@@ -268,11 +318,22 @@ class Harness:
         try:
             self._write_files(work, task)
             argv, preset_env = self.preset.prepare(binary, self.task_text(task), context, work, home)
-            env = {**command_environment(self.inherit_env), **preset_env, **self.env, "HOME": str(home),
-                   "TMPDIR": str(root)}
+            env = {
+                **command_environment(self.inherit_env),
+                **preset_env,
+                **self.env,
+                "HOME": str(home),
+                "TMPDIR": str(root),
+            }
             process = await asyncio.create_subprocess_exec(
-                *argv, *self.args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, env=env, cwd=work, start_new_session=True,
+                *argv,
+                *self.args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=work,
+                start_new_session=True,
             )
             returncode, output, _, held = await run_process(process)
         except BaseException:
@@ -284,8 +345,14 @@ class Harness:
         if returncode != 0:
             self._remove(root)
             raise AgentCrash(f"harness {self.name!r} exited with status {returncode}", metadata)
-        return {"harness": self.name, "exit_code": returncode, "output": output[-OUTPUT_TAIL:],
-                "workspace": str(work), "files": snapshot(work), **({"left_processes_killed": True} if held else {})}
+        return {
+            "harness": self.name,
+            "exit_code": returncode,
+            "output": output[-OUTPUT_TAIL:],
+            "workspace": str(work),
+            "files": snapshot(work),
+            **({"left_processes_killed": True} if held else {}),
+        }
 
     def release(self, episodes: Sequence[Any]) -> None:
         """Remove the workspaces of scored episodes (called by the trainer and the evaluator after the reward
@@ -302,8 +369,10 @@ class Harness:
             return
         files = task.get(self.files_column)
         if files is None:
-            raise ValueError(f"Harness(files_column={self.files_column!r}): the task has no such column; list it in "
-                             "AgenticGRPOConfig.agent_columns.")
+            raise ValueError(
+                f"Harness(files_column={self.files_column!r}): the task has no such column; list it in "
+                "AgenticGRPOConfig.agent_columns."
+            )
         if isinstance(files, str):
             files = json.loads(files)
         for relative, text in files.items():

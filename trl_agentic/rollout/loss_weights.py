@@ -94,7 +94,9 @@ def importance_sampling_ratio(
     modes. `*_truncate` clamps the ratio to [clip_min, clip_max]; `*_mask` sets it to 0 outside that range.
     """
     if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise ValueError(f"Unknown vllm_importance_sampling_mode {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}.")
+        raise ValueError(
+            f"Unknown vllm_importance_sampling_mode {mode!r}; expected one of {IMPORTANCE_SAMPLING_MODES}."
+        )
     diff = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * mask, nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(dim=-1, keepdim=True)

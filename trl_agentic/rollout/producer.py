@@ -69,8 +69,17 @@ class RolloutProducer:
     ```
     """
 
-    def __init__(self, server: EpisodeServer, agent: EpisodeAgent, *, max_staleness: int = 1,
-                 max_concurrent: int = 64, timeout: float = 300.0, model: str | None = None, version: int = 0):
+    def __init__(
+        self,
+        server: EpisodeServer,
+        agent: EpisodeAgent,
+        *,
+        max_staleness: int = 1,
+        max_concurrent: int = 64,
+        timeout: float = 300.0,
+        model: str | None = None,
+        version: int = 0,
+    ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}.")
         self.server, self.agent = server, agent
@@ -91,8 +100,15 @@ class RolloutProducer:
 
     # The trainer's side (any thread but the producer's)
 
-    def submit(self, index: int, tasks: list[dict[str, Any]], group_indices: list[int], consume_version: int,
-               unit_size: int, seed: int | None = None) -> None:
+    def submit(
+        self,
+        index: int,
+        tasks: list[dict[str, Any]],
+        group_indices: list[int],
+        consume_version: int,
+        unit_size: int,
+        seed: int | None = None,
+    ) -> None:
         """Queue generation batch `index` (after every batch submitted before it), to be trained at
         `consume_version`. `unit_size`: episodes started together (a group); must divide `len(tasks)`, else the
         batch is one unit. `seed`: the batch's seed (episode `i` samples from `derive_seed(seed, i)`)."""
@@ -210,8 +226,14 @@ class RolloutProducer:
     async def _run_unit(self, batch: _Batch, start: int, end: int, version: int) -> None:
         try:
             episodes = await run_episodes(
-                self.server, self.agent, batch.tasks[start:end], group_indices=batch.group_indices[start:end],
-                max_concurrent=end - start, timeout=self.timeout, model=self.model, seed=batch.seed,
+                self.server,
+                self.agent,
+                batch.tasks[start:end],
+                group_indices=batch.group_indices[start:end],
+                max_concurrent=end - start,
+                timeout=self.timeout,
+                model=self.model,
+                seed=batch.seed,
                 first_index=start,
             )
             for i, episode in enumerate(episodes):

@@ -44,14 +44,16 @@ class EpisodeServer(Protocol):
     @property
     def served_model_name(self) -> str: ...
 
-    def open_episode(self, task_index: int = 0, group_index: int = 0, metadata: dict[str, Any] | None = None,
-                     seed: int | None = None) -> Any:
+    def open_episode(
+        self, task_index: int = 0, group_index: int = 0, metadata: dict[str, Any] | None = None, seed: int | None = None
+    ) -> Any:
         """Returns a session with the episode's `key` and `episode.id`; its calls that bring no seed sample from seeds
         derived from `seed` and their index in the episode (`None`: the engine draws them). `metadata` starts the
         episode's metadata (`task_prompt`: what lineage uses to tell the task's conversation from the others)."""
 
-    def close_episode(self, episode_id: str, status: str | None = None, result: Any = None,
-                      error: str | None = None) -> Episode: ...
+    def close_episode(
+        self, episode_id: str, status: str | None = None, result: Any = None, error: str | None = None
+    ) -> Episode: ...
 
 
 async def run_episode(
@@ -152,13 +154,15 @@ async def run_episodes(
             # each) at each request and response, 9% of a CPU demo step's profile with 32 episodes sharing one pool
             # (benchmarks/rollout_benchmark.py: 0.95x the shared pool's time on a zero-cost engine).
             if http_client is not None:
-                return await run_episode(server, agent, tasks[i], index, group_indices[i], timeout, model,
-                                         http_client, episode_seed)
+                return await run_episode(
+                    server, agent, tasks[i], index, group_indices[i], timeout, model, http_client, episode_seed
+                )
             # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents'
             # own traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
             async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context(), trust_env=False) as own_client:
-                return await run_episode(server, agent, tasks[i], index, group_indices[i], timeout, model,
-                                         own_client, episode_seed)
+                return await run_episode(
+                    server, agent, tasks[i], index, group_indices[i], timeout, model, own_client, episode_seed
+                )
 
     return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
 

@@ -193,10 +193,24 @@ class DemoSettings:
 
 # `--smoke`: every stage of the same pipeline, at toy sizes (the model learns nothing; CI checks the plumbing).
 SMOKE_OVERRIDES = dict(
-    hidden_size=32, num_layers=1, num_demonstrations=16, short_steps=3, short_batch_size=4, full_steps=2,
-    full_batch_size=2, validation_size=4, warm_start_check_every=1, max_completion_length=24, max_turns=2, steps=2,
+    hidden_size=32,
+    num_layers=1,
+    num_demonstrations=16,
+    short_steps=3,
+    short_batch_size=4,
+    full_steps=2,
+    full_batch_size=2,
+    validation_size=4,
+    warm_start_check_every=1,
+    max_completion_length=24,
+    max_turns=2,
+    steps=2,
     warmup_steps=1,
-    num_generations=2, tasks_per_step=2, train_size=8, eval_size=4, eval_every=1,
+    num_generations=2,
+    tasks_per_step=2,
+    train_size=8,
+    eval_size=4,
+    eval_every=1,
 )
 
 
@@ -314,8 +328,9 @@ def grpo_tasks(suite, settings: DemoSettings, demonstrations: list[dict]):
     """
     from trl_agentic.tasks import build_difficulty_dataset
 
-    dataset = build_difficulty_dataset(suite, split="train", size=settings.train_size, seed=settings.seed + 20_000,
-                                       levels=list(settings.level_list()))
+    dataset = build_difficulty_dataset(
+        suite, split="train", size=settings.train_size, seed=settings.seed + 20_000, levels=list(settings.level_list())
+    )
     seen = {d["messages"][1]["content"] for d in demonstrations}
     unseen = [prompt[-1]["content"] not in seen for prompt in dataset["prompt"]]
     levels = dataset["difficulty"]
@@ -346,10 +361,11 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         info["cached"] = True
         _info(f"loaded the warm-started model from the cache: {cache_path}")
         stopped_at = info.get("validation_success")
-        _info(f"(built in {info['seconds']:.0f}s"
-              + (f", {stopped_at:.0%} success on training-split tasks when it stopped" if stopped_at is not None
-                 else "")
-              + "; delete that folder or pass --no-cache to rebuild it)")
+        _info(
+            f"(built in {info['seconds']:.0f}s"
+            + (f", {stopped_at:.0%} success on training-split tasks when it stopped" if stopped_at is not None else "")
+            + "; delete that folder or pass --no-cache to rebuild it)"
+        )
         return model, tokenizer, info
 
     started = time.monotonic()
@@ -357,20 +373,31 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     torch.manual_seed(settings.seed)
     tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size, seed=settings.seed)
     model = build_tiny_model(
-        tokenizer, hidden_size=settings.hidden_size, num_layers=settings.num_layers, num_heads=settings.num_heads,
+        tokenizer,
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
         seed=settings.seed,
     )
     num_params = sum(p.numel() for p in model.parameters())
     _info(f"{num_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
     demonstrations = warm_start_demonstrations(suite, settings)
-    _info(f"{len(demonstrations)} demonstrations from the training split, operands of "
-          f"{'/'.join(map(str, settings.level_list(settings.warm_start_levels)))} digits: question -> calculator "
-          "call -> tool result -> "
-          "'The answer is N.'")
+    _info(
+        f"{len(demonstrations)} demonstrations from the training split, operands of "
+        f"{'/'.join(map(str, settings.level_list(settings.warm_start_levels)))} digits: question -> calculator "
+        "call -> tool result -> "
+        "'The answer is N.'"
+    )
 
     losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
-    bar = tqdm(total=settings.short_steps, desc="  SFT phase 1/2 (conversation only)", unit="step",
-               file=sys.stdout, mininterval=1.0, dynamic_ncols=True)
+    bar = tqdm(
+        total=settings.short_steps,
+        desc="  SFT phase 1/2 (conversation only)",
+        unit="step",
+        file=sys.stdout,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
 
     def on_short_step(step: int, loss: float) -> None:
         losses["phase1"].append(loss)
@@ -385,27 +412,57 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     # phase 2 started before it stalls at 0% success.
     try:
         if settings.short_steps > 0:
-            warm_start(model, tokenizer, short_form_rows(demonstrations, settings.seed), steps=settings.short_steps,
-                       batch_size=settings.short_batch_size, learning_rate=settings.short_learning_rate,
-                       seed=settings.seed, on_step=on_short_step, workers=settings.warm_start_workers)
+            warm_start(
+                model,
+                tokenizer,
+                short_form_rows(demonstrations, settings.seed),
+                steps=settings.short_steps,
+                batch_size=settings.short_batch_size,
+                learning_rate=settings.short_learning_rate,
+                seed=settings.seed,
+                on_step=on_short_step,
+                workers=settings.warm_start_workers,
+            )
     except _TargetReached:
         pass
     finally:
         bar.close()
     model.eval()
 
-    tasks = validation_tasks(suite, demonstrations, settings.validation_size, settings.seed,
-                             settings.level_list(settings.warm_start_check_levels))
-    stages = [tasks[: len(tasks) // 2], tasks[len(tasks) // 2:]] if settings.warm_start_check_gate > 0 else [tasks]
+    tasks = validation_tasks(
+        suite,
+        demonstrations,
+        settings.validation_size,
+        settings.seed,
+        settings.level_list(settings.warm_start_check_levels),
+    )
+    stages = [tasks[: len(tasks) // 2], tasks[len(tasks) // 2 :]] if settings.warm_start_check_gate > 0 else [tasks]
     validator = StagedCheck(
-        [HeldOutEvaluator(model, tokenizer, suite, stage, settings.temperature, settings.max_completion_length,
-                          settings.max_turns, batch_wait_s=settings.generation_batch_wait_ms / 1000)
-         for stage in stages if stage],
+        [
+            HeldOutEvaluator(
+                model,
+                tokenizer,
+                suite,
+                stage,
+                settings.temperature,
+                settings.max_completion_length,
+                settings.max_turns,
+                batch_wait_s=settings.generation_batch_wait_ms / 1000,
+            )
+            for stage in stages
+            if stage
+        ],
         gate=settings.warm_start_check_gate * settings.warm_start_target,
     )
     checks: list[dict] = []
-    bar = tqdm(total=settings.full_steps, desc="  SFT phase 2/2 (as the agent sends it)", unit="step",
-               file=sys.stdout, mininterval=1.0, dynamic_ncols=True)
+    bar = tqdm(
+        total=settings.full_steps,
+        desc="  SFT phase 2/2 (as the agent sends it)",
+        unit="step",
+        file=sys.stdout,
+        mininterval=1.0,
+        dynamic_ncols=True,
+    )
 
     def on_full_step(step: int, loss: float) -> None:
         losses["phase2"].append(loss)
@@ -413,18 +470,34 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if (step + 1) % settings.warm_start_check_every == 0:
             result = validator.evaluate(model, seed=settings.seed + step)
-            checks.append({"step": step + 1, "success": result["success"], "episodes": result["episodes"],
-                           "malformed_tool_call_rate": result["malformed_tool_call_rate"]})
-            bar.write(f"  after {step + 1} phase-2 steps: success {result['success']:.1%} on "
-                      f"{result['episodes']} training-split tasks (stop at {settings.warm_start_target:.0%})")
+            checks.append(
+                {
+                    "step": step + 1,
+                    "success": result["success"],
+                    "episodes": result["episodes"],
+                    "malformed_tool_call_rate": result["malformed_tool_call_rate"],
+                }
+            )
+            bar.write(
+                f"  after {step + 1} phase-2 steps: success {result['success']:.1%} on "
+                f"{result['episodes']} training-split tasks (stop at {settings.warm_start_target:.0%})"
+            )
             if result["success"] >= settings.warm_start_target:
                 raise _TargetReached
 
     try:
         if settings.full_steps > 0:
-            warm_start(model, tokenizer, demonstrations, steps=settings.full_steps,
-                       batch_size=settings.full_batch_size, learning_rate=settings.full_learning_rate,
-                       seed=settings.seed + 1, on_step=on_full_step, workers=settings.warm_start_workers)
+            warm_start(
+                model,
+                tokenizer,
+                demonstrations,
+                steps=settings.full_steps,
+                batch_size=settings.full_batch_size,
+                learning_rate=settings.full_learning_rate,
+                seed=settings.seed + 1,
+                on_step=on_full_step,
+                workers=settings.warm_start_workers,
+            )
     except _TargetReached:
         pass
     finally:
@@ -445,8 +518,10 @@ def build_warm_started(settings: DemoSettings, suite, cache_path: Path, use_cach
     }
     _info(f"warm start done in {seconds:.0f}s ({info['phase1_steps']} + {info['phase2_steps']} SFT steps)")
     if checks and checks[-1]["success"] < settings.warm_start_target:
-        _info(f"note: phase 2 used all {settings.full_steps} steps without reaching {settings.warm_start_target:.0%}; "
-              "GRPO needs some successes to amplify (raise --set full_steps=... or --set short_steps=...)")
+        _info(
+            f"note: phase 2 used all {settings.full_steps} steps without reaching {settings.warm_start_target:.0%}; "
+            "GRPO needs some successes to amplify (raise --set full_steps=... or --set short_steps=...)"
+        )
     if use_cache:
         tmp = cache_path.with_name(cache_path.name + f".tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -473,11 +548,29 @@ class HeldOutEvaluator(Evaluator):
     `per_task`.
     """
 
-    def __init__(self, model, tokenizer, suite, dataset, temperature: float, max_tokens: int, max_turns: int,
-                 timeout: float = 300.0, batch_wait_s: float = 0.05):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        suite,
+        dataset,
+        temperature: float,
+        max_tokens: int,
+        max_turns: int,
+        timeout: float = 300.0,
+        batch_wait_s: float = 0.05,
+    ):
         super().__init__(
-            model, tokenizer, suite, dataset, num_samples=1, temperature=temperature, max_tokens=max_tokens,
-            max_turns=max_turns, episode_timeout=timeout, concurrency=256,  # every held-out task at once
+            model,
+            tokenizer,
+            suite,
+            dataset,
+            num_samples=1,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            max_turns=max_turns,
+            episode_timeout=timeout,
+            concurrency=256,  # every held-out task at once
             max_generation_batch_size=256,  # as the demo's training engine: CPU decoding is per-step bound
             generation_batch_wait_ms=batch_wait_s * 1000,
         )
@@ -489,16 +582,28 @@ class HeldOutEvaluator(Evaluator):
         result = self.summarize(episodes, rewards, per_func)
         del result["per_task"], result["note"]
         result["examples"] = [
-            {"question": task["prompt"][-1]["content"],
-             "tool_calls": [call["function"].get("arguments") for turn in episode.turns
-                            for call in turn.response_message.get("tool_calls") or []],
-             "answer": episode.result if isinstance(episode.result, str) else None,
-             "expected": task.get("answer"), "reward": reward}
+            {
+                "question": task["prompt"][-1]["content"],
+                "tool_calls": [
+                    call["function"].get("arguments")
+                    for turn in episode.turns
+                    for call in turn.response_message.get("tool_calls") or []
+                ],
+                "answer": episode.result if isinstance(episode.result, str) else None,
+                "expected": task.get("answer"),
+                "reward": reward,
+            }
             for task, episode, reward in list(zip(self.tasks, episodes, rewards, strict=True))[:3]
         ]
         # what the episodes were sampled at, as the endpoint recorded it
-        result["sampled_temperatures"] = sorted({turn.sampling["temperature"] for episode in episodes
-                                                 for turn in episode.turns if "temperature" in turn.sampling})
+        result["sampled_temperatures"] = sorted(
+            {
+                turn.sampling["temperature"]
+                for episode in episodes
+                for turn in episode.turns
+                if "temperature" in turn.sampling
+            }
+        )
         result["seconds"] = time.monotonic() - started
         return result
 
@@ -527,8 +632,11 @@ class StagedCheck:
             calls += result["mean_turns"] * result["episodes"]
             if successes / episodes < self.gate:
                 break
-        return {"success": successes / episodes, "episodes": round(episodes),
-                "malformed_tool_call_rate": malformed / calls if calls else 0.0}
+        return {
+            "success": successes / episodes,
+            "episodes": round(episodes),
+            "malformed_tool_call_rate": malformed / calls if calls else 0.0,
+        }
 
     def close(self) -> None:
         for evaluator in self.evaluators:
@@ -547,8 +655,9 @@ class _ReportingEvaluator:
     held-out at 1.0 sat at ~80% from step 50 while training success at 1.2 caught up from 0.56 to 0.77, and the
     alarm fired). The reported result rides along as `reported`. Prints each result as it comes."""
 
-    def __init__(self, evaluator: HeldOutEvaluator, settings: DemoSettings,
-                 alarm_evaluator: HeldOutEvaluator | None = None):
+    def __init__(
+        self, evaluator: HeldOutEvaluator, settings: DemoSettings, alarm_evaluator: HeldOutEvaluator | None = None
+    ):
         self.evaluator = evaluator
         self.alarm_evaluator = alarm_evaluator
         self.settings = settings
@@ -557,23 +666,34 @@ class _ReportingEvaluator:
         """`reported`: the reported evaluation when already run (the one before training)."""
         if reported is None:
             reported = self.evaluator.evaluate(model, seed=seed)
-        line = (f"\n  held-out success at step {seed - self.settings.seed}: {reported['success']:.1%} "
-                f"({reported['episodes']} episodes, {reported['seconds']:.0f}s)")
+        line = (
+            f"\n  held-out success at step {seed - self.settings.seed}: {reported['success']:.1%} "
+            f"({reported['episodes']} episodes, {reported['seconds']:.0f}s)"
+        )
         if self.alarm_evaluator is None:
             print(line, flush=True)
             return {**reported, "reported": reported}
         result = self.alarm_evaluator.evaluate(model, seed=seed)
-        print(f"{line}; sampled at {self.settings.grpo_temperature} as GRPO samples, for the alarms: "
-              f"{result['success']:.1%} ({result['seconds']:.0f}s)", flush=True)
+        print(
+            f"{line}; sampled at {self.settings.grpo_temperature} as GRPO samples, for the alarms: "
+            f"{result['success']:.1%} ({result['seconds']:.0f}s)",
+            flush=True,
+        )
         return {**result, "reported": reported}
 
     def close(self) -> None:
         pass  # the demo closes its evaluators itself
 
 
-def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_out: dict[int, float] | None = None,
-                    evaluations: dict[int, dict] | None = None, held_out_evaluation: bool = True,
-                    alarm_evaluator: HeldOutEvaluator | None = None, alarm_held_out: dict[int, dict] | None = None):
+def _make_callbacks(
+    evaluator: HeldOutEvaluator,
+    settings: DemoSettings,
+    held_out: dict[int, float] | None = None,
+    evaluations: dict[int, dict] | None = None,
+    held_out_evaluation: bool = True,
+    alarm_evaluator: HeldOutEvaluator | None = None,
+    alarm_held_out: dict[int, dict] | None = None,
+):
     """`(alarms_callback, progress_class)`: the alarms, checked against held-out success measured every `eval_every`
     steps and at the last step (issue #11: reward hacking is training reward rising while held-out success does
     not), and a concise progress line. `held_out` / `evaluations` (the reported evaluation, `evaluator`) and
@@ -597,18 +717,25 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
                     alarm_held_out[step] = {k: v for k, v in result.items() if k not in ("reported", "examples")}
 
     eval_every = settings.eval_every if settings.eval_every > 0 else settings.steps
-    alarms = (DemoAlarms(held_out=_ReportingEvaluator(evaluator, settings, alarm_evaluator),
-                         held_out_eval_steps=max(1, eval_every))
-              if held_out_evaluation else DemoAlarms())
+    alarms = (
+        DemoAlarms(
+            held_out=_ReportingEvaluator(evaluator, settings, alarm_evaluator), held_out_eval_steps=max(1, eval_every)
+        )
+        if held_out_evaluation
+        else DemoAlarms()
+    )
 
     class ConciseProgress(ProgressCallback):
         """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
 
         every = max(1, settings.steps // 15)
-        fields = [("reward", "reward", "{:.2f}"), ("sampling/split_rate", "split groups", "{:.2f}"),
-                  ("sampling/difficulty_mean", "digits", "{:.2f}"),
-                  ("completions/mean_length", "tokens/episode", "{:.1f}"),
-                  ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}")]
+        fields = [
+            ("reward", "reward", "{:.2f}"),
+            ("sampling/split_rate", "split groups", "{:.2f}"),
+            ("sampling/difficulty_mean", "digits", "{:.2f}"),
+            ("completions/mean_length", "tokens/episode", "{:.1f}"),
+            ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}"),
+        ]
 
         def __init__(self):
             super().__init__()
@@ -629,8 +756,11 @@ def _make_callbacks(evaluator: HeldOutEvaluator, settings: DemoSettings, held_ou
             if state.global_step - self.window_start + 1 < self.every and not last:
                 return
             first, self.window_start = self.window_start, state.global_step + 1
-            parts = [f"{label} {fmt.format(sum(v) / len(v))}" for key, label, fmt in self.fields
-                     if (v := self.window.get(key))]
+            parts = [
+                f"{label} {fmt.format(sum(v) / len(v))}"
+                for key, label, fmt in self.fields
+                if (v := self.window.get(key))
+            ]
             self.training_bar.write(f"  steps {first:>3}-{state.global_step:<3} " + "  ".join(parts))
             self.window = {}
 
@@ -701,8 +831,13 @@ def train_grpo(model, tokenizer, suite, settings: DemoSettings, output_dir: Path
     train_dataset = grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings))
     config = grpo_config(settings, output_dir)
     trainer = AgenticGRPOTrainer(
-        model, agent=suite.agent, reward_funcs=grpo_reward_funcs(suite, settings), args=config,
-        train_dataset=train_dataset, processing_class=tokenizer, callbacks=[alarms_callback],
+        model,
+        agent=suite.agent,
+        reward_funcs=grpo_reward_funcs(suite, settings),
+        args=config,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=[alarms_callback],
     )
     from transformers.trainer_callback import ProgressCallback
 
@@ -735,11 +870,33 @@ def save_trained_model(model, tokenizer, settings: DemoSettings, output_dir: Pat
         "from trl_agentic.tasks.calculator import make_calculator_suite\n\n"
         f"TASK = make_calculator_suite(digits={settings.digits}, ops={tuple(settings.ops)!r})\n"
     )
-    sampling = ["--temperature", str(settings.temperature), "--max-tokens", str(settings.max_completion_length),
-                "--max-turns", str(settings.max_turns)]
-    evaluate = ["trl-agentic", "eval", "--task", f"{task_file}:TASK", "--model", str(model_dir), "--split", "eval",
-                "--size", str(settings.eval_size), "--dataset-seed", str(settings.seed), "--num-samples", "1",
-                *sampling, "--seed", str(settings.seed)]
+    sampling = [
+        "--temperature",
+        str(settings.temperature),
+        "--max-tokens",
+        str(settings.max_completion_length),
+        "--max-turns",
+        str(settings.max_turns),
+    ]
+    evaluate = [
+        "trl-agentic",
+        "eval",
+        "--task",
+        f"{task_file}:TASK",
+        "--model",
+        str(model_dir),
+        "--split",
+        "eval",
+        "--size",
+        str(settings.eval_size),
+        "--dataset-seed",
+        str(settings.seed),
+        "--num-samples",
+        "1",
+        *sampling,
+        "--seed",
+        str(settings.seed),
+    ]
     serve = ["trl-agentic", "serve", "--model", str(model_dir), *sampling]
     return {"eval": shlex.join(evaluate), "serve": shlex.join(serve)}
 
@@ -754,8 +911,11 @@ def format_table(before: dict, after: dict) -> str:
         ("held-out success", f"{before['success']:.1%}", f"{after['success']:.1%}"),
         ("mean model calls (turns)", f"{before['mean_turns']:.2f}", f"{after['mean_turns']:.2f}"),
         ("mean tool calls", f"{before['mean_tool_calls']:.2f}", f"{after['mean_tool_calls']:.2f}"),
-        ("malformed tool-call rate", f"{before['malformed_tool_call_rate']:.1%}",
-         f"{after['malformed_tool_call_rate']:.1%}"),
+        (
+            "malformed tool-call rate",
+            f"{before['malformed_tool_call_rate']:.1%}",
+            f"{after['malformed_tool_call_rate']:.1%}",
+        ),
         ("mean sampled tokens", f"{before['mean_sampled_tokens']:.1f}", f"{after['mean_sampled_tokens']:.1f}"),
     ]
     rows += [(f"episodes {s}", str(before["status"].get(s, 0)), str(after["status"].get(s, 0))) for s in statuses]
@@ -780,23 +940,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=defaults.seed, help="Seed of the whole run (data, model, RL).")
     parser.add_argument("--steps", type=int, default=None, help=f"GRPO steps (default {defaults.steps}).")
     parser.add_argument("--smoke", action="store_true", help="The same pipeline at toy sizes, for CI (< 90 s).")
-    parser.add_argument("--cache-dir", default=None,
-                        help="Folder for the warm-started model (default: $TRL_AGENTIC_CACHE/demo or "
-                             "~/.cache/trl-agentic/demo).")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="Folder for the warm-started model (default: $TRL_AGENTIC_CACHE/demo or ~/.cache/trl-agentic/demo).",
+    )
     parser.add_argument("--no-cache", action="store_true", help="Neither read nor write the warm-start cache.")
     parser.add_argument("--eval-size", type=int, default=None, help="Held-out tasks per evaluation.")
     parser.add_argument("--eval-every", type=int, default=None, help="Held-out evaluation every N GRPO steps.")
     parser.add_argument("--learning-rate", type=float, default=None, help="GRPO learning rate.")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1; 0: torch's default, all cores). One thread leaves a core to "
-                             "the endpoint and the agents (faster on 2 cores), and the warm start's first phase is then "
-                             "the same whatever the machine's core count.")
-    parser.add_argument("--async-rollouts", action="store_true",
-                        help="Generate the next step's episodes while this one trains (max_staleness 1; "
-                             "--set max_staleness=N for another bound).")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* "
-                             "(repeatable).")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1; 0: torch's default, all cores). One thread leaves a core to "
+        "the endpoint and the agents (faster on 2 cores), and the warm start's first phase is then "
+        "the same whatever the machine's core count.",
+    )
+    parser.add_argument(
+        "--async-rollouts",
+        action="store_true",
+        help="Generate the next step's episodes while this one trains (max_staleness 1; "
+        "--set max_staleness=N for another bound).",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="Override any DemoSettings field, e.g. --set num_generations=16 --set ops=+,* (repeatable).",
+    )
     return parser.parse_args(argv)
 
 
@@ -804,8 +977,13 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
     settings = DemoSettings(seed=args.seed)
     if args.smoke:
         settings = dataclasses.replace(settings, **SMOKE_OVERRIDES)
-    for name, value in (("steps", args.steps), ("eval_size", args.eval_size), ("eval_every", args.eval_every),
-                        ("learning_rate", args.learning_rate), ("async_rollouts", args.async_rollouts or None)):
+    for name, value in (
+        ("steps", args.steps),
+        ("eval_size", args.eval_size),
+        ("eval_every", args.eval_every),
+        ("learning_rate", args.learning_rate),
+        ("async_rollouts", args.async_rollouts or None),
+    ):
         if value is not None:
             settings = dataclasses.replace(settings, **{name: value})
     types = {f.name: f.type for f in dataclasses.fields(DemoSettings)}
@@ -850,8 +1028,11 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
     total_stages = 5
 
-    print(f"trl-agentic demo{' (smoke)' if args.smoke else ''}: calculator agent, {settings.digits}-digit operands, "
-          f"ops {' '.join(settings.ops)}, seed {settings.seed}; outputs in {output_dir}", flush=True)
+    print(
+        f"trl-agentic demo{' (smoke)' if args.smoke else ''}: calculator agent, {settings.digits}-digit operands, "
+        f"ops {' '.join(settings.ops)}, seed {settings.seed}; outputs in {output_dir}",
+        flush=True,
+    )
 
     # 1-2. Model and warm start
     _stage(1, total_stages, "Tiny model + warm start (SFT on demonstrations)")
@@ -863,38 +1044,57 @@ def main(argv: list[str] | None = None) -> int:
     # 3. Held-out evaluation before
     _stage(2, total_stages, "Held-out evaluation BEFORE GRPO")
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
-    evaluator = HeldOutEvaluator(model, tokenizer, suite, eval_dataset, settings.temperature,
-                                 settings.max_completion_length, settings.max_turns)
+    evaluator = HeldOutEvaluator(
+        model, tokenizer, suite, eval_dataset, settings.temperature, settings.max_completion_length, settings.max_turns
+    )
     grpo_temperature = settings.grpo_temperature if settings.grpo_temperature is not None else settings.temperature
-    alarm_evaluator = (HeldOutEvaluator(model, tokenizer, suite, eval_dataset, grpo_temperature,
-                                        settings.max_completion_length, settings.max_turns)
-                       if grpo_temperature != settings.temperature else None)
+    alarm_evaluator = (
+        HeldOutEvaluator(
+            model, tokenizer, suite, eval_dataset, grpo_temperature, settings.max_completion_length, settings.max_turns
+        )
+        if grpo_temperature != settings.temperature
+        else None
+    )
     try:
-        _info(f"{len(eval_dataset)} eval-split tasks (no question is in the training split), temperature "
-              f"{settings.temperature}")
+        _info(
+            f"{len(eval_dataset)} eval-split tasks (no question is in the training split), temperature "
+            f"{settings.temperature}"
+        )
         t = time.monotonic()
         before = evaluator.evaluate(model, seed=settings.seed)
         timings["eval_before"] = time.monotonic() - t
-        _info(f"success {before['success']:.1%} of {before['episodes']} episodes ({before['scored_episodes']} scored, "
-              f"{before['seconds']:.0f}s)")
+        _info(
+            f"success {before['success']:.1%} of {before['episodes']} episodes ({before['scored_episodes']} scored, "
+            f"{before['seconds']:.0f}s)"
+        )
         for example in before["examples"][:2]:
-            _info(f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
-                  f"(expected {example['expected']})")
+            _info(
+                f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
+                f"(expected {example['expected']})"
+            )
         held_out: dict[int, float] = {}
         evaluations: dict[int, dict] = {}
         alarm_held_out: dict[int, dict] = {}
 
         # 4. GRPO
-        _stage(3, total_stages, f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
-                                f"{settings.num_generations} episodes, reward = the checker's score"
-                                + (", -1 for an answer cut at the token limit" if settings.cut_off_penalty else " only"))
+        _stage(
+            3,
+            total_stages,
+            f"GRPO: {settings.steps} steps x {settings.tasks_per_step} tasks x "
+            f"{settings.num_generations} episodes, reward = the checker's score"
+            + (", -1 for an answer cut at the token limit" if settings.cut_off_penalty else " only"),
+        )
         t = time.monotonic()
-        _info(f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, "
-              f"{settings.task_sampling} task sampling (target: {settings.digits} digits, at least "
-              f"{settings.target_min_share:.0%} of the groups)" if settings.task_sampling == "adaptive" else
-              f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, uniform sampling")
-        callbacks = _make_callbacks(evaluator, settings, held_out, evaluations, alarm_evaluator=alarm_evaluator,
-                                    alarm_held_out=alarm_held_out)
+        _info(
+            f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, "
+            f"{settings.task_sampling} task sampling (target: {settings.digits} digits, at least "
+            f"{settings.target_min_share:.0%} of the groups)"
+            if settings.task_sampling == "adaptive"
+            else f"training tasks: operands of {'/'.join(map(str, settings.level_list()))} digits, uniform sampling"
+        )
+        callbacks = _make_callbacks(
+            evaluator, settings, held_out, evaluations, alarm_evaluator=alarm_evaluator, alarm_held_out=alarm_held_out
+        )
         # the alarms compare against step 0: the reported evaluation is not run twice
         callbacks[0].record_held_out(0, callbacks[0].held_out.evaluate(model, seed=settings.seed, reported=before))
         trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks)
@@ -905,16 +1105,20 @@ def main(argv: list[str] | None = None) -> int:
         if alarm_evaluator is not None:
             eval_seconds_in_grpo += sum(e["seconds"] for e in alarm_held_out.values())
         grpo_only = timings["grpo"] - eval_seconds_in_grpo
-        _info(f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
-              f"without the held-out evaluations)")
+        _info(
+            f"{settings.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(settings.steps, 1):.2f} s/step "
+            f"without the held-out evaluations)"
+        )
         commands = save_trained_model(trainer.model, tokenizer, settings, output_dir)
         _info(f"trained model saved to {output_dir / 'model'}")
 
         # 5. Held-out evaluation after (the alarms' evaluation at the last step)
         _stage(4, total_stages, "Held-out evaluation AFTER GRPO")
         after = evaluations[trainer.state.global_step]
-        _info(f"success {after['success']:.1%} of {after['episodes']} episodes ({after['scored_episodes']} scored, "
-              f"{after['seconds']:.0f}s)")
+        _info(
+            f"success {after['success']:.1%} of {after['episodes']} episodes ({after['scored_episodes']} scored, "
+            f"{after['seconds']:.0f}s)"
+        )
     finally:
         evaluator.close()
         if alarm_evaluator is not None:
@@ -924,16 +1128,24 @@ def main(argv: list[str] | None = None) -> int:
     _stage(5, total_stages, "Results")
     print(format_table(before, after), flush=True)
     delta = after["success"] - before["success"]
-    print(f"\n  held-out success: {before['success']:.1%} -> {after['success']:.1%} ({delta * 100:+.1f} points)",
-          flush=True)
-    print("  held-out success by step: " + ", ".join(f"{s}: {v:.0%}" for s, v in sorted(held_out.items())),
-          flush=True)
+    print(
+        f"\n  held-out success: {before['success']:.1%} -> {after['success']:.1%} ({delta * 100:+.1f} points)",
+        flush=True,
+    )
+    print("  held-out success by step: " + ", ".join(f"{s}: {v:.0%}" for s, v in sorted(held_out.items())), flush=True)
     signal = split_rate_summary(trainer.state.log_history)
     if (line := format_split_rate(signal)) is not None:
         print(f"  {line}", flush=True)
     alarms = trainer.alarms
-    print("  alarms: " + ("none fired" if not alarms else
-                          "; ".join(f"{a['name']} (steps {a['step']}-{a['last_step']})" for a in alarms)), flush=True)
+    print(
+        "  alarms: "
+        + (
+            "none fired"
+            if not alarms
+            else "; ".join(f"{a['name']} (steps {a['step']}-{a['last_step']})" for a in alarms)
+        ),
+        flush=True,
+    )
     plots = plot_training_curves(trainer.state.log_history, held_out, output_dir / "plots")
     timings["total"] = time.monotonic() - started
     summary = {
@@ -943,8 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_success_by_step": {str(k): v for k, v in sorted(held_out.items())},
         # what the alarms held training success against (sampled as GRPO samples; see `_ReportingEvaluator`)
         "alarm_held_out_success_by_step": {str(k): v["success"] for k, v in sorted(alarm_held_out.items())},
-        "alarm_held_out_sampled_temperatures": sorted({t for v in alarm_held_out.values()
-                                                       for t in v.get("sampled_temperatures", [])}),
+        "alarm_held_out_sampled_temperatures": sorted(
+            {t for v in alarm_held_out.values() for t in v.get("sampled_temperatures", [])}
+        ),
         "split_rate": signal,
         "alarms": alarms,
         "examples": {"before": before["examples"], "after": after["examples"]},
@@ -962,23 +1175,37 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary_path = output_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=_json_default))
-    print(f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
-          f"  model:   {output_dir / 'model'}\n"
-          f"  wall time: {timings['total'] / 60:.1f} min (" +
-          ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total") + ")", flush=True)
-    print(f"\n  evaluate the trained model again:\n    {commands['eval']}\n"
-          f"  serve it to any OpenAI-compatible agent:\n    {commands['serve']}", flush=True)
+    print(
+        f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
+        f"  model:   {output_dir / 'model'}\n"
+        f"  wall time: {timings['total'] / 60:.1f} min ("
+        + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total")
+        + ")",
+        flush=True,
+    )
+    print(
+        f"\n  evaluate the trained model again:\n    {commands['eval']}\n"
+        f"  serve it to any OpenAI-compatible agent:\n    {commands['serve']}",
+        flush=True,
+    )
     return 0
 
 
 def split_rate_summary(log_history: list[dict], after_step: int = 20, window: int = 10) -> dict[str, Any]:
     """The split rate (`sampling/split_rate`) after `after_step`: its mean and its lowest `window`-step mean."""
-    values = [entry["sampling/split_rate"] for entry in log_history
-              if entry.get("step", 0) > after_step and isinstance(entry.get("sampling/split_rate"), int | float)]
+    values = [
+        entry["sampling/split_rate"]
+        for entry in log_history
+        if entry.get("step", 0) > after_step and isinstance(entry.get("sampling/split_rate"), int | float)
+    ]
     means = [sum(values[i : i + window]) / window for i in range(0, len(values) - window + 1)]
-    return {"after_step": after_step, "window": window, "steps": len(values),
-            "mean": sum(values) / len(values) if values else None,
-            "lowest_window_mean": min(means) if means else None}
+    return {
+        "after_step": after_step,
+        "window": window,
+        "steps": len(values),
+        "mean": sum(values) / len(values) if values else None,
+        "lowest_window_mean": min(means) if means else None,
+    }
 
 
 def format_split_rate(signal: dict[str, Any]) -> str | None:

@@ -44,33 +44,77 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--config", help="Training recipe YAML: task, model, agent, eval size, seeds, sampling and episode limits.")
-    add("--task", help="Task: a bundled name ('calculator', 'files'), an import path 'pkg.module:attr' or a file "
-                       "'path/task.py:attr' (what `trl-agentic demo` writes).")
-    add("--model", help="Model to evaluate: Hub id, local path or 'tiny:qwen2_5:64x2' (default: the recipe's "
-                        "model_name_or_path).")
+    add(
+        "--task",
+        help="Task: a bundled name ('calculator', 'files'), an import path 'pkg.module:attr' or a file "
+        "'path/task.py:attr' (what `trl-agentic demo` writes).",
+    )
+    add(
+        "--model",
+        help="Model to evaluate: Hub id, local path or 'tiny:qwen2_5:64x2' (default: the recipe's model_name_or_path).",
+    )
     add("--agent", help="Import path 'pkg.module:attr' of an agent replacing the task's agent.")
-    add("--agent-command", "--agent_command", dest="agent_command",
-        help="Shell command run per episode as the agent.")
-    add("--reward-funcs", "--reward_funcs", dest="reward_funcs", nargs="+",
-        help="Reward functions replacing the task's (bundled names or 'pkg.module:func').")
+    add("--agent-command", "--agent_command", dest="agent_command", help="Shell command run per episode as the agent.")
+    add(
+        "--reward-funcs",
+        "--reward_funcs",
+        dest="reward_funcs",
+        nargs="+",
+        help="Reward functions replacing the task's (bundled names or 'pkg.module:func').",
+    )
     add("--split", default="eval", choices=["eval", "train"], help="Task split (default: eval).")
     add("--size", type=int, help="Tasks to evaluate (default: the recipe's eval_size, else 64).")
-    add("--dataset-seed", "--dataset_seed", dest="dataset_seed", type=int,
-        help="Seed of the task generator (default: the recipe's dataset_seed, else 0).")
-    add("--num-samples", "--num_samples", dest="num_samples", type=int, default=4,
-        help="Episodes per task, the n of pass@k (default: 4).")
+    add(
+        "--dataset-seed",
+        "--dataset_seed",
+        dest="dataset_seed",
+        type=int,
+        help="Seed of the task generator (default: the recipe's dataset_seed, else 0).",
+    )
+    add(
+        "--num-samples",
+        "--num_samples",
+        dest="num_samples",
+        type=int,
+        default=4,
+        help="Episodes per task, the n of pass@k (default: 4).",
+    )
     add("--temperature", type=float, help="Sampling temperature (default: the recipe's, else 1.0; 0 = greedy).")
     add("--top-p", "--top_p", dest="top_p", type=float, help="Nucleus sampling (default: the recipe's, else off).")
-    add("--max-tokens", "--max_tokens", dest="max_tokens", type=int,
-        help="Most tokens per model call (default: the recipe's max_completion_length, else 512).")
-    add("--max-turns", "--max_turns", dest="max_turns", type=int,
-        help="Most model calls per episode (default: the recipe's max_turns, else 16).")
-    add("--episode-timeout", "--episode_timeout", dest="episode_timeout", type=float,
-        help="Seconds per episode (default: the recipe's episode_timeout, else 300).")
-    add("--concurrency", type=int, help="Most episodes at once (default: the recipe's max_concurrent_episodes, "
-                                        "else 64).")
-    add("--success-threshold", "--success_threshold", dest="success_threshold", type=float, default=1.0,
-        help="An episode succeeds when its reward is >= this (default: 1.0).")
+    add(
+        "--max-tokens",
+        "--max_tokens",
+        dest="max_tokens",
+        type=int,
+        help="Most tokens per model call (default: the recipe's max_completion_length, else 512).",
+    )
+    add(
+        "--max-turns",
+        "--max_turns",
+        dest="max_turns",
+        type=int,
+        help="Most model calls per episode (default: the recipe's max_turns, else 16).",
+    )
+    add(
+        "--episode-timeout",
+        "--episode_timeout",
+        dest="episode_timeout",
+        type=float,
+        help="Seconds per episode (default: the recipe's episode_timeout, else 300).",
+    )
+    add(
+        "--concurrency",
+        type=int,
+        help="Most episodes at once (default: the recipe's max_concurrent_episodes, else 64).",
+    )
+    add(
+        "--success-threshold",
+        "--success_threshold",
+        dest="success_threshold",
+        type=float,
+        default=1.0,
+        help="An episode succeeds when its reward is >= this (default: 1.0).",
+    )
     add("--seed", type=int, help="Sampling seed (default: the recipe's seed, else 42).")
     add("--device", help="Device of the model (default: cuda if available, else cpu).")
     add("--output", help="Write the metrics (with per-task details) as JSON to this file.")
@@ -121,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     # Model
     model_name = _pick(args.model, recipe, "model_name_or_path")
     if model_name is None:
-        raise SystemExit("trl-agentic eval: no model; pass --model (a Hub id, a local path or 'tiny:qwen2_5:64x2') or "
-                         "set model_name_or_path in the recipe.")
+        raise SystemExit(
+            "trl-agentic eval: no model; pass --model (a Hub id, a local path or 'tiny:qwen2_5:64x2') or "
+            "set model_name_or_path in the recipe."
+        )
     import torch
 
     from ..endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE
@@ -131,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
 
     dtype = recipe.get("dtype", "auto")
     model_init_kwargs = dict(dtype=dtype if dtype in ("auto", None) else getattr(torch, dtype))
-    for key, name in (("revision", "model_revision"), ("trust_remote_code", "trust_remote_code"),
-                      ("attn_implementation", "attn_implementation")):
+    for key, name in (
+        ("revision", "model_revision"),
+        ("trust_remote_code", "trust_remote_code"),
+        ("attn_implementation", "attn_implementation"),
+    ):
         if recipe.get(name) is not None:
             model_init_kwargs[key] = recipe[name]
     model_init_kwargs.update(recipe.get("model_init_kwargs") or {})

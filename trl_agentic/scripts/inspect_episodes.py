@@ -24,11 +24,18 @@ def make_parser() -> argparse.ArgumentParser:
         "file: steps, groups, episodes, messages, and the trained vs masked tokens of every row.",
     )
     parser.add_argument("path", help="an output directory (with episodes/), an episodes/ folder or an episodes JSONL")
-    parser.add_argument("-o", "--output", default=None,
-                        help="HTML file to write (default: <output_dir>/episodes.html, or next to the JSONL)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer to decode token ids (Hub id, path or tiny:<family>); default: the one saved "
-                        "in the output directory, its newest checkpoint-* or a sibling model/")
+    parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="HTML file to write (default: <output_dir>/episodes.html, or next to the JSONL)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer to decode token ids (Hub id, path or tiny:<family>); default: the one saved "
+        "in the output directory, its newest checkpoint-* or a sibling model/",
+    )
     parser.add_argument("--no-tokenizer", action="store_true", help="show token ids, do not look for a tokenizer")
     return parser
 

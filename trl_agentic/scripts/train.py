@@ -103,7 +103,10 @@ def run(script_args: ScriptArguments, training_args: AgenticGRPOConfig, model_ar
     # Datasets
     if script_args.mixed_difficulty:
         train_dataset = build_difficulty_dataset(
-            task, split="train", size=script_args.train_size, seed=script_args.dataset_seed,
+            task,
+            split="train",
+            size=script_args.train_size,
+            seed=script_args.dataset_seed,
             column=training_args.difficulty_column or "difficulty",
         )
         if training_args.target_difficulty is None:

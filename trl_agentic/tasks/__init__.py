@@ -69,7 +69,11 @@ class TaskSuite:
 
 
 def build_difficulty_dataset(
-    suite: TaskSuite, split: str = "train", size: int = 256, seed: int = 0, levels: list[float] | None = None,
+    suite: TaskSuite,
+    split: str = "train",
+    size: int = 256,
+    seed: int = 0,
+    levels: list[float] | None = None,
     column: str = "difficulty",
 ) -> datasets.Dataset:
     """The suite's tasks at each of its difficulty levels, in one dataset with a `difficulty` column.
@@ -100,8 +104,10 @@ def build_difficulty_dataset(
     chosen = list(suite.difficulty_levels) if levels is None else list(levels)
     unknown = [level for level in chosen if level not in suite.difficulty_levels]
     if unknown or not chosen:
-        raise ValueError(f"levels {chosen} must be a non-empty subset of the suite's difficulty_levels "
-                         f"{list(suite.difficulty_levels)}.")
+        raise ValueError(
+            f"levels {chosen} must be a non-empty subset of the suite's difficulty_levels "
+            f"{list(suite.difficulty_levels)}."
+        )
     per_level = -(-size // len(chosen))
     parts = []
     for level in chosen:

@@ -153,8 +153,9 @@ class ToolAgent:
     ```
     """
 
-    def __init__(self, tools: list[Callable], *, max_rounds: int = 10, system_prompt: str | None = None,
-                 model: str | None = None):
+    def __init__(
+        self, tools: list[Callable], *, max_rounds: int = 10, system_prompt: str | None = None, model: str | None = None
+    ):
         from transformers.utils import get_json_schema
 
         if not tools:
@@ -183,6 +184,11 @@ class ToolAgent:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if self.system_prompt is not None and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        return await run_tool_loop(client, messages, tools=self.tools, tool_schemas=self.tool_schemas,
-                                   model=self.model or task.get("model") or SERVED_MODEL_NAME,
-                                   max_rounds=self.max_rounds)
+        return await run_tool_loop(
+            client,
+            messages,
+            tools=self.tools,
+            tool_schemas=self.tool_schemas,
+            model=self.model or task.get("model") or SERVED_MODEL_NAME,
+            max_rounds=self.max_rounds,
+        )

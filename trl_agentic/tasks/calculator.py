@@ -48,9 +48,7 @@ CALCULATOR_TOOLS: list[dict[str, Any]] = [
             "description": "Evaluate an arithmetic expression with numbers, + - * / // % and parentheses.",
             "parameters": {
                 "type": "object",
-                "properties": {
-                    "expression": {"type": "string", "description": "The expression, e.g. '12 * (3 + 4)'."}
-                },
+                "properties": {"expression": {"type": "string", "description": "The expression, e.g. '12 * (3 + 4)'."}},
                 "required": ["expression"],
             },
         },
@@ -206,10 +204,7 @@ def _make_question(rng: random.Random, digits: int, ops: tuple[str, ...], num_op
         parts += [op, str(operand)]
     expression = " ".join(parts)
     row = {
-        "prompt": [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"What is {expression}?"},
-        ],
+        "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {expression}?"}],
         "expression": expression,
         "answer": str(evaluate_expression(expression)),
     }
@@ -428,7 +423,8 @@ def make_calculator_suite(
         agent_columns=("prompt",),  # the question; `expression` and `answer` are the checker's
         # Difficulty = operand digits: one level easier and one harder than the suite's own (adaptive sampling).
         difficulty_levels={
-            level: {"digits": level} for level in range(max(1, digits - 1), digits + 2)
+            level: {"digits": level}
+            for level in range(max(1, digits - 1), digits + 2)
             if _fits(level, knobs["num_operands"])
         },
         target_difficulty=digits,

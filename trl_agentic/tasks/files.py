@@ -208,20 +208,7 @@ class Workspace:
 # Dataset
 
 _CONFIG_KEYS = ("host", "port", "user", "mode", "level", "color", "region", "timeout", "language", "theme")
-_CONFIG_WORDS = (
-    "alpha",
-    "blue",
-    "debug",
-    "north",
-    "paris",
-    "quiet",
-    "red",
-    "silver",
-    "south",
-    "tokyo",
-    "fast",
-    "dark",
-)
+_CONFIG_WORDS = ("alpha", "blue", "debug", "north", "paris", "quiet", "red", "silver", "south", "tokyo", "fast", "dark")
 
 
 def _make_files_task(rng: random.Random, kinds: tuple[str, ...]) -> tuple[str, dict[str, Any]]:

@@ -51,11 +51,9 @@ LATENCY_TOOLS: list[dict[str, Any]] = [
 ]
 
 _MESSAGE = {"role": datasets.Value("string"), "content": datasets.Value("string")}
-_FEATURES = datasets.Features({
-    "prompt": [_MESSAGE],
-    "readings": datasets.Sequence(datasets.Value("int64")),
-    "answer": datasets.Value("string"),
-})
+_FEATURES = datasets.Features(
+    {"prompt": [_MESSAGE], "readings": datasets.Sequence(datasets.Value("int64")), "answer": datasets.Value("string")}
+)
 
 
 def build_latency_dataset(
@@ -121,8 +119,10 @@ def latency_demonstrations(n: int, seed: int = 0, *, min_calls: int = 2, max_cal
         messages = list(row["prompt"])
         for index, reading in enumerate(row["readings"]):
             call = {"id": f"call_{index}", "type": "function", "function": {"name": "probe", "arguments": {}}}
-            messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": f"call_{index}", "name": "probe", "content": str(reading)}]
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call_{index}", "name": "probe", "content": str(reading)},
+            ]
         messages.append({"role": "assistant", "content": f"The sum is {row['answer']}."})
         demonstrations.append({"messages": messages, "tools": LATENCY_TOOLS})
     return demonstrations

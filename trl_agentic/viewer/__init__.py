@@ -99,15 +99,19 @@ def find_tokenizer(output_dir: Path | None, name: str | None = None):
         return AutoTokenizer.from_pretrained(name)
     if output_dir is None:
         return None
-    checkpoints = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
-                         if p.name.split("-")[-1].isdigit() else -1, reverse=True)
+    checkpoints = sorted(
+        output_dir.glob("checkpoint-*"),
+        key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1,
+        reverse=True,
+    )
     for candidate in [output_dir, *checkpoints, output_dir.parent / "model"]:
         if (candidate / "tokenizer_config.json").is_file() or (candidate / "tokenizer.json").is_file():
             try:
                 return AutoTokenizer.from_pretrained(candidate)
             except Exception as error:  # noqa: BLE001 - a broken tokenizer folder only costs the decoding
-                warnings.warn(f"Could not load the tokenizer in {candidate} ({error}); showing token ids.",
-                              stacklevel=2)
+                warnings.warn(
+                    f"Could not load the tokenizer in {candidate} ({error}); showing token ids.", stacklevel=2
+                )
     return None
 
 
@@ -146,8 +150,9 @@ def _short(value: Any, limit: int = 300) -> str | None:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str = "",
-                      alarms: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def build_viewer_data(
+    records: list[dict[str, Any]], tokenizer=None, source: str = "", alarms: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The viewer's data: `(summary, details)`. `summary` holds one small entry per episode (what the list shows and
     filters on), the interned prompts and the decoded vocabulary; `details[i]` is episode `i`'s messages, turns and
     rows.
@@ -183,28 +188,56 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
         # The task: the last user message of the main line's first call (later calls may have rewritten the history;
         # the episode's first call may be a title request).
         first_request = (main.get("request_messages") or messages) if main else messages
-        prompt_text = next((m.get("content") for m in reversed(first_request) if m.get("role") == "user"
-                            and isinstance(m.get("content"), str)), None)
+        prompt_text = next(
+            (
+                m.get("content")
+                for m in reversed(first_request)
+                if m.get("role") == "user" and isinstance(m.get("content"), str)
+            ),
+            None,
+        )
         reward = _episode_reward(record)
-        episodes.append({
-            "i": index, "id": episode.get("id", str(index)), "step": step, "mode": mode, "rank": record["rank"],
-            "group": group, "sample": sample, "status": episode.get("status", "?"), "reward": _round(reward),
-            "rewards": {k: _round(v) for k, v in ((record.get("rewards") or (episode.get("metadata") or {})
-                                                   .get("rewards") or {}).items())},
-            "advantage": _round(record.get("advantage")), "turns": len(turns),
-            "tool_calls": sum(len((t.get("response_message") or {}).get("tool_calls") or []) for t in turns),
-            "malformed": sum(bool(t.get("malformed_tool_call")) for t in turns),
-            "forks": sum(1 for t in turns[1:] if t.get("prompt_source") != "continued"),
-            "conversations": {role: sum(1 for c, r in set(roles.values()) if r == role)
-                              for role in ("main", "sub_agent", "side_call")},
-            "tokens": sum(len(t.get("completion_ids", [])) for t in turns), "rows": len(rows),
-            "wall": _round(episode.get("wall_time"), 2), "error": _short(episode.get("error")),
-            "result": _short(episode.get("result"), 120), "task": _short(prompt_text, 160),
-        })
+        episodes.append(
+            {
+                "i": index,
+                "id": episode.get("id", str(index)),
+                "step": step,
+                "mode": mode,
+                "rank": record["rank"],
+                "group": group,
+                "sample": sample,
+                "status": episode.get("status", "?"),
+                "reward": _round(reward),
+                "rewards": {
+                    k: _round(v)
+                    for k, v in (
+                        (record.get("rewards") or (episode.get("metadata") or {}).get("rewards") or {}).items()
+                    )
+                },
+                "advantage": _round(record.get("advantage")),
+                "turns": len(turns),
+                "tool_calls": sum(len((t.get("response_message") or {}).get("tool_calls") or []) for t in turns),
+                "malformed": sum(bool(t.get("malformed_tool_call")) for t in turns),
+                "forks": sum(1 for t in turns[1:] if t.get("prompt_source") != "continued"),
+                "conversations": {
+                    role: sum(1 for c, r in set(roles.values()) if r == role)
+                    for role in ("main", "sub_agent", "side_call")
+                },
+                "tokens": sum(len(t.get("completion_ids", [])) for t in turns),
+                "rows": len(rows),
+                "wall": _round(episode.get("wall_time"), 2),
+                "error": _short(episode.get("error")),
+                "result": _short(episode.get("result"), 120),
+                "task": _short(prompt_text, 160),
+            }
+        )
         metadata = episode.get("metadata") or {}
         if "staleness" in metadata:  # asynchronous rollouts: the version it started on, its oldest trained token's gap
-            episodes[-1].update(start_version=metadata.get("start_version"), staleness=metadata["staleness"],
-                                dropped=bool(metadata.get("dropped")))
+            episodes[-1].update(
+                start_version=metadata.get("start_version"),
+                staleness=metadata["staleness"],
+                dropped=bool(metadata.get("dropped")),
+            )
         if "difficulty" in record:  # a run with a difficulty column (a curriculum): the task's level
             episodes[-1].update(difficulty=record["difficulty"], target=bool(record.get("target")))
 
@@ -216,61 +249,106 @@ def build_viewer_data(records: list[dict[str, Any]], tokenizer=None, source: str
                 used_ids.update(prompt_key)
             used_ids.update(row["completion_ids"])
             mask = row["env_mask"]
-            detail_rows.append({
-                "kind": row.get("kind", "main"), "turns": row.get("turns", []), "prompt": prompts[prompt_key],
-                "role": row.get("role") or roles.get((row.get("turns") or [None])[0], (None, None))[1],
-                "ids": row["completion_ids"], "mask": "".join("1" if m else "0" for m in mask),
-                "lp": [None if lp is None else round(lp, 4) for lp, m in zip(row["logprobs"], mask, strict=True)
-                       if m],
-            })
+            detail_rows.append(
+                {
+                    "kind": row.get("kind", "main"),
+                    "turns": row.get("turns", []),
+                    "prompt": prompts[prompt_key],
+                    "role": row.get("role") or roles.get((row.get("turns") or [None])[0], (None, None))[1],
+                    "ids": row["completion_ids"],
+                    "mask": "".join("1" if m else "0" for m in mask),
+                    "lp": [
+                        None if lp is None else round(lp, 4) for lp, m in zip(row["logprobs"], mask, strict=True) if m
+                    ],
+                }
+            )
         # What the model saw and said, per row: the request of the row's last turn and its reply (a fork's main line
         # and its rewritten history differ; the episode's final messages hold only the last).
         by_index = {turn["index"]: turn for turn in turns}
 
         def conversation(turn: dict) -> list[dict]:
-            return [*(turn.get("request_messages") or []), *([turn["response_message"]]
-                                                            if turn.get("response_message") else [])]
+            return [
+                *(turn.get("request_messages") or []),
+                *([turn["response_message"]] if turn.get("response_message") else []),
+            ]
 
-        conversations = [{"label": f"row {r} · {_row_label(row.get('kind', 'main'), detail_rows[r]['role'])}",
-                          "messages": conversation(by_index[row["turns"][-1]])}
-                         for r, row in enumerate(rows) if row.get("turns") and row["turns"][-1] in by_index]
+        conversations = [
+            {
+                "label": f"row {r} · {_row_label(row.get('kind', 'main'), detail_rows[r]['role'])}",
+                "messages": conversation(by_index[row["turns"][-1]]),
+            }
+            for r, row in enumerate(rows)
+            if row.get("turns") and row["turns"][-1] in by_index
+        ]
         in_rows = {t for row in rows for t in row.get("turns", [])}
         untrained = []
         for turn in turns:
             if turn["index"] not in in_rows:  # skipped or capped: not in any row, still worth seeing
                 used_ids.update(turn["completion_ids"])
-                untrained.append({"turn": turn["index"], "ids": turn["completion_ids"],
-                                  "lp": [None if lp is None else round(lp, 4) for lp in turn["logprobs"]],
-                                  "why": "capped" if turn["index"] in capped else "skipped"})
+                untrained.append(
+                    {
+                        "turn": turn["index"],
+                        "ids": turn["completion_ids"],
+                        "lp": [None if lp is None else round(lp, 4) for lp in turn["logprobs"]],
+                        "why": "capped" if turn["index"] in capped else "skipped",
+                    }
+                )
                 role = roles.get(turn["index"], (None, None))[1]
-                conversations.append({"label": f"turn {turn['index']}{' · ' + role if role else ''} (not trained)",
-                                      "messages": conversation(turn)})
+                conversations.append(
+                    {
+                        "label": f"turn {turn['index']}{' · ' + role if role else ''} (not trained)",
+                        "messages": conversation(turn),
+                    }
+                )
         if not conversations:
             conversations = [{"label": "messages", "messages": messages}]
-        details.append({
-            "conversations": conversations,
-            "tools": [(tool.get("function") or {}).get("name") for tool in (main.get("request_tools") or [])]
-            if main else [],
-            "turns": [{
-                "index": t["index"], "source": t.get("prompt_source"), "parent": t.get("parent_turn"),
-                "conversation": roles.get(t["index"], (None, None))[0], "role": roles.get(t["index"], (None, None))[1],
-                "spawned_by": t.get("spawned_by"), "forked_from": t.get("forked_from"),
-                "fork_reason": t.get("fork_reason"), "drift": t.get("drift", 0), "finish": t.get("finish_reason"),
-                "malformed": bool(t.get("malformed_tool_call")), "forced": t.get("forced_tokens", 0),
-                "prompt_tokens": len(t.get("prompt_ids", [])), "sampled_tokens": len(t.get("completion_ids", [])),
-                # A call that decoded across a weight update (asynchronous rollouts): the versions it spans
-                "version": t.get("policy_version") if not t.get("token_versions") else
-                f"{min(t['token_versions'])}-{max(t['token_versions'])}", "wall": _round(t.get("wall_time"), 3),
-                "requested": t.get("requested_sampling") or {},
-            } for t in turns],
-            "rows": detail_rows, "untrained": untrained, "skipped_turns": skipped, "capped_turns": capped,
-            "result": episode.get("result"), "error": episode.get("error"), "metadata": episode.get("metadata") or {},
-        })
+        details.append(
+            {
+                "conversations": conversations,
+                "tools": [(tool.get("function") or {}).get("name") for tool in (main.get("request_tools") or [])]
+                if main
+                else [],
+                "turns": [
+                    {
+                        "index": t["index"],
+                        "source": t.get("prompt_source"),
+                        "parent": t.get("parent_turn"),
+                        "conversation": roles.get(t["index"], (None, None))[0],
+                        "role": roles.get(t["index"], (None, None))[1],
+                        "spawned_by": t.get("spawned_by"),
+                        "forked_from": t.get("forked_from"),
+                        "fork_reason": t.get("fork_reason"),
+                        "drift": t.get("drift", 0),
+                        "finish": t.get("finish_reason"),
+                        "malformed": bool(t.get("malformed_tool_call")),
+                        "forced": t.get("forced_tokens", 0),
+                        "prompt_tokens": len(t.get("prompt_ids", [])),
+                        "sampled_tokens": len(t.get("completion_ids", [])),
+                        # A call that decoded across a weight update (asynchronous rollouts): the versions it spans
+                        "version": t.get("policy_version")
+                        if not t.get("token_versions")
+                        else f"{min(t['token_versions'])}-{max(t['token_versions'])}",
+                        "wall": _round(t.get("wall_time"), 3),
+                        "requested": t.get("requested_sampling") or {},
+                    }
+                    for t in turns
+                ],
+                "rows": detail_rows,
+                "untrained": untrained,
+                "skipped_turns": skipped,
+                "capped_turns": capped,
+                "result": episode.get("result"),
+                "error": episode.get("error"),
+                "metadata": episode.get("metadata") or {},
+            }
+        )
 
     vocab = None
     if tokenizer is not None:
-        vocab = {str(i): tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                 for i in sorted(used_ids)}
+        vocab = {
+            str(i): tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for i in sorted(used_ids)
+        }
     summary = {
         "source": source,
         "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -296,11 +374,15 @@ def render_html(summary: dict[str, Any], details: list[dict[str, Any]], title: s
     """The self-contained page: the template with the summary and one `<script type="application/json">` block per
     episode (parsed when the episode is opened)."""
     template = resources.files(__package__).joinpath("template.html").read_text(encoding="utf-8")
-    blocks = "\n".join(f'<script type="application/json" id="episode-data-{i}">{_script_json(detail)}</script>'
-                       for i, detail in enumerate(details))
-    return (template.replace("__TITLE__", title.replace("&", "&amp;").replace("<", "&lt;"))
-            .replace("/*__SUMMARY__*/null", _script_json(summary))
-            .replace("<!--__DETAILS__-->", blocks))
+    blocks = "\n".join(
+        f'<script type="application/json" id="episode-data-{i}">{_script_json(detail)}</script>'
+        for i, detail in enumerate(details)
+    )
+    return (
+        template.replace("__TITLE__", title.replace("&", "&amp;").replace("<", "&lt;"))
+        .replace("/*__SUMMARY__*/null", _script_json(summary))
+        .replace("<!--__DETAILS__-->", blocks)
+    )
 
 
 def _run_alarms(output_dir: Path | None, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -310,16 +392,19 @@ def _run_alarms(output_dir: Path | None, records: list[dict[str, Any]]) -> list[
 
     if output_dir is not None and (output_dir / "alarms.json").is_file():
         try:
-            return [{**alarm, "source": "alarms.json"}
-                    for alarm in json.loads((output_dir / "alarms.json").read_text())["alarms"]]
+            return [
+                {**alarm, "source": "alarms.json"}
+                for alarm in json.loads((output_dir / "alarms.json").read_text())["alarms"]
+            ]
         except (json.JSONDecodeError, KeyError, TypeError):
             warnings.warn(f"Unreadable {output_dir / 'alarms.json'}; recomputing alarms from the log.", stacklevel=2)
     found = check_alarms(history_from_episode_records(r for r in records if "sample" not in r))
     return [{"name": a.name, "step": a.step, "message": a.message, "source": "episode log"} for a in found]
 
 
-def write_viewer(path: str | Path, output: str | Path | None = None, tokenizer: str | None = None,
-                 decode: bool = True) -> Path:
+def write_viewer(
+    path: str | Path, output: str | Path | None = None, tokenizer: str | None = None, decode: bool = True
+) -> Path:
     """Read the episode log at `path` (an output directory, an `episodes/` folder or a JSONL file) and write the viewer.
 
     Args:
@@ -336,8 +421,9 @@ def write_viewer(path: str | Path, output: str | Path | None = None, tokenizer: 
     records.sort(key=lambda r: (r.get("mode", "train") != "train", r.get("step", 0)))  # stable: rank order kept
     tok = find_tokenizer(output_dir, tokenizer) if decode else None
     if decode and tok is None:
-        warnings.warn("No tokenizer found next to the log (pass --tokenizer); the viewer shows token ids.",
-                      stacklevel=2)
+        warnings.warn(
+            "No tokenizer found next to the log (pass --tokenizer); the viewer shows token ids.", stacklevel=2
+        )
     source = str(files[0] if len(files) == 1 else files[0].parent)
     summary, details = build_viewer_data(records, tok, source=source, alarms=_run_alarms(output_dir, records))
     if output is None:

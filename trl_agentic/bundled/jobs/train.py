@@ -93,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     train_args = [os.path.expandvars(arg) for arg in train_args]
 
     command = launch_command(
-        recipe_path=recipe,
-        num_processes=num_processes,
-        accelerate_config_path=accelerate_config,
-        train_args=train_args,
+        recipe_path=recipe, num_processes=num_processes, accelerate_config_path=accelerate_config, train_args=train_args
     )
     # The recipe's own modules (task, agent, rewards), shipped by the submission: first on the training's path
     env = dict(os.environ)
