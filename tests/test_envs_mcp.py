@@ -18,7 +18,8 @@ import torch
 from datasets import Dataset
 
 from conftest import ScriptedEngine
-from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from test_agentic_grpo_trainer import config as grpo_config
+from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.envs import MCPAgent
 from trl_agentic.envs.mcp import openai_tool_names
 from trl_agentic.rollout.runner import run_episodes, run_rollout
@@ -443,22 +444,9 @@ def brevity_reward(prompts, completions, episodes, **kwargs):
 def test_two_training_steps_on_exactly_the_sampled_tokens(tmp_path, tokenizer, kv_server):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    config = AgenticGRPOConfig(
-        output_dir=str(tmp_path),
-        num_generations=2,
-        per_device_train_batch_size=2,  # 1 task x 2 episodes per step
-        max_steps=2,
-        max_completion_length=64,  # room for a scripted tool call
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        logging_steps=1,
-        learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no",
-        log_episodes=True,
-        episode_timeout=60,
-        seed=0,
-    )
+    config = grpo_config(
+        tmp_path, max_completion_length=64, episode_timeout=60
+    )  # 2 episodes a step, room for a scripted tool call
     # The scripted model ends its answers in turn with "" and " Counted.": the two episodes of a group differ.
     engine = ScriptedEngine(tokenizer, scripted_model(tokenizer, endings=("", " Counted.")))
     trainer = AgenticGRPOTrainer(

@@ -17,7 +17,8 @@ import torch
 from datasets import Dataset
 
 from conftest import ScriptedEngine
-from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from test_agentic_grpo_trainer import config as grpo_config
+from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.envs import from_openenv
 from trl_agentic.envs.openenv import (
     _environment_error,
@@ -483,23 +484,9 @@ def test_config_errors_say_how_to_fix():
 def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_tokens(tmp_path, tokenizer, guess):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    config = AgenticGRPOConfig(
-        output_dir=str(tmp_path),
-        num_generations=2,
-        per_device_train_batch_size=2,  # 1 task x 2 episodes per step
-        max_steps=2,
-        max_completion_length=64,  # room for a scripted tool call
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        logging_steps=1,
-        learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no",
-        log_episodes=True,
-        episode_timeout=60,
-        seed=0,
-        agent_columns=["prompt", "secret"],  # the environment's reset reads `secret`
-    )
+    config = grpo_config(
+        tmp_path, max_completion_length=64, episode_timeout=60, agent_columns=["prompt", "secret"]
+    )  # 2 episodes a step, room for a scripted tool call; reset reads `secret`
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Guess."}], "secret": 4}] * 4)
     # A group's two episodes play different plans, so their rewards (and advantages) differ: 1.0 and -0.25 + 1.0
     engine = ScriptedEngine(tokenizer, alternating_model(tokenizer, [[{"guess": 4}], [{"guess": 3}, {"guess": 4}]]))

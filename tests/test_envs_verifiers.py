@@ -25,7 +25,8 @@ vf = pytest.importorskip("verifiers", reason="needs verifiers: pip install --no-
 from datasets import Dataset
 
 from conftest import ScriptedEngine  # noqa: E402
-from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from test_agentic_grpo_trainer import config as grpo_config  # noqa: E402
+from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.endpoint.sessions import EpisodeLimits
 from trl_agentic.envs import from_verifiers
 from trl_agentic.envs.verifiers import VerifiersResult, rubric_reward_funcs, verifiers_state
@@ -306,24 +307,13 @@ def test_two_training_steps_log_each_rubric_function(tmp_path, tokenizer):
     suite = from_verifiers(tool_env())
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    config = AgenticGRPOConfig(
-        output_dir=str(tmp_path),
-        num_generations=2,
-        per_device_train_batch_size=2,  # 1 example x 2 episodes per step
-        max_steps=2,
-        max_completion_length=64,  # room for a scripted tool call
+    config = grpo_config(
+        tmp_path,
+        max_completion_length=64,
+        episode_timeout=60,
         reward_weights=suite.reward_weights,
         agent_columns=list(suite.agent_columns),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        logging_steps=1,
-        learning_rate=1e-2,  # big lr: params must move
-        save_strategy="no",
-        log_episodes=True,
-        episode_timeout=60,
-        seed=0,
-    )
+    )  # 2 episodes a step, room for a scripted tool call
     trainer = AgenticGRPOTrainer(
         model,
         agent=suite.agent,
