@@ -13,7 +13,7 @@ COMMANDS = {
     "eval": ("trl_agentic.scripts.eval", "Evaluate a recipe's agent against a model on an eval split."),
     "demo": ("trl_agentic.scripts.demo", "The CPU demo: warm-start a tiny model, train it with GRPO, compare."),
     "jobs": ("trl_agentic.jobs", "Submit a recipe to Hugging Face Jobs (`jobs submit ... [--dry-run]`)."),
-    "inspect": ("trl_agentic.scripts.inspect_episodes", "Write a run's episodes as one self-contained HTML viewer."),
+    "inspect": ("trl_agentic.scripts.inspect_episodes", "Write a run's episodes as a static viewer folder."),
 }
 
 
