@@ -3,6 +3,10 @@
 The agent is written as for OpenAI's servers: an `Agent` with a `@function_tool`, run by `Runner.run`. The only
 difference is the client it runs on, the one the trainer hands it, already pointed at its episode.
 
+Answers cut at the token limit: the SDK raises `ModelBehaviorError` on the Responses API's `status: "incomplete"`, so
+such an episode ends `agent_error`, which a checker cannot score. `cut_off_penalty` scores it -1 (docs/examples.md):
+keep it in `reward_funcs`, or a policy that runs long gets no signal at all.
+
 ```bash
 python examples/agents/agents_sdk_agent.py                                                     # tiny model, CPU
 python examples/agents/agents_sdk_agent.py --model Qwen/Qwen3-4B-Instruct-2507 --use-vllm      # one GPU
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> AgenticGRPOTrainer:
     trainer = AgenticGRPOTrainer(
         args.model,
         agent=agent,
+        # 1 for the right answer, plus -1 when the last model call was cut at --max-tokens (the SDK then raised)
         reward_funcs=[calculator_task.calculator_correct, cut_off_penalty],
         args=config,
         train_dataset=calculator_task.build_calculator_dataset("train", size=256),
