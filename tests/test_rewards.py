@@ -46,7 +46,9 @@ def test_reward_model_given_as_id_or_module_leaves_failed_episodes_unscored(tmp_
     assert isinstance(RewardModelFunc(model, tokenizer=tokenizer), RewardModelFunc)  # a module without a path
 
 
-def test_cut_off_penalty_needs_episodes_and_leaves_failed_episodes_unscored():
+def test_cut_off_penalty_scores_ok_episodes_and_agents_that_raised_on_a_cut_off_answer():
+    """The last call decides; an agent that raised right after a cut-off call (the Agents SDK's `ModelBehaviorError`
+    on an `incomplete` response) is scored -1, not left unscorable; other failed episodes stay unscored."""
     import pytest
 
     from trl_agentic.rewards import cut_off_penalty
@@ -58,10 +60,13 @@ def test_cut_off_penalty_needs_episodes_and_leaves_failed_episodes_unscored():
         Episode(id="b", status="ok", turns=[done, cut]),
         Episode(id="c", status="ok"),
         Episode(id="d", status="timeout", turns=[cut]),
+        Episode(id="e", status="agent_error", turns=[cut]),
+        Episode(id="f", status="agent_error", turns=[cut, done]),
     ]
-    # the last call decides (an earlier cut call that the agent went on from is not the answer)
-    assert cut_off_penalty([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, -1.0]
-    assert unscorable_unless_ok(cut_off_penalty)([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, 0.0, None]
+    # an earlier cut call that the agent went on from is not the answer
+    expected = [0.0, -1.0, 0.0, None, -1.0, None]
+    assert cut_off_penalty([None] * 6, [[]] * 6, episodes=episodes) == expected
+    assert unscorable_unless_ok(cut_off_penalty)([None] * 6, [[]] * 6, episodes=episodes) == expected  # not masked
     with pytest.raises(ValueError, match="episodes"):
         cut_off_penalty([None], [[{"role": "assistant", "content": "4"}]])
 

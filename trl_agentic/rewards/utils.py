@@ -233,10 +233,16 @@ class RewardModelFunc:
             return self.model(**inputs).logits[:, 0].float().tolist()
 
 
-def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[float]:
+def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
     """-1.0 for an episode whose last model call was cut at its token limit (`finish_reason == "length"`), else 0.0:
     DAPO's overlong punishment, in its hard form, for agents. Added to a checker's score, an answer cut off mid-way
     scores at most 0 and a cut-off failure -1.
+
+    It scores the episodes that ended `ok` and those whose agent raised (`agent_error`) right after a cut-off call,
+    and declares `scores_failed_episodes` for it: an agent framework may refuse an answer cut at the limit instead of
+    returning it. The OpenAI Agents SDK does, for the Responses API's `status: "incomplete"` (`ModelBehaviorError`),
+    so with a checker alone every such episode was unscorable and a policy that ran long got no signal. Other failed
+    episodes (timeout, context overflow, limits) stay unscored (`None`): the cut is not what ended them.
 
     TRL's `mask_truncated_completions` leaves such episodes out of the loss instead, and so never pushes the policy
     away from what runs into the limit. On the CPU demo, with it, 240 of one seed's 798 malformed tool calls ran into
@@ -249,8 +255,10 @@ def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[flo
     ```python
     >>> from trl_agentic.trace import Episode, Turn
     >>> cut, done = Turn(0, [1], [2, 3], [-0.1, -0.2], "length"), Turn(0, [1], [2, 0], [-0.1, -0.2], "stop")
-    >>> cut_off_penalty([None] * 2, [[], []], episodes=[Episode("a", turns=[cut]), Episode("b", turns=[done])])
-    [-1.0, 0.0]
+    >>> episodes = [Episode("a", status="ok", turns=[cut]), Episode("b", status="ok", turns=[done]),
+    ...             Episode("c", status="agent_error", turns=[cut])]
+    >>> cut_off_penalty([None] * 3, [[]] * 3, episodes=episodes)
+    [-1.0, 0.0, -1.0]
     ```
     """
     if kwargs.get("episodes") is None:
@@ -258,8 +266,14 @@ def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[flo
             "cut_off_penalty reads each episode's last finish reason from the `episodes` column, which "
             "AgenticGRPOTrainer passes to reward functions; plain TRL does not (use `mask_truncated_completions`)."
         )
-    # an episode that never called the model had nothing cut
-    return [
-        -1.0 if episode.turns and episode.turns[-1].finish_reason == "length" else 0.0
-        for episode in kwargs["episodes"][: len(completions)]
-    ]
+    penalties: list[float | None] = []
+    for episode in kwargs["episodes"][: len(completions)]:
+        cut = bool(episode.turns) and episode.turns[-1].finish_reason == "length"  # no model call: nothing was cut
+        if episode.status == "ok" or (cut and episode.status == "agent_error"):
+            penalties.append(-1.0 if cut else 0.0)
+        else:
+            penalties.append(None)
+    return penalties
+
+
+cut_off_penalty.scores_failed_episodes = True  # an agent that raised on a cut-off answer is scored (see above)
