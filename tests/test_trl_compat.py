@@ -56,6 +56,18 @@ def test_internals_we_rely_on():
     assert 'completion_mask * inputs["tool_mask"]' in compute  # our env_mask is applied in the loss
 
 
+def test_per_token_advantages_reach_trl_loss_unchanged():
+    """Per-turn rewards (issue 34, `rewards/process.py`) hand TRL's loss advantages of shape (B, T) instead of (B,):
+    `_compute_loss` unsqueezes only 1-D advantages and multiplies them into the per-token loss; the shuffle and the
+    micro-batch split keep a 2-D tensor's rows together."""
+    compute = inspect.getsource(GRPOTrainer._compute_loss)
+    assert "if advantages.dim() == 1:\n            advantages = advantages.unsqueeze(1)" in compute
+    assert "per_token_loss1 = coef_1 * advantages" in compute and "per_token_loss2 = coef_2 * advantages" in compute
+    assert "is_pos_adv = advantages >= 0" in inspect.getsource(GRPOTrainer.get_off_policy_mask)  # broadcasts per token
+    shuffle = inspect.getsource(trl_utils.shuffle_sequence_dict)
+    assert "isinstance(v, torch.Tensor) and v.ndim >= 1" in shuffle
+
+
 def test_checkpoint_hooks_we_override():
     """The trainer's own state goes into checkpoints through the hooks TRL itself uses for its entropy controller
     (issue 29, M4): saved after `_save_checkpoint` wrote the folder, loaded in `_load_optimizer_and_scheduler`, which

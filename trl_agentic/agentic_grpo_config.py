@@ -81,6 +81,20 @@ class AgenticGRPOConfig(GRPOConfig):
             `trl_agentic/rollout/loss_weights.py`). `"episode"`: the rows split it equally. `"row"`: every row
             carries it fully.
 
+        > Parameters that control per-turn (process) rewards (trl_agentic/rewards/process.py)
+
+        turn_reward_weight (`float`, *optional*, defaults to `1.0`):
+            Weight `w` of the per-turn term in the advantage of a token sampled in turn t of episode i: `A[i, t] =
+            A[i] + w * sum_{k >= t} gamma^(k - t) * n(r[i, k])`, where `A[i]` is TRL's advantage of the final rewards
+            and `r[i, k]` the turn rewards (a reward function returns, per episode, a list with one reward per turn,
+            or `{"final": r, "turns": [...]}`). Used only when a batch holds per-turn rewards; episodes with final
+            rewards alone train exactly as without. `0`: per-turn rewards are logged, not trained on.
+        turn_reward_discount (`float`, *optional*, defaults to `1.0`):
+            `gamma` in [0, 1]: `1` sums every later turn's reward (reward-to-go), `0` keeps each turn's own.
+        turn_reward_normalization (`str`, *optional*, defaults to `"group"`):
+            `n`, over every rewarded turn of the group: `"group"` `(r - mean) / (std + 1e-4)` (the process supervision
+            of DeepSeekMath's GRPO, arXiv:2402.03300), `"mean"` `r - mean`, `"none"` the raw reward.
+
         > Parameters that control which tasks are sampled (trl_agentic/task_sampling.py)
 
         task_sampling (`str`, *optional*, defaults to `"uniform"`):
@@ -195,6 +209,16 @@ class AgenticGRPOConfig(GRPOConfig):
         default="auto",
         metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
+    turn_reward_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the per-turn (process) term in each token's advantage."}
+    )
+    turn_reward_discount: float = field(
+        default=1.0, metadata={"help": "Discount over later turns' rewards (1 = reward-to-go, 0 = the turn's own)."}
+    )
+    turn_reward_normalization: str = field(
+        default="group",
+        metadata={"help": "How per-turn rewards are normalised in a group.", "choices": ["group", "mean", "none"]},
+    )
     task_sampling: str = field(
         default="uniform", metadata={"help": "How tasks are chosen.", "choices": ["uniform", "adaptive"]}
     )
@@ -270,9 +294,15 @@ class AgenticGRPOConfig(GRPOConfig):
             ("sub_agents", ("train", "skip")),
             ("forks", ("train", "skip")),
             ("row_weighting", ("auto", "episode", "row")),
+            ("turn_reward_normalization", ("group", "mean", "none")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}.")
+        if not math.isfinite(self.turn_reward_weight) or not 0 <= self.turn_reward_discount <= 1:
+            raise ValueError(
+                f"turn_reward_weight must be a finite number and turn_reward_discount in [0, 1]; got "
+                f"{self.turn_reward_weight} and {self.turn_reward_discount}."
+            )
         if not 0 <= self.endpoint_port < 65536:
             raise ValueError(f"endpoint_port must be in [0, 65535] (0 = pick a free port), got {self.endpoint_port}.")
         if self.use_vllm and self.vllm_mode not in ("server", "colocate"):

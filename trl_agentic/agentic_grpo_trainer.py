@@ -8,7 +8,8 @@ with their episode's advantage, and the generation batch is split into `steps_pe
 dropping any row (REFERENCES: ROLL#409).
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
-`_generate_and_score_completions` (extra rows, episode metrics), `_prepare_inputs` (row-count-agnostic split, tasks
+`_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards, which
+TRL's `_compute_loss` takes unchanged), `_prepare_inputs` (row-count-agnostic split, tasks
 drawn as a batch is consumed), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state in each
 checkpoint: a resumed run is the run that was never stopped).
 """
@@ -42,6 +43,7 @@ from .envs.environment_factory import environment_factory_agent
 from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
+from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
@@ -75,6 +77,11 @@ def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
                 chunk[key] = value
         chunks.append(chunk)
     return chunks
+
+
+def _padded(values: list[list[float]], width: int, device) -> torch.Tensor:
+    """Per-token advantages of rows, right-padded with 0 to `width`: (R, width), as TRL pads completions."""
+    return torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float32, device=device)
 
 
 def rollout_seed(seed: int, process_index: int, rollout: int) -> int:
@@ -587,25 +594,68 @@ class AgenticGRPOTrainer(GRPOTrainer):
             or [1.0]
             for result in rows_results
         ]
-        output["advantages"] = advantages * torch.tensor([s[0] for s in scales], device=advantages.device)
+        # Per-turn (process) rewards, when the batch has any: one advantage per completion token, (B, T), which TRL's
+        # loss takes as it takes (B,) (rewards/process.py); without, TRL's (B,) exactly as before.
+        terms = self._turn_advantage_terms(episodes)
+        if terms is None:
+            output["advantages"] = advantages * torch.tensor([s[0] for s in scales], device=advantages.device)
+        else:
+            token_advantages = [
+                row_token_advantages(result.rows, ep.turns, advantages[i].item(), terms[i], scales[i])
+                or [[advantages[i].item()]]  # the placeholder row of an episode without model calls
+                for i, (ep, result) in enumerate(zip(episodes, rows_results, strict=True))
+            ]
+            output["advantages"] = _padded(
+                [rows[0] for rows in token_advantages], output["completion_ids"].size(1), advantages.device
+            )
         extra_rows, extra_advantages = [], []
         for i, result in enumerate(rows_results):
-            for row, scale in zip(result.rows[1:], scales[i][1:], strict=True):
+            for k, (row, scale) in enumerate(zip(result.rows[1:], scales[i][1:], strict=True), start=1):
                 extra_rows.append(row)
-                extra_advantages.append(advantages[i] * scale)
+                extra_advantages.append(advantages[i] * scale if terms is None else token_advantages[i][k])
         # Every rank appends the same number of rows (padding with empty, zero-advantage rows), so the forward passes
         # that score them, and any collective they imply (DDP buffers, ZeRO-3 gathers), match across ranks.
         num_extra = int(self.accelerator.gather(torch.tensor([len(extra_rows)], device=advantages.device)).max())
         pad_id = self._tokenizer.pad_token_id
         while len(extra_rows) < num_extra:
             extra_rows.append(Row([pad_id], [pad_id], [0], [0.0], [], "padding"))
-            extra_advantages.append(torch.zeros((), device=advantages.device))
+            extra_advantages.append(torch.zeros((), device=advantages.device) if terms is None else [0.0])
         if extra_rows:
-            output = self._append_rows(output, extra_rows, torch.stack(extra_advantages))
+            extra = (
+                torch.stack(extra_advantages)
+                if terms is None
+                else _padded(extra_advantages, max(len(v) for v in extra_advantages), advantages.device)
+            )
+            output = self._append_rows(output, extra_rows, extra)
 
         self._log_episodes(episodes, rows_results, episode_advantages, inputs)
         self._observe_tasks(inputs, episodes)
         return output
+
+    def _turn_advantage_terms(self, episodes: list[Episode]) -> list[list[float] | None] | None:
+        """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no
+        episode of the batch, on any process, has per-turn rewards (or `turn_reward_weight` is 0)."""
+        weights = dict(zip(self.reward_func_names, self.reward_weights.tolist(), strict=True))
+        everyone = gather_object([combine_turn_rewards(ep, weights) for ep in episodes])  # groups may span processes
+        if all(rewards is None for rewards in everyone):
+            return None
+        mode = self._mode()
+        terms = turn_advantage_terms(
+            everyone,
+            self.num_generations if mode == "train" else self.num_generations_eval,
+            discount=self.args.turn_reward_discount,
+            normalization=self.args.turn_reward_normalization,
+            weight=self.args.turn_reward_weight,
+        )
+        rewarded = [r for rewards in everyone if rewards is not None for r in rewards if r is not None]
+        self._metrics[mode]["turn_rewards/mean"].append(sum(rewarded) / len(rewarded) if rewarded else math.nan)
+        self._metrics[mode]["turn_rewards/rewarded_turns"].append(float(len(rewarded)))
+        start = self.accelerator.process_index * len(episodes)
+        local = terms[start : start + len(episodes)]
+        for episode, term in zip(episodes, local, strict=True):
+            if term is not None:
+                episode.metadata["turn_advantages"] = term  # in the episode log, beside the episode's advantage
+        return local if self.args.turn_reward_weight != 0 else None
 
     def _append_rows(self, output: dict, rows: list[Row], advantages: torch.Tensor) -> dict:
         """Append rows to TRL's padded generation batch, with the per-token logps TRL computed for the others."""
@@ -691,7 +741,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "importance_sampling_ratio": 1.0,
             }.get(key, 0)
             merged[key] = torch.cat([widen(current, width, fill, side), widen(tensor, width, fill, side)], dim=0)
-        merged["advantages"] = torch.cat([output["advantages"], advantages])
+        if advantages.dim() == 2:  # per-token advantages (per-turn rewards): padded as the completions
+            merged["advantages"] = torch.cat(
+                [
+                    widen(output["advantages"], completion_width, 0.0, "right"),
+                    widen(advantages, completion_width, 0.0, "right"),
+                ]
+            )
+        else:
+            merged["advantages"] = torch.cat([output["advantages"], advantages])
         loss_mask = merged["completion_mask"] * merged["tool_mask"]
         merged["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()  # every rank appends (see above)
         return merged
@@ -1094,7 +1152,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._metrics[mode]["episodes/no_model_calls"].append(self.accelerator.gather(no_calls).mean().item())
         # Episodes no reward function could score (failed, or every checker returned None): no advantage, no signal.
         unscorable = torch.tensor(
-            [float(all(v is None for v in (ep.metadata.get("rewards") or {None: None}).values())) for ep in episodes],
+            [
+                float(
+                    all(v is None for v in (ep.metadata.get("rewards") or {None: None}).values())
+                    and not ep.metadata.get(TURN_REWARDS_KEY)  # per-turn rewards alone are a signal
+                )
+                for ep in episodes
+            ],
             device=device,
         )
         self._metrics[mode]["episodes/unscorable"].append(self.accelerator.gather(unscorable).mean().item())

@@ -6,6 +6,9 @@ each: an episode that did not end `ok` is unscorable unless the function scores 
 with their tasks (`trl_agentic.tasks.calculator.calculator_correct`, ...), which import these helpers; recipes name
 them through `trl_agentic.recipes.get_reward_func`.
 
+Beyond a checker (issue 34): [`TrajectoryJudge`] scores episodes with an LLM judge against a plain-text rubric
+(`judge.py`), and a function may reward each turn as well as the episode (`process.py`: per-token advantages).
+
 Example:
 
 ```python
@@ -17,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from .judge import TrajectoryJudge
 from .utils import (
     RewardModelFunc,
     cut_off_penalty,
@@ -30,6 +34,7 @@ from .utils import (
 
 __all__ = [
     "RewardModelFunc",
+    "TrajectoryJudge",
     "cut_off_penalty",
     "episode_for",
     "final_assistant_text",

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .process import split_turn_rewards
+
 
 def episode_for(kwargs: dict[str, Any], index: int) -> Any | None:
     """Return the `Episode` of completion `index` from a reward function's kwargs, or `None` outside the trainer.
@@ -128,6 +130,10 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
     model (a model id or an `nn.Module`, as TRL accepts them) becomes a [`RewardModelFunc`] first, so the rule holds
     for it too (TRL would otherwise score failed episodes with it, issue #9).
 
+    A function may also reward each turn: per episode, a list of per-turn rewards or `{"final": r, "turns": [...]}`
+    (`trl_agentic.rewards.process`); the per-turn part is kept in `episode.metadata["turn_rewards"]` and the final
+    reward (`None` for a bare list) is what is returned.
+
     Either way, a function returning another number of rewards than episodes, or a reward TRL's float32 cannot hold
     (inf, 1e39, a string), raises a `ValueError` naming the function and the value (issue 29, N4/N5). `None` and NaN
     mean "unscorable", as in TRL.
@@ -151,7 +157,8 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
     masks = not getattr(reward_func, "scores_failed_episodes", False)
 
     def finish(rewards, episodes):
-        rewards = list(rewards)  # TRL takes any iterable
+        # TRL takes any iterable; per-turn rewards (lists, {"final", "turns"} dicts) go to the episodes (process.py)
+        rewards = split_turn_rewards(name, list(rewards), episodes, skip_failed=masks)
         _check_rewards(name, rewards, len(episodes) if episodes is not None else None)
         if masks and episodes is not None:
             return [

@@ -5,7 +5,8 @@ the previous turn's prompt + completion ids (guaranteed by the endpoint's token-
 between (tool output, user turns, template glue) get `env_mask` 0, sampled tokens get 1. A turn that does not extend
 the tail of an existing row starts a row of its own: the first call of another conversation (a side call, a
 sub-agent: `trl_agentic.lineage`), a fork after a history rewrite, a second choice of `n>1`. All rows of an episode
-share the episode's advantage.
+share the episode's advantage, plus, with per-turn rewards, a term per turn (`row_token_turns` says which turn sampled
+each token; `trl_agentic/rewards/process.py`).
 """
 
 from __future__ import annotations
@@ -174,3 +175,27 @@ def episode_to_rows(
         capped = sorted(index for row in rows[max_rows:] for index in row.turns)
         rows = rows[:max_rows]
     return RowsResult(rows=rows, skipped_turns=sorted(skipped), capped_turns=capped)
+
+
+def row_token_turns(row: Row, turns: list[Turn]) -> list[int]:
+    """The turn (its `Turn.index`) that sampled each completion token of `row`, `-1` on the context between turns
+    (tool output, template glue) and on a placeholder row's padding: what per-turn (process) rewards are spread by.
+
+    Example:
+
+    ```python
+    >>> t0 = Turn(0, prompt_ids=[1, 2, 3], completion_ids=[10, 11], logprobs=[-0.1, -0.2], finish_reason="stop")
+    >>> t1 = Turn(1, prompt_ids=[1, 2, 3, 10, 11, 4, 5], completion_ids=[12], logprobs=[-0.3], finish_reason="stop",
+    ...           prompt_source="continued", parent_turn=0)
+    >>> row_token_turns(episode_to_rows([t0, t1]).rows[0], [t0, t1])
+    [0, 0, -1, -1, 1]
+    ```
+    """
+    by_index = {turn.index: turn for turn in turns}
+    owners: list[int] = []
+    for position, index in enumerate(row.turns):
+        turn = by_index[index]
+        if position:  # the context the model was shown before this turn: its prompt past the row so far
+            owners += [-1] * (len(turn.prompt_ids) - len(row.prompt_ids) - len(owners))
+        owners += [index] * len(turn.completion_ids)
+    return owners + [-1] * (len(row.completion_ids) - len(owners))
