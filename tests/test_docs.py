@@ -46,6 +46,7 @@ OTHER_PROGRAMS_FLAGS = {
     "--index-url",  # pip
     "--config_file",  # accelerate launch
     "--num_processes",  # accelerate launch, jobs/train.py
+    "--accelerate_config",  # jobs/train.py
     "--network-alias",  # hf jobs
     "--dangerously-skip-permissions",  # Claude Code
 }
