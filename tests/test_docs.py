@@ -353,5 +353,26 @@ def test_the_readme_example_trains_as_written_on_cpu(tmp_path):
     assert all(episode["turns"] for episode in episodes)
 
 
+def test_your_own_task_page_evaluates_as_written(tmp_path):
+    # docs/your_task.md: the `my_task.py` it shows, run with the `trl-agentic eval` line it shows, from its folder.
+    page = read(DOCS / "your_task.md")
+    (module,) = [body for language, body in code_blocks(page) if language == "python" and "TASK = TaskSuite(" in body]
+    (tmp_path / "my_task.py").write_text(module)
+    lines = [line for _, body in code_blocks(page) for line in body.splitlines()]
+    (command,) = [line for line in lines if line.startswith("trl-agentic eval --task my_task:TASK")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_agentic.cli", *shlex.split(command)[1:], "--no-progress"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["episodes"] == 4 * 2 and summary["status"]["agent_error"] == 0
+
+
 def test_readme_stays_short():
     assert len(read(REPO / "README.md").splitlines()) <= 210
