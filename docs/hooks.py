@@ -43,4 +43,6 @@ def on_page_markdown(markdown, page, config, files):
             f"#{anchor})" if anchor else ")"
         )
 
-    return LINK.sub(outside_docs, markdown)
+    # Links in prose only: fenced code blocks are left as written.
+    parts = re.split(r"(^```.*?^```)", markdown, flags=re.M | re.S)
+    return "".join(part if part.startswith("```") else LINK.sub(outside_docs, part) for part in parts)
