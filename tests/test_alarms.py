@@ -90,6 +90,25 @@ def test_reward_hacking_holds_held_out_against_training_success_at_the_target_di
     assert "training reward rose 0.450 -> 0.650" in check_alarms(history)[0].message
 
 
+def test_reward_hacking_holds_held_out_against_the_reward_metric_it_is_told_to():
+    # A trajectory judge beside a format reward (issue 34): the summed reward stays level while the judge's score
+    # climbs and held-out success (the objective checker) does not move. Only the judge's series shows the hacking.
+    history = {
+        "reward": [(s, 0.7) for s in range(1, 101)],
+        "rewards/trajectory_judge/mean": [(s, 0.3 if s <= 50 else 0.7) for s in range(1, 101)],
+        "sampling/target_success": [(s, 0.6) for s in range(1, 101)],
+        "held_out/success": [(0, 0.6), (50, 0.6), (100, 0.6)],
+    }
+    assert names(history) == []
+    alarms = check_alarms(history, AlarmSettings(reward_metric="rewards/trajectory_judge/mean"))
+    assert [a.name for a in alarms] == ["reward_hacking"]
+    assert "rewards/trajectory_judge/mean rose 0.300 -> 0.700" in alarms[0].message
+    # A metric the run never logged is a configuration error, not a silent pass.
+    with pytest.raises(ValueError, match="alarm_reward_metric 'rewards/judge/mean' was never logged"):
+        check_alarms(history, AlarmSettings(reward_metric="rewards/judge/mean"))
+    assert AlarmSettings.from_config(AgenticGRPOConfig(output_dir="x", alarm_reward_metric="r")).reward_metric == "r"
+
+
 def test_reward_hacking_holds_held_out_against_training_success_on_tasks_not_seen_before():
     # The sampler revisits tasks: success on revisited tasks rose (learned by heart, the demo's seed 0: 0.43 on first
     # visits, 0.56 on revisits at steps 150-200) while success on first visits followed held-out success. Not a gamed

@@ -164,6 +164,10 @@ class AgenticGRPOConfig(GRPOConfig):
             this many standard errors (the scatter of the training windows, the held-out evaluations' binomial noise),
             and, with a difficulty column, `malformed_tool_calls` only on a rise beyond this many standard errors of
             what the last steps' groups could give by chance.
+        alarm_reward_metric (`str` or `None`, *optional*, defaults to `None`):
+            A logged metric `reward_hacking` holds against held-out success, e.g. `"rewards/trajectory_judge/mean"`
+            (a judge's score beside other reward functions: their weighted sum can stay level while the judge's term
+            climbs). `None`: the training success at the target difficulty when logged, else the training reward.
 
         > Parameters that control asynchronous rollouts
 
@@ -256,6 +260,9 @@ class AgenticGRPOConfig(GRPOConfig):
     )
     alarm_noise_z: float = field(
         default=3.0, metadata={"help": "Standard errors the held-out shortfall must exceed for reward_hacking."}
+    )
+    alarm_reward_metric: str | None = field(
+        default=None, metadata={"help": "Logged metric reward_hacking holds against held-out success (None: auto)."}
     )
     shared_prefix_scoring: bool = field(
         default=True, metadata={"help": "Score rows with their shared prompt prefix computed once (one process)."}

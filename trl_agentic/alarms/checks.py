@@ -88,6 +88,13 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
     series = derived_series(history)
     window = settings.window
     training_success, what = _training_success(series)
+    if settings.reward_metric is not None:
+        training_success, what = list(history.get(settings.reward_metric, [])), settings.reward_metric
+        if not training_success and series["reward"]:
+            raise ValueError(
+                f"alarm_reward_metric {settings.reward_metric!r} was never logged; name a logged metric, e.g. "
+                f"'rewards/<reward function name>/mean' (logged: {sorted(history)[:12]}...)."
+            )
     found = [
         # The mean reward moves with the mix of difficulties an adaptive sampler draws: held-out success (measured at
         # the target difficulty) is held against the training success at the target (on new tasks) when logged.

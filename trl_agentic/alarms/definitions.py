@@ -45,6 +45,10 @@ class AlarmSettings:
             `malformed_tool_calls` and `unscorable_episodes` (with per-difficulty counts) likewise fire only on a
             rise beyond this many standard errors of what the last steps' groups could give by chance
             ([`malformed_spike`]).
+        reward_metric: a logged metric `reward_hacking` holds against held-out success instead of the training
+            success it picks itself, e.g. `"rewards/trajectory_judge/mean"`: a judge's score beside other reward
+            functions (`reward`, the weighted sum, can stay level while one of its terms climbs). `None`: the training
+            success at the target difficulty when logged, else the reward.
     """
 
     window: int = 10
@@ -55,6 +59,7 @@ class AlarmSettings:
     entropy_ratio: float = 0.1
     min_split_rate: float = 0.25
     noise_z: float = 3.0
+    reward_metric: str | None = None
 
     @classmethod
     def from_config(cls, args) -> AlarmSettings:
@@ -68,6 +73,7 @@ class AlarmSettings:
             entropy_ratio=args.alarm_entropy_ratio,
             min_split_rate=args.alarm_min_split_rate,
             noise_z=args.alarm_noise_z,
+            reward_metric=args.alarm_reward_metric,
         )
 
 
