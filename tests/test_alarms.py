@@ -106,7 +106,12 @@ def test_reward_hacking_holds_held_out_against_the_reward_metric_it_is_told_to()
     # A metric the run never logged is a configuration error, not a silent pass.
     with pytest.raises(ValueError, match="alarm_reward_metric 'rewards/judge/mean' was never logged"):
         check_alarms(history, AlarmSettings(reward_metric="rewards/judge/mean"))
-    assert AlarmSettings.from_config(AgenticGRPOConfig(output_dir="x", alarm_reward_metric="r")).reward_metric == "r"
+    assert (
+        AlarmSettings.from_config(
+            AgenticGRPOConfig(output_dir="x", use_cpu=True, bf16=False, alarm_reward_metric="r")
+        ).reward_metric
+        == "r"
+    )
 
 
 def test_reward_hacking_holds_held_out_against_training_success_on_tasks_not_seen_before():
