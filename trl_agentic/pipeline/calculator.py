@@ -22,6 +22,7 @@ Why each value differs from [`PipelineConfig`]'s (the measurements: README and d
 - `cut_off_penalty=True`: without it, seed 3's answers grew a tail of dots after the number from step 155 (tokens per
   episode 34 -> 70 at the same reward). TRL's `mask_truncated_completions` stopped the dots but let 240 of seed 2's
   798 malformed tool calls run into the limit.
+- `max_completion_length=48`: a calculator call is ~35 tokens of the tiny tokenizer.
 - `num_generations=12` x `tasks_per_step=4`: groups of 8 split ~75% of the time once a seed solves the target, 12 ~86%;
   16 x 2 tasks collapsed seed 1 at step ~225.
 """
@@ -49,6 +50,7 @@ class CalculatorDemoConfig(PipelineConfig):
     levels: tuple[float, ...] | None = (1, 2, 3)
     warm_start_levels: tuple[float, ...] | None = (1, 2)
     warm_start_check_levels: tuple[float, ...] | None = (2,)
+    max_completion_length: int = 48
     steps: int = 300
     train_size: int = 9000
     digits: int = 2

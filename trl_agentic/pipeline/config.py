@@ -91,7 +91,7 @@ class PipelineConfig:
     validation_size: int = 64
     # Sampling
     temperature: float = 1.0
-    max_completion_length: int = 48
+    max_completion_length: int = 64
     max_turns: int = 4
     # GRPO
     steps: int = 100
