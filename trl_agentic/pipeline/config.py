@@ -94,7 +94,7 @@ class PipelineConfig:
     max_completion_length: int = 64
     max_turns: int = 4
     # GRPO
-    steps: int = 100
+    steps: int = 150
     grpo_temperature: float | None = 1.2
     learning_rate: float = 2e-4
     warmup_steps: int = 30

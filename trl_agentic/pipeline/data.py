@@ -63,7 +63,8 @@ def check_task(suite: TaskSuite, config: PipelineConfig) -> None:
     demonstrations, or difficulty levels the config names that the suite does not have."""
     if not suite.reward_funcs:
         raise ValueError(f"Task {suite.name!r} has no reward_funcs: give its TaskSuite a checker that scores episodes.")
-    level_list(suite, config.levels), warm_start_levels(suite, config), check_levels(suite, config)  # known levels
+    for levels in (config.levels, config.warm_start_levels, config.warm_start_check_levels):
+        level_list(suite, levels)  # a level the suite does not have: named, with those it has
     warm_start_demonstrations(suite, dataclasses.replace(config, num_demonstrations=2))
 
 

@@ -96,6 +96,12 @@ def build_warm_started(
     )
     num_params = sum(p.numel() for p in model.parameters())
     info(f"{num_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
+    longest = longest_assistant_message(tokenizer, demonstrations[:32])
+    if longest > config.max_completion_length:
+        info(
+            f"note: a demonstration's assistant message is {longest} tokens, more than max_completion_length="
+            f"{config.max_completion_length}: the model cannot reproduce it (--set max_completion_length={longest + 16})"
+        )
     levels = warm_start_levels(suite, config)
     info(
         f"{len(demonstrations)} demonstrations from the training split"
@@ -255,3 +261,17 @@ def outline(demonstration: dict) -> str:
         elif role == "user":
             parts.append("question")
     return " -> ".join(parts)
+
+
+def longest_assistant_message(tokenizer, demonstrations: list[dict]) -> int:
+    """The most tokens one assistant message of `demonstrations` takes (what a model call must be allowed to sample)."""
+    from ..warm_start import assistant_masked_ids
+
+    longest = 0
+    for demonstration in demonstrations:
+        _, mask = assistant_masked_ids(tokenizer, demonstration["messages"], demonstration.get("tools"))
+        run = 0
+        for masked in [*mask, 0]:
+            run = run + 1 if masked else 0
+            longest = max(longest, run)
+    return longest
