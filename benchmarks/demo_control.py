@@ -103,6 +103,9 @@ def train_trl_control(model, tokenizer, suite, settings, output_dir: Path, progr
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trl_agentic import pipeline
+    from trl_agentic.pipeline.grpo import make_callbacks, train_grpo
+    from trl_agentic.pipeline.printing import quiet_libraries
     from trl_agentic.scripts import demo
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -125,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         + ([f"--learning-rate={args.learning_rate}"] if args.learning_rate is not None else [])
         + ([f"--eval-size={args.eval_size}"] if args.eval_size is not None else [])
     )
-    settings = dataclasses.replace(demo.settings_from_args(demo_args), eval_every=0)
-    demo._quiet_libraries()
+    settings = dataclasses.replace(demo.config_from_args(demo_args), eval_every=0)
+    quiet_libraries()
 
     import torch
     from transformers import set_seed
@@ -138,15 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
-    cache_path = demo.warm_start_cache_dir(settings, args.cache_dir)
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
 
     results = {}
     for name in ("agentic", "trl_tools"):
         print(f"\n=== {name}: {settings.steps} GRPO steps, lr {settings.learning_rate} ===", flush=True)
         set_seed(settings.seed)
-        model, tokenizer, _ = demo.build_warm_started(settings, suite, cache_path)
-        evaluator = demo.HeldOutEvaluator(
+        model, tokenizer, _ = pipeline.build_warm_started(settings, suite, args.cache_dir)
+        evaluator = pipeline.HeldOutEvaluator(
             model,
             tokenizer,
             suite,
@@ -159,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             before = evaluator.evaluate(model, seed=settings.seed)
             print(f"  held-out before: {before['success']:.1%}", flush=True)
             started = time.monotonic()
-            callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
+            callbacks = make_callbacks(settings)
             if name == "agentic":
-                trainer = demo.train_grpo(model, tokenizer, suite, settings, output_dir / name, callbacks)
+                trainer = train_grpo(model, tokenizer, suite, settings, output_dir / name, callbacks)
             else:
                 trainer = train_trl_control(model, tokenizer, suite, settings, output_dir, callbacks[1])
             seconds = time.monotonic() - started

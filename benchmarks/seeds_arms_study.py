@@ -51,25 +51,25 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from demo_control import train_trl_control
+    from trl_agentic import pipeline
+    from trl_agentic.pipeline.grpo import make_callbacks, train_grpo
+    from trl_agentic.pipeline.printing import quiet_libraries
     from trl_agentic.scripts import demo
     from trl_agentic.tasks.calculator import make_calculator_suite
 
-    settings = dataclasses.replace(
-        demo.settings_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])), eval_every=0
-    )
-    demo._quiet_libraries()
+    settings = dataclasses.replace(demo.config_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])), eval_every=0)
+    quiet_libraries()
     suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
-    cache_path = demo.warm_start_cache_dir(settings, cache_dir)
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
     record = {"seed": seed, "settings": dataclasses.asdict(settings)}
     started = time.monotonic()
     set_seed(seed)
-    model, tokenizer, info = demo.build_warm_started(settings, suite, cache_path)
+    model, tokenizer, info = pipeline.build_warm_started(settings, suite, cache_dir)
     record["warm_start_seconds"] = info["seconds"] if not info.get("cached") else 0.0
     for arm in ARMS:
         set_seed(seed)
-        model, tokenizer, _ = demo.build_warm_started(settings, suite, cache_path)  # the same weights for each arm
-        evaluator = demo.HeldOutEvaluator(
+        model, tokenizer, _ = pipeline.build_warm_started(settings, suite, cache_dir)  # the same weights for each arm
+        evaluator = pipeline.HeldOutEvaluator(
             model,
             tokenizer,
             suite,
@@ -82,11 +82,9 @@ def run_seed(seed: int, demo_argv: list[str], output_dir: Path, cache_dir: str |
             if "before" not in record:
                 record["before"] = success_over_all_episodes(evaluator.evaluate(model, seed=seed))
             arm_started = time.monotonic()
-            callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
+            callbacks = make_callbacks(settings)
             if arm == "agentic":
-                trainer = demo.train_grpo(
-                    model, tokenizer, suite, settings, output_dir / f"seed{seed}" / arm, callbacks
-                )
+                trainer = train_grpo(model, tokenizer, suite, settings, output_dir / f"seed{seed}" / arm, callbacks)
             else:
                 trainer = train_trl_control(model, tokenizer, suite, settings, output_dir / f"seed{seed}", callbacks[1])
             train_seconds = time.monotonic() - arm_started
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="Override a DemoSettings field for both arms (repeatable).",
+        help="Override a CalculatorDemoConfig field for both arms (repeatable).",
     )
     parser.add_argument("--jobs", type=int, default=2, help="Seeds run at once (one torch thread each).")
     parser.add_argument("--output-dir", default="outputs/seeds_arms_study")

@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from trl_agentic.scripts.demo import DemoSettings, short_form_rows, warm_start_demonstrations
-from trl_agentic.tasks.calculator import make_calculator_suite
+from trl_agentic.pipeline import CalculatorDemoConfig, short_form_rows, warm_start_demonstrations
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.warm_start import assistant_masked_ids, batch_loss, chunk_pool, length_chunks
 
@@ -41,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    settings = DemoSettings()
-    suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
+    settings = CalculatorDemoConfig()
+    suite = settings.suite()
     tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
     model = build_tiny_model(
         tokenizer,

@@ -216,7 +216,7 @@ def test_plot_training_curves_writes_one_png_per_metric(tmp_path):
 @pytest.mark.parametrize("steps", [0, 15, 25, 40])
 def test_split_rate_line_for_runs_shorter_than_its_window(steps):
     # A 25-step demo crashed printing its results: after step 20 there were 5 values, no 10-step window.
-    from trl_agentic.scripts.demo import format_split_rate, split_rate_summary
+    from trl_agentic.pipeline.report import format_split_rate, split_rate_summary
 
     history = [{"step": s, "reward": 0.5, "sampling/split_rate": 1.0 if s % 2 else 0.5} for s in range(1, steps + 1)]
     signal = split_rate_summary(history)
@@ -239,10 +239,11 @@ def test_progress_lines_cover_every_step_when_rollout_metrics_skip_steps(rollout
     3rd step only: the progress lines still come every ~`steps // 15` steps and together cover every rollout."""
     from types import SimpleNamespace
 
-    from trl_agentic.scripts.demo import DemoSettings, _make_callbacks
+    from trl_agentic.pipeline import CalculatorDemoConfig
+    from trl_agentic.pipeline.grpo import make_callbacks
 
-    settings = DemoSettings(steps=45)  # a line every 3 steps
-    _, progress_class = _make_callbacks(None, settings, held_out_evaluation=False)
+    settings = CalculatorDemoConfig(steps=45)  # a line every 3 steps
+    _, progress_class = make_callbacks(settings)
     progress = progress_class()
     lines = []
     progress.training_bar = SimpleNamespace(write=lines.append)
@@ -263,7 +264,7 @@ def test_progress_lines_cover_every_step_when_rollout_metrics_skip_steps(rollout
 
 
 def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_target():
-    from trl_agentic.scripts.demo import StagedCheck
+    from trl_agentic.pipeline import StagedCheck
 
     class Half:
         def __init__(self, success, episodes, malformed, mean_turns):
@@ -295,35 +296,35 @@ def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_targe
 
 
 def test_warm_start_checks_use_the_target_difficulty_alone_by_default():
-    from trl_agentic.scripts.demo import (
-        DemoSettings,
-        parse_args,
-        settings_from_args,
-        validation_tasks,
-        warm_start_demonstrations,
-    )
-    from trl_agentic.tasks.calculator import make_calculator_suite
+    from trl_agentic.pipeline import CalculatorDemoConfig, validation_tasks, warm_start_demonstrations
+    from trl_agentic.pipeline.config import check_levels, warm_start_key
+    from trl_agentic.scripts.demo import config_from_args, parse_args
 
-    assert DemoSettings().level_list(DemoSettings().warm_start_check_levels) == (2,)
-    settings = settings_from_args(parse_args(["--set", "warm_start_check_levels=1,2"]))
-    assert settings.level_list(settings.warm_start_check_levels) == (1, 2)
-    assert settings.warm_start_key() != DemoSettings().warm_start_key()  # another warm start, cached apart
-    suite = make_calculator_suite(digits=2, ops=("*",))
-    demonstrations = warm_start_demonstrations(suite, DemoSettings(num_demonstrations=40))
+    default = CalculatorDemoConfig(num_demonstrations=40, validation_size=16)
+    suite = default.suite()
+    assert check_levels(suite, default) == (2,)
+    settings = config_from_args(parse_args(["--set", "warm_start_check_levels=1,2", "--set", "num_demonstrations=40",
+                                            "--set", "validation_size=16"]))  # fmt: skip
+    assert check_levels(suite, settings) == (1, 2)
+    demonstrations = warm_start_demonstrations(suite, default)
+    assert demonstrations == warm_start_demonstrations(suite, settings)
     operands = lambda tasks: {len(n) for t in tasks for n in re.findall(r"\d+", t["prompt"][-1]["content"])}  # noqa: E731
-    assert operands(validation_tasks(suite, demonstrations, 16, 0, DemoSettings().level_list((2,)))) == {2}
-    assert operands(validation_tasks(suite, demonstrations, 16, 0, settings.level_list((1, 2)))) == {1, 2}
+    default_tasks, other_tasks = (validation_tasks(suite, c, demonstrations) for c in (default, settings))
+    assert operands(default_tasks) == {2} and operands(other_tasks) == {1, 2}
+    # another warm start, cached apart
+    assert warm_start_key(settings, suite, demonstrations, other_tasks) != warm_start_key(
+        default, suite, demonstrations, default_tasks
+    )
 
 
 def test_grpo_tasks_leave_out_the_warm_starts_demonstrations():
     """Defect: GRPO's tasks were drawn with the demonstrations' seed, so every one of seed 0's 642 2-digit GRPO tasks
     was a demonstration the warm start had trained on."""
-    from trl_agentic.scripts.demo import DemoSettings, grpo_tasks, warm_start_demonstrations
-    from trl_agentic.tasks.calculator import make_calculator_suite
+    from trl_agentic.pipeline import CalculatorDemoConfig, grpo_tasks, warm_start_demonstrations
     from trl_agentic.tasks.splits import split_of
 
-    settings = DemoSettings()
-    suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
+    settings = CalculatorDemoConfig()
+    suite = settings.suite()
     demonstrations = warm_start_demonstrations(suite, settings)
     demonstrated = {d["messages"][1]["content"] for d in demonstrations}
     dataset = grpo_tasks(suite, settings, demonstrations)
@@ -357,10 +358,11 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     import torch
     from transformers.optimization import get_scheduler
 
-    from trl_agentic.scripts.demo import DemoSettings, grpo_config
+    from trl_agentic.pipeline import CalculatorDemoConfig
+    from trl_agentic.pipeline.grpo import grpo_config
 
-    settings = DemoSettings(decay_steps=decay_steps)
-    config = grpo_config(settings, tmp_path)
+    settings = CalculatorDemoConfig(decay_steps=decay_steps)
+    config = grpo_config(settings, settings.suite(), tmp_path)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
     scheduler = get_scheduler(
         config.lr_scheduler_type,
@@ -382,13 +384,15 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
         assert rates[stable_end + decay_steps // 2] == pytest.approx(peak / 2)
         assert rates[-1] == pytest.approx(peak / decay_steps)  # the last step still learns a little
     # a run shorter than warmup + decay (--smoke) keeps a valid schedule: the decay is cut to what is left
-    short = grpo_config(DemoSettings(decay_steps=decay_steps, steps=20), tmp_path)
+    short = grpo_config(CalculatorDemoConfig(decay_steps=decay_steps, steps=20), settings.suite(), tmp_path)
     assert short.get_warmup_steps(20) == 20 and short.lr_scheduler_type.value == "constant_with_warmup"
 
 
 def test_demo_set_parses_the_optional_grpo_temperature():
-    from trl_agentic.scripts.demo import parse_args, settings_from_args
+    from trl_agentic.scripts.demo import config_from_args, parse_args
 
-    assert settings_from_args(parse_args([])).grpo_temperature == 1.2
-    assert settings_from_args(parse_args(["--set", "grpo_temperature=1.5"])).grpo_temperature == 1.5
-    assert settings_from_args(parse_args(["--set", "grpo_temperature=none"])).grpo_temperature is None
+    assert config_from_args(parse_args([])).grpo_temperature == 1.2
+    assert config_from_args(parse_args(["--set", "grpo_temperature=1.5"])).grpo_temperature == 1.5
+    assert config_from_args(parse_args(["--set", "grpo_temperature=none"])).grpo_temperature is None
+    with pytest.raises(SystemExit, match="expected NAME=VALUE with NAME one of"):
+        config_from_args(parse_args(["--set", "grpo_temprature=1.5"]))

@@ -2,8 +2,7 @@
 
 import pytest
 
-from trl_agentic.scripts.demo import DemoSettings, short_form_rows, warm_start_demonstrations
-from trl_agentic.tasks.calculator import make_calculator_suite
+from trl_agentic.pipeline import CalculatorDemoConfig, short_form_rows, warm_start_demonstrations
 from trl_agentic.tiny_models import build_tiny_tokenizer
 from trl_agentic.warm_start import _assistant_masked_ids_by_prefixes as masked_ids_by_prefixes  # the fallback
 from trl_agentic.warm_start import assistant_masked_ids
@@ -22,8 +21,8 @@ def assistant_texts(tokenizer, messages, tools):
 
 @pytest.mark.parametrize("template", ["qwen2_5", "qwen3", "llama3_2"])
 def test_assistant_masked_ids_mark_exactly_the_assistant_text(template):
-    settings = DemoSettings(num_demonstrations=40)
-    suite = make_calculator_suite(digits=2, ops=("*",))
+    settings = CalculatorDemoConfig(num_demonstrations=40)
+    suite = settings.suite()
     tokenizer = build_tiny_tokenizer(template, vocab_size=settings.vocab_size)
     demonstrations = warm_start_demonstrations(suite, settings)
     rows = demonstrations + short_form_rows(demonstrations, seed=0)  # with system prompt and tools, and without
@@ -72,8 +71,8 @@ def test_a_length_chunked_step_has_the_gradient_of_the_whole_batch():
     from trl_agentic.tiny_models import build_tiny_model
     from trl_agentic.warm_start import batch_loss, length_chunks
 
-    settings = DemoSettings(num_demonstrations=24)
-    suite = make_calculator_suite(digits=2, ops=("*",))
+    settings = CalculatorDemoConfig(num_demonstrations=24)
+    suite = settings.suite()
     tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=4, seed=0)
     rows = short_form_rows(warm_start_demonstrations(suite, settings), seed=0)
@@ -117,8 +116,8 @@ def test_chunks_run_at_once_give_the_same_steps_bit_for_bit():
     from trl_agentic.tiny_models import build_tiny_model
     from trl_agentic.warm_start import warm_start
 
-    settings = DemoSettings(num_demonstrations=48)
-    suite = make_calculator_suite(digits=2, ops=("*",))
+    settings = CalculatorDemoConfig(num_demonstrations=48)
+    suite = settings.suite()
     tokenizer = build_tiny_tokenizer("qwen2_5", vocab_size=settings.vocab_size)
     rows = short_form_rows(warm_start_demonstrations(suite, settings), seed=0)
     start = build_tiny_model(tokenizer, hidden_size=32, num_layers=2, num_heads=4, seed=0)

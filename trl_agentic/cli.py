@@ -11,7 +11,7 @@ COMMANDS = {
     "serve": ("trl_agentic.endpoint.serve", "Serve a model behind the OpenAI-compatible, token-recording endpoint."),
     "train": ("trl_agentic.scripts.train", "Train an agent with GRPO from a recipe YAML (TrlParser semantics)."),
     "eval": ("trl_agentic.scripts.eval", "Evaluate a recipe's agent against a model on an eval split."),
-    "demo": ("trl_agentic.scripts.demo", "The CPU demo: warm-start a tiny model, train it with GRPO, compare."),
+    "demo": ("trl_agentic.scripts.demo", "Warm-start a tiny model, GRPO on CPU, compare (the calculator or --task)."),
     "jobs": ("trl_agentic.jobs", "Submit a recipe to Hugging Face Jobs (`jobs submit ... [--dry-run]`)."),
     "inspect": ("trl_agentic.scripts.inspect_episodes", "Write a run's episodes as a static viewer folder."),
 }

@@ -73,6 +73,13 @@ def get_reward_func(name: str) -> Callable:
     return func
 
 
+# What `--task` (and a recipe's `task:`) accepts: `trl_agentic.tasks.get_task`'s forms, one wording for every command.
+TASK_HELP = (
+    "Task: a bundled name ('calculator', 'files', 'latency'), an import path 'pkg.module:TASK', a file "
+    "'path/to/task.py:TASK' (it may import modules next to it), or 'verifiers:<env-id>'."
+)
+
+
 @dataclass
 class ScriptArguments:
     """
@@ -80,8 +87,9 @@ class ScriptArguments:
 
     Args:
         task (`str`):
-            Task suite: a bundled name (`"calculator"`, `"files"`) or an import path `"pkg.module:attr"` to a
-            `TaskSuite`. It supplies the dataset, the agent and the reward functions.
+            Task suite, in any of the forms of `TASK_HELP` (a bundled name, `"pkg.module:TASK"`,
+            `"path/to/task.py:TASK"`, `"verifiers:<env-id>"`). It supplies the dataset, the agent and the reward
+            functions.
         agent (`str`, *optional*):
             Import path `"pkg.module:attr"` of an agent callable (`async def agent(client, task)`) that replaces the
             task's own agent, or `"harness:<preset>"` for a CLI coding agent (`trl_agentic.rollout.harnesses`, e.g.
@@ -104,9 +112,7 @@ class ScriptArguments:
             task's own difficulty.
     """
 
-    task: str = field(
-        metadata={"help": "Task suite: a bundled name ('calculator', 'files') or an import path 'pkg.module:attr'."}
-    )
+    task: str = field(metadata={"help": TASK_HELP})
     agent: str | None = field(
         default=None,
         metadata={

@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..recipes import TASK_HELP
+
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -42,66 +44,29 @@ def make_parser() -> argparse.ArgumentParser:
         description="Evaluate an agent against a model on a task split: success, pass@1/pass@k, episode "
         "statuses, turns, tool calls. Flags override the recipe.",
     )
-    add = parser.add_argument
+
+    def add(name: str, **kwargs):  # `--max-tokens` and `--max_tokens` alike, as `trl-agentic train` spells them
+        parser.add_argument(*dict.fromkeys([name, "--" + name[2:].replace("-", "_")]), **kwargs)
+
     add("--config", help="Training recipe YAML: task, model, agent, eval size, seeds, sampling and episode limits.")
-    add(
-        "--task",
-        help="Task: a bundled name ('calculator', 'files'), an import path 'pkg.module:attr' or a file "
-        "'path/task.py:attr' (what `trl-agentic demo` writes).",
-    )
-    add(
-        "--model",
-        help="Model to evaluate: Hub id, local path or 'tiny:qwen2_5:64x2' (default: the recipe's model_name_or_path).",
-    )
+    add("--task", help=TASK_HELP)
+    add("--model", help="Model: Hub id, local path or 'tiny:qwen2_5:64x2' (default: the recipe's model_name_or_path).")
     add("--agent", help="Import path 'pkg.module:attr' of an agent replacing the task's agent.")
-    add("--agent-command", "--agent_command", dest="agent_command", help="Shell command run per episode as the agent.")
-    add(
-        "--reward-funcs",
-        "--reward_funcs",
-        dest="reward_funcs",
-        nargs="+",
-        help="Reward functions replacing the task's (bundled names or 'pkg.module:func').",
-    )
+    add("--agent-command", help="Shell command run per episode as the agent.")
+    add("--reward-funcs", nargs="+", help="Reward functions replacing the task's (bundled names or 'pkg.module:func').")
     add("--split", default="eval", choices=["eval", "train"], help="Task split (default: eval).")
     add("--size", type=int, help="Tasks to evaluate (default: the recipe's eval_size, else 64).")
-    add(
-        "--dataset-seed",
-        "--dataset_seed",
-        dest="dataset_seed",
-        type=int,
-        help="Seed of the task generator (default: the recipe's dataset_seed, else 0).",
-    )
-    add(
-        "--num-samples",
-        "--num_samples",
-        dest="num_samples",
-        type=int,
-        default=4,
-        help="Episodes per task, the n of pass@k (default: 4).",
-    )
+    add("--dataset-seed", type=int, help="Seed of the task generator (default: the recipe's dataset_seed, else 0).")
+    add("--num-samples", type=int, default=4, help="Episodes per task, the n of pass@k (default: 4).")
     add("--temperature", type=float, help="Sampling temperature (default: the recipe's, else 1.0; 0 = greedy).")
-    add("--top-p", "--top_p", dest="top_p", type=float, help="Nucleus sampling (default: the recipe's, else off).")
+    add("--top-p", type=float, help="Nucleus sampling (default: the recipe's, else off).")
     add(
         "--max-tokens",
-        "--max_tokens",
-        dest="max_tokens",
         type=int,
         help="Most tokens per model call (default: the recipe's max_completion_length, else 512).",
     )
-    add(
-        "--max-turns",
-        "--max_turns",
-        dest="max_turns",
-        type=int,
-        help="Most model calls per episode (default: the recipe's max_turns, else 16).",
-    )
-    add(
-        "--episode-timeout",
-        "--episode_timeout",
-        dest="episode_timeout",
-        type=float,
-        help="Seconds per episode (default: the recipe's episode_timeout, else 300).",
-    )
+    add("--max-turns", type=int, help="Most model calls per episode (default: the recipe's max_turns, else 16).")
+    add("--episode-timeout", type=float, help="Seconds per episode (default: the recipe's episode_timeout, else 300).")
     add(
         "--concurrency",
         type=int,
@@ -109,8 +74,6 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add(
         "--success-threshold",
-        "--success_threshold",
-        dest="success_threshold",
         type=float,
         default=1.0,
         help="An episode succeeds when its reward is >= this (default: 1.0).",
@@ -119,7 +82,7 @@ def make_parser() -> argparse.ArgumentParser:
     add("--device", help="Device of the model (default: cuda if available, else cpu).")
     add("--output", help="Write the metrics (with per-task details) as JSON to this file.")
     add("--episodes", help="Write every episode with its rewards as JSONL to this file.")
-    add("--no-progress", "--no_progress", dest="progress", action="store_false", help="Hide the progress bar.")
+    add("--no-progress", dest="progress", action="store_false", help="Hide the progress bar.")
     return parser
 
 

@@ -1,0 +1,41 @@
+"""The CPU pipeline for any task with a reference solver: warm start -> held-out eval -> GRPO -> held-out eval -> plots,
+saved model, summary. `trl-agentic demo` runs it (on the calculator, or `--task module:TASK`).
+
+Example:
+
+```python
+>>> from trl_agentic.pipeline import PipelineConfig, run_pipeline
+>>> summary = run_pipeline("my_tasks:TASK", PipelineConfig(steps=60), output_dir="outputs/my_task")
+>>> summary["improvement_points"]
+24.5
+```
+
+What a task needs (docs/pipeline.md): a [`TaskSuite`] whose `demonstrations(n, seed=0, **knobs)` returns successful
+conversations on training-split tasks (a reference solver), a `build_dataset` whose `"train"` and `"eval"` splits are
+disjoint, and checkers that score the agent's episodes; `difficulty_levels` (easier and harder than the target) give
+GRPO tasks whose episodes disagree, which is where its learning signal comes from.
+"""
+
+from .calculator import CalculatorDemoConfig
+from .config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
+from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
+from .held_out import HeldOutEvaluator, StagedCheck
+from .run import run_pipeline
+from .warm_start import build_warm_started
+
+
+__all__ = [
+    "SMOKE_OVERRIDES",
+    "CalculatorDemoConfig",
+    "HeldOutEvaluator",
+    "PipelineConfig",
+    "StagedCheck",
+    "build_warm_started",
+    "check_task",
+    "grpo_tasks",
+    "run_pipeline",
+    "short_form_rows",
+    "validation_tasks",
+    "warm_start_demonstrations",
+    "with_overrides",
+]
