@@ -119,19 +119,20 @@ def start_judge(tokenizer):
 
 
 def train_variant(variant: str, model, tokenizer, suite, settings, output_dir: Path, callbacks):
-    """`demo.train_grpo` with the variant's rewards."""
+    """`trl_agentic.pipeline.grpo.train_grpo` with the variant's rewards."""
     from transformers.trainer_callback import ProgressCallback
 
     from trl_agentic import AgenticGRPOTrainer
-    from trl_agentic.scripts import demo
+    from trl_agentic.pipeline import grpo_tasks, warm_start_demonstrations
+    from trl_agentic.pipeline.grpo import grpo_config, grpo_reward_funcs
 
     alarms_callback, progress_class = callbacks
-    config = demo.grpo_config(settings, output_dir)
+    config = grpo_config(settings, suite, output_dir)
     server = judge = None
     if variant == "baseline":
-        reward_funcs = demo.grpo_reward_funcs(suite, settings)
+        reward_funcs = grpo_reward_funcs(suite, settings)
     elif variant == "turn_term":
-        reward_funcs = [*demo.grpo_reward_funcs(suite, settings), well_formed_calls]
+        reward_funcs = [*grpo_reward_funcs(suite, settings), well_formed_calls]
         config.turn_reward_weight, config.turn_reward_discount = 0.5, 0.0  # each call's own well-formedness
     else:
         server, judge = start_judge(tokenizer)
@@ -141,7 +142,7 @@ def train_variant(variant: str, model, tokenizer, suite, settings, output_dir: P
         agent=suite.agent,
         reward_funcs=reward_funcs,
         args=config,
-        train_dataset=demo.grpo_tasks(suite, settings, demo.warm_start_demonstrations(suite, settings)),
+        train_dataset=grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings)),
         processing_class=tokenizer,
         callbacks=[alarms_callback],
     )
@@ -160,25 +161,24 @@ def run(seed: int, variants: list[str], demo_argv: list[str], output_dir: Path, 
     import torch
     from transformers import set_seed
 
+    from trl_agentic.pipeline import HeldOutEvaluator, build_warm_started
+    from trl_agentic.pipeline.grpo import make_callbacks
+    from trl_agentic.pipeline.printing import quiet_libraries
     from trl_agentic.scripts import demo
-    from trl_agentic.tasks.calculator import make_calculator_suite
 
-    settings = dataclasses.replace(
-        demo.settings_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])), eval_every=0
-    )
-    demo._quiet_libraries()
-    suite = make_calculator_suite(digits=settings.digits, ops=settings.ops)
-    cache_path = demo.warm_start_cache_dir(settings, cache_dir)
+    settings = dataclasses.replace(demo.config_from_args(demo.parse_args([f"--seed={seed}", *demo_argv])), eval_every=0)
+    quiet_libraries()
+    suite = settings.suite()
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=settings.seed)
     record: dict = {"seed": seed, "steps": settings.steps, "eval_size": settings.eval_size}
     started = time.monotonic()
     set_seed(seed)
-    _, _, info = demo.build_warm_started(settings, suite, cache_path)
+    _, _, info = build_warm_started(settings, suite, cache_dir)
     record["warm_start_seconds"] = 0.0 if info.get("cached") else info["seconds"]
     for variant in variants:
         set_seed(seed)
-        model, tokenizer, _ = demo.build_warm_started(settings, suite, cache_path)  # the same weights for each
-        evaluator = demo.HeldOutEvaluator(
+        model, tokenizer, _ = build_warm_started(settings, suite, cache_dir)  # the same weights for each
+        evaluator = HeldOutEvaluator(
             model,
             tokenizer,
             suite,
@@ -191,7 +191,7 @@ def run(seed: int, variants: list[str], demo_argv: list[str], output_dir: Path, 
             if "before" not in record:
                 record["before"] = evaluator.evaluate(model, seed=seed)["success"]
             variant_started = time.monotonic()
-            callbacks = demo._make_callbacks(evaluator, settings, held_out_evaluation=False)
+            callbacks = make_callbacks(settings)  # the alarms alone: held-out success is measured here
             trainer, judge = train_variant(
                 variant, model, tokenizer, suite, settings, output_dir / f"seed{seed}" / variant, callbacks
             )
@@ -234,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps per variant.")
     parser.add_argument("--eval-size", type=int, default=100, help="Held-out tasks per evaluation.")
-    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="A DemoSettings override.")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="A CalculatorDemoConfig override."
+    )
     parser.add_argument("--output-dir", default="outputs/judge_demo")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
