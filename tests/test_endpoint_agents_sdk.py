@@ -95,7 +95,7 @@ def default_provider(monkeypatch, request):
 
     The default provider keeps one HTTP pool per process (`openai_provider.shared_http_client`), bound to the event
     loop that first used it; every test here runs its own loop (`asyncio.run`), so each starts with a fresh pool. (A
-    command agent is a process of its own; in-process agents pass the client they are handed, see the README.)
+    command agent is a process of its own; in-process agents pass the client they are handed, see docs/agents.md.)
     """
     monkeypatch.setattr(openai_provider, "_http_client", None)
 

@@ -8,9 +8,9 @@ import pytest
 from trl import GRPOConfig, ModelConfig
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
-from trl_agentic.recipes import TASK_HELP, ScriptArguments
+from trl_agentic.recipes import COMMON_OPTIONS, TASK_HELP, ScriptArguments, make_train_parser
 from trl_agentic.scripts import eval as eval_script
-from trl_agentic.scripts.train import COMMON_OPTIONS, main, make_train_parser
+from trl_agentic.scripts.train import main
 
 
 def help_text(argv, capsys, entry=main) -> str:

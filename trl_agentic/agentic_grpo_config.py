@@ -131,7 +131,7 @@ class AgenticGRPOConfig(GRPOConfig):
             Write every episode (turns, messages, rewards, advantage, rows with their masks) as JSONL under
             `output_dir/episodes/`.
 
-        > Parameters that control the alarms (trl_agentic/alarms.py) and the held-out evaluation
+        > Parameters that control the alarms (trl_agentic/alarms/) and the held-out evaluation
 
         alarms (`bool`, *optional*, defaults to `True`):
             Check the training metrics at every log for reward hacking (reward rising while held-out success does

@@ -273,7 +273,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
         if args.async_rollouts:  # the engine takes each optimizer step's weights at once, before logs and saves
             self.add_callback(_AsyncWeightSync(self))
-        # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms.py)
+        # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms/)
         self.alarms_callback = attach_alarms(self) if args.alarms else None
         self.alarms = self.alarms_callback.alarms if self.alarms_callback else []  # also in output_dir/alarms.json
         # The console: one line per step (after the alarms, so it shows those that fire), warnings a user can act on

@@ -19,61 +19,14 @@ The recipe YAML supplies defaults for the fields of [`ScriptArguments`], [`Agent
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
 
-from trl import GRPOConfig, ModelConfig
+from trl import ModelConfig
 
 from trl_agentic.agentic_grpo_config import AgenticGRPOConfig
-from trl_agentic.recipes import ScriptArguments, StrictTrlParser, agent_from_recipe, make_parser, resolve_reward_funcs
+from trl_agentic.recipes import ScriptArguments, agent_from_recipe, make_train_parser, resolve_reward_funcs
 from trl_agentic.tasks import build_difficulty_dataset
-
-
-# `--help` shows these of TRL's and transformers' ~210 options after the agent's own; `--help-all` shows every one.
-COMMON_OPTIONS = """model_name_or_path dtype use_peft lora_r output_dir max_steps learning_rate num_generations
-per_device_train_batch_size gradient_accumulation_steps temperature max_completion_length beta use_vllm seed report_to
-logging_steps save_steps push_to_hub resume_from_checkpoint""".split()
-
-
-def make_train_parser(help_all: bool = False) -> StrictTrlParser:
-    """The recipe parser (`trl_agentic.recipes.make_parser`) with its help in groups: what to train on, the agent's
-    own options (`AgenticGRPOConfig`'s fields beyond `GRPOConfig`), then `COMMON_OPTIONS`. The other options of
-    `GRPOConfig`, `TrainingArguments` and `ModelConfig` are accepted as ever, and listed with `help_all`."""
-    parser = make_parser(prog="trl-agentic train")
-    parser.usage = "trl-agentic train [--config RECIPE.yaml] [--FIELD VALUE ...] [-h] [--help-all]"
-    parser.description = "Train an agent with GRPO. A recipe YAML gives defaults for any option; flags override it."
-    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="RECIPE.yaml", help="A recipe YAML.")
-    parser.add_argument("--help-all", action="store_true", default=argparse.SUPPRESS, help="Every option, then exit.")
-    actions: dict[str, list[argparse.Action]] = {}  # field -> its options (`--alarms` and `--no_alarms` share one)
-    for action in parser._optionals._group_actions:
-        if action.dest not in ("help", "help_all", "config"):
-            actions.setdefault(action.dest, []).append(action)
-    generic = {f.name for f in dataclasses.fields(GRPOConfig)}
-    groups = {
-        "what to train on (ScriptArguments)": [f.name for f in dataclasses.fields(ScriptArguments)],
-        "the agent's episodes, rewards and alarms (AgenticGRPOConfig)": [
-            f.name for f in dataclasses.fields(AgenticGRPOConfig) if f.name not in generic
-        ],
-        "common model and training options (trl.ModelConfig, trl.GRPOConfig)": COMMON_OPTIONS,
-    }
-    rest = [name for name in actions if all(name not in names for names in groups.values())]
-    if help_all:
-        groups["all other options (trl.GRPOConfig, transformers.TrainingArguments, trl.ModelConfig)"] = rest
-    for title, names in groups.items():
-        group = parser.add_argument_group(title)
-        for action in (action for name in names for action in actions[name]):
-            parser._optionals._group_actions.remove(action)
-            group._group_actions.append(action)
-    if not help_all:
-        for action in (action for name in rest for action in actions[name]):
-            action.help = argparse.SUPPRESS
-        parser.epilog = (
-            f"{len(rest)} more options of GRPOConfig, TrainingArguments and ModelConfig are accepted (in a recipe "
-            "too): `trl-agentic train --help-all` lists them."
-        )
-    return parser
 
 
 def resume_checkpoint(training_args: AgenticGRPOConfig) -> str | None:
