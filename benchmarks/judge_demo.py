@@ -120,13 +120,8 @@ def start_judge(tokenizer):
 
 def train_variant(variant: str, model, tokenizer, suite, settings, output_dir: Path, callbacks):
     """`trl_agentic.pipeline.grpo.train_grpo` with the variant's rewards."""
-    from transformers.trainer_callback import ProgressCallback
+    from trl_agentic.pipeline.grpo import grpo_config, grpo_reward_funcs, train_grpo
 
-    from trl_agentic import AgenticGRPOTrainer
-    from trl_agentic.pipeline import grpo_tasks, warm_start_demonstrations
-    from trl_agentic.pipeline.grpo import grpo_config, grpo_reward_funcs
-
-    alarms_callback, progress_class = callbacks
     config = grpo_config(settings, suite, output_dir)
     server = judge = None
     if variant == "baseline":
@@ -137,21 +132,9 @@ def train_variant(variant: str, model, tokenizer, suite, settings, output_dir: P
     else:
         server, judge = start_judge(tokenizer)
         reward_funcs = [judge]
-    trainer = AgenticGRPOTrainer(
-        model,
-        agent=suite.agent,
-        reward_funcs=reward_funcs,
-        args=config,
-        train_dataset=grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings)),
-        processing_class=tokenizer,
-        callbacks=[alarms_callback],
-    )
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(progress_class())
     try:
-        trainer.train()
+        trainer = train_grpo(model, tokenizer, suite, settings, output_dir, callbacks, reward_funcs, config)
     finally:
-        trainer.close()
         if server is not None:
             server.stop()
     return trainer, judge

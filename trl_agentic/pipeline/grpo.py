@@ -160,9 +160,19 @@ def grpo_reward_funcs(suite: TaskSuite, config: PipelineConfig) -> list:
     return [*suite.reward_funcs, *([cut_off_penalty] if config.cut_off_penalty else [])]
 
 
-def train_grpo(model, tokenizer, suite: TaskSuite, config: PipelineConfig, output_dir: Path, callbacks) -> Any:
+def train_grpo(
+    model,
+    tokenizer,
+    suite: TaskSuite,
+    config: PipelineConfig,
+    output_dir: Path,
+    callbacks,
+    reward_funcs: list | None = None,
+    args=None,
+) -> Any:
     """Train `model` in place with GRPO on `grpo_tasks` (the warm start's demonstrations left out); returns the
-    trainer (closed: its endpoint is down, its `state.log_history` and `alarms` remain)."""
+    trainer (closed: its endpoint is down, its `state.log_history` and `alarms` remain). `reward_funcs` and `args`
+    replace `grpo_reward_funcs` and `grpo_config` (a study's variants, e.g. benchmarks/judge_demo.py)."""
     from transformers.trainer_callback import ProgressCallback
 
     from .. import AgenticGRPOTrainer
@@ -171,8 +181,8 @@ def train_grpo(model, tokenizer, suite: TaskSuite, config: PipelineConfig, outpu
     trainer = AgenticGRPOTrainer(
         model,
         agent=suite.agent,
-        reward_funcs=grpo_reward_funcs(suite, config),
-        args=grpo_config(config, suite, output_dir),
+        reward_funcs=reward_funcs if reward_funcs is not None else grpo_reward_funcs(suite, config),
+        args=args if args is not None else grpo_config(config, suite, output_dir),
         train_dataset=grpo_tasks(suite, config, warm_start_demonstrations(suite, config)),
         processing_class=tokenizer,
         callbacks=[alarms_callback],
