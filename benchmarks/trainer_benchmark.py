@@ -25,6 +25,23 @@ batched re-generation of the rows that called a tool); `AgenticGRPOTrainer` runs
 in-process OpenAI-compatible endpoint (HTTP per call, dynamic batching of concurrent calls, token-in continuation).
 `max_completion_length` caps one model call for `AgenticGRPOTrainer` and the whole multi-turn completion (tool
 results included) for TRL; it is set high enough that neither run is cut by it.
+
+Where the asynchronous step's time goes (issue 30, measured on a 2-core machine saturated by other work, so in CPU
+seconds per step: wall times there tracked how much of a core each run got, not the work). In one process the async
+trainer keeps one core's worth busy ("cores busy" 1.00: trainer, engine, endpoint and agents share the GIL and
+nothing overlaps), and does more work than the synchronous one. 64x2, 6 steps: 0.64 CPU s/step = trainer thread
+0.30 (TRL's old-logps forward, ~0.075 s, runs because the behaviour-policy correction needs it; the synchronous
+step skips it), engine 0.20 (decode batches of 4.7 rows instead of 6.5 and 63% of prompt tokens reused instead of
+87%: the decoding competes with training for the GIL), agents + producer loop 0.09, endpoint 0.05; the trainer
+waited 0.05 s/step for data. Side by side, CPU s/step over 3 runs: TRL's `tools=` loop 0.27-0.36, synchronous
+1.16-1.35x that, asynchronous in-process 1.25-1.58x. A prototype with the producer, endpoint and engine in a spawned
+process (weights copied into shared-memory tensors after each optimizer step, the child's engine taking them under
+its model lock; branch `rollout-process-prototype`, staleness max 1 from the logs) splits 64x2 into trainer 0.18-0.24
+and rollout process 0.21-0.30 (engine 0.16-0.18, agents + openai client + producer 0.05-0.08, endpoint 0.03-0.04);
+256x2 into trainer 0.45-0.63 and rollout 0.23-0.42 against TRL 0.76-0.95. With two idle cores a step costs at least
+the larger side: ~0.8x TRL at 64x2 (the rollout side alone, HTTP and agents included, is ~0.8x TRL's whole step) and
+~0.6-0.65x at 256x2. Not measured as wall time: no core was free (two busy-looping processes got 0.8 of a core
+together).
 """
 
 from __future__ import annotations
@@ -206,13 +223,16 @@ def main() -> None:
 
 
 class StepEnds(TrainerCallback):
-    """When each optimizer step ended (an asynchronous block's rate: steps over the time between their ends)."""
+    """When each optimizer step ended, and the process's CPU seconds then (an asynchronous block's rate: steps over
+    the time between their ends)."""
 
     def __init__(self):
         self.ends: list[float] = []
+        self.cpu: list[float] = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
 
 def benchmark(model_size: str, args) -> tuple[float, float | None]:
@@ -281,7 +301,7 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         trainer.add_callback(timers[name])
         trainer.remove_callback(PrinterCallback)  # disable_tqdm=True would print every log dict
 
-    async_seconds, trl_block_seconds = [], []
+    async_seconds, trl_block_seconds, async_cpu, trl_block_cpu = [], [], [], []
     try:
         # One warm-up step each (lazy initialisation, first endpoint calls), then alternate, flipping the order
         for trainer in trainers.values():
@@ -301,11 +321,13 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
             finally:
                 ahead.close()
             async_seconds.append((ends.ends[-1] - ends.ends[0]) / (len(ends.ends) - 1))
+            async_cpu.append((ends.cpu[-1] - ends.cpu[0]) / (len(ends.cpu) - 1))
             timer = timers[trl_name]
             kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
             for _ in range(args.async_steps):
                 one_step(trl)
             trl_block_seconds.append(statistics.mean(timer.seconds[kept[0] :]))
+            trl_block_cpu.append(statistics.mean(timer.cpu_seconds[kept[0] :]))
             # The table below is of the alternating steps only
             del (
                 timer.seconds[kept[0] :],
@@ -389,7 +411,11 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in async_seconds) + " s/step; GRPOTrainer(tools="
         "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_block_seconds) + f" s/step; ratio "
         f"{async_ratio:.2f}x (goal <= 0.80x); median of the blocks' ratios "
-        f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x"
+        f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x; CPU seconds "
+        f"per step {statistics.mean(async_cpu):.3f} / {statistics.mean(trl_block_cpu):.3f} = "
+        f"{statistics.mean(async_cpu) / statistics.mean(trl_block_cpu):.2f}x; cores busy "
+        f"{statistics.mean(async_cpu) / statistics.mean(async_seconds):.2f} (CPU / wall: 1.00 is one core's worth, "
+        f"more means generation and training overlapped)"
     )
     return ratio, async_ratio
 
