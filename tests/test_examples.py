@@ -45,56 +45,65 @@ def test_the_answer_file_checker_reads_the_workspace_the_harness_left():
     ]
 
 
-@pytest.mark.parametrize(
-    "example, preset",
-    [
-        ("mini_swe_agent", "mini-swe-agent"),
-        ("claude_code", "claude-code"),
-        ("codex", "codex"),
-        ("gemini_cli", "gemini-cli"),
-        ("opencode", "opencode"),
-    ],
-)
-def test_each_harness_example_names_its_preset(example, preset):
+# example -> (the harness preset it trains, the wire format that harness speaks to the endpoint)
+HARNESS_EXAMPLES = {
+    "mini_swe_agent": ("mini-swe-agent", "chat_completions"),
+    "claude_code": ("claude-code", "anthropic_messages"),
+    "codex": ("codex", "responses"),
+    "gemini_cli": ("gemini-cli", "gemini"),
+    "opencode": ("opencode", "chat_completions"),
+}
+
+
+@pytest.mark.parametrize("example", list(HARNESS_EXAMPLES))
+def test_each_harness_example_names_its_preset(example):
+    preset, _ = HARNESS_EXAMPLES[example]
     assert f'train(Harness("{preset}"))' in (EXAMPLES / "harnesses" / f"{example}.py").read_text()
 
 
-def test_the_mini_swe_agent_example_trains_a_step_on_a_tiny_model(tmp_path):
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("example", list(HARNESS_EXAMPLES))
+def test_each_harness_example_trains_a_step_on_a_tiny_model(example, tmp_path):
+    """The file runs as written with the real harness (installed by .ci/run; skipped with how to install it): one
+    step, both episodes logged with their turns in the harness's wire format, scored, and every sampled token trained
+    on. The harnesses open with 2k-46k-token prompts (tiny tokenizer): `--max-context-length` lifts the tiny model's
+    4096 positions, or every call overflows and nothing is scored. A random model runs each call into the 16-token
+    limit; a harness then ends `ok` (scored by the checker) or exits non-zero after the cut call (scored -1 by
+    `cut_off_penalty`)."""
+    preset, wire_format = HARNESS_EXAMPLES[example]
     try:
-        binary = Harness("mini-swe-agent").find_binary()
+        binary = Harness(preset).find_binary()
     except HarnessNotFoundError as error:
         pytest.skip(str(error))
-    env = {**os.environ, "TRL_AGENTIC_MINI_SWE_AGENT_BIN": binary, "TMPDIR": str(tmp_path)}
+    env = {**os.environ, Harness(preset).binary_env_var: binary, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "harnesses" / "mini_swe_agent.py"),
-            "--model",
-            "tiny:qwen2_5",
-            "--steps",
-            "1",
-            "--num-generations",
-            "2",
-            "--max-tokens",
-            "32",
-            "--max-turns",
-            "3",
-            "--output-dir",
-            str(tmp_path / "out"),
-        ],
+        [sys.executable, str(EXAMPLES / "harnesses" / f"{example}.py"), "--model", "tiny:qwen2_5", "--steps", "1"]
+        + ["--num-generations", "2", "--max-tokens", "16", "--max-turns", "2", "--max-context-length", "65536"]
+        + ["--output-dir", str(tmp_path / "out")],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"step 1/1  reward -?\d", done.stdout + done.stderr)  # the step line: a step was logged, scored
     records = [json.loads(line) for line in (tmp_path / "out" / "episodes" / "episodes-rank0.jsonl").open()]
-    assert len(records) == 2 and all(r["episode"]["turns"] for r in records)  # the harness called the policy
+    assert [r["step"] for r in records] == [0, 0]
     for record in records:
-        result = record["episode"]["result"]
-        if record["episode"]["status"] == "ok":
-            assert result["harness"] == "mini-swe-agent" and not Path(result["workspace"]).exists()  # scored, removed
-    assert not list(tmp_path.glob("trl-agentic-mini-swe-agent-*"))
+        episode = record["episode"]
+        assert episode["turns"] and {t["wire_format"] for t in episode["turns"]} == {
+            wire_format
+        }  # it called the policy
+        sampled = sum(len(t["completion_ids"]) for t in episode["turns"])
+        assert sum(sum(row["env_mask"]) for row in record["rows"]) == sampled  # every sampled token is trained on
+        rewards = episode["metadata"]["rewards"]
+        if episode["status"] == "ok":
+            assert rewards["answer_file_correct"] is not None
+            assert episode["result"]["harness"] == preset and not Path(episode["result"]["workspace"]).exists()
+        else:
+            assert episode["status"] == "agent_error", (episode["status"], episode["error"])
+            assert episode["turns"][-1]["finish_reason"] == "length" and rewards["cut_off_penalty"] == -1.0
+    assert not list(tmp_path.glob(f"trl-agentic-{preset}-*"))  # every workspace removed once scored
 
 
 # ---------------------------------------------------------------------------------------------------------------------

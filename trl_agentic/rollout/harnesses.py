@@ -96,6 +96,9 @@ def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path,
         "MSWEA_CONFIGURED": "true",
         "MSWEA_SILENT_STARTUP": "1",
         "MSWEA_COST_TRACKING": "ignore_errors",
+        # mini retries every error but a few (a 400 included) 10 times, 4-60 s apart: the endpoint's refusals (episode
+        # limits) are final, and the retries held each such episode ~4.5 min (mini-swe-agent 2.4.6).
+        "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no price-list download
     }
     return argv, env
