@@ -150,6 +150,22 @@ def test_token_budget_counts_calls_in_flight(start_server, tokenizer):
     assert episode.num_sampled_tokens <= 10 and episode.status == "limit_exceeded"
 
 
+def test_an_agent_that_crashes_on_a_limit_refusal_ends_limit_exceeded_with_its_error_kept(start_server, tokenizer):
+    # A harness that exits non-zero because the endpoint refused its call past max_turns (Claude Code, mini-swe-agent)
+    # failed from the limit, as one that returned normally after the refusal does: `limit_exceeded`, not `agent_error`.
+    server = start_server(SlowEngine(tokenizer, lambda prompt: "word " * 30, delay=0.0), tokenizer)
+    session = server.open_episode(limits=EpisodeLimits(max_turns=1))
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    client.chat.completions.create(**hello(max_tokens=3))
+    with pytest.raises(openai.BadRequestError, match="Episode limit reached") as refused:
+        client.chat.completions.create(**hello(max_tokens=3))
+    episode = server.close_episode(session.episode.id, status="agent_error", error=str(refused.value))
+    assert episode.status == "limit_exceeded" and "Episode limit reached" in episode.error
+    # A crash with no failure the endpoint saw stays the agent's.
+    other = server.open_episode(limits=EpisodeLimits(max_turns=1))
+    assert server.close_episode(other.episode.id, status="agent_error", error="boom").status == "agent_error"
+
+
 def test_call_finishing_after_close_is_counted_in_the_returned_trace(start_server, tokenizer):
     server = start_server(SlowEngine(tokenizer, lambda prompt: "Fine.", delay=1.0), tokenizer)
     session = server.open_episode()

@@ -348,9 +348,13 @@ class EpisodeSession:
                 self.closed = True
                 episode = self.episode
                 episode.wall_time = time.monotonic() - self.opened_at
-                # A failure the endpoint saw outranks an agent that carried on and returned normally.
+                # A failure the endpoint saw outranks an agent that carried on and returned normally, and one that
+                # crashed on the refusal (a harness exiting non-zero after a 400 past max_turns); its error is kept.
+                seen = next((f for f in ("context_overflow", "limit_exceeded") if f in self.flags), None)
                 if status in (None, "ok", "running"):
-                    status = next((f for f in ("context_overflow", "limit_exceeded") if f in self.flags), "ok")
+                    status = seen or "ok"
+                elif status == "agent_error" and seen:
+                    status = seen
                 episode.status = status
                 episode.result = result
                 episode.error = error
