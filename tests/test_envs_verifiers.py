@@ -267,13 +267,14 @@ def test_group_reward_functions_score_the_rollouts_of_one_example_together(endpo
 
 
 def test_an_endpoint_failure_fails_the_episode_and_is_not_scored(start_server, tokenizer):
-    # The endpoint refuses the second call (max_turns=1): the rollout's error is not the policy's doing.
+    # The endpoint refuses the second call (max_turns=1): the rollout aborts, so the episode ends limit_exceeded (the
+    # refusal the endpoint saw, its error kept) and has no state to score.
     limited = start_server(
         ScriptedEngine(tokenizer, scripted_model(tokenizer)), tokenizer, default_limits=EpisodeLimits(max_turns=1)
     )
     suite = from_verifiers(tool_env())
     episodes, rewards, per_func = run(limited, suite, tool_env().get_dataset().to_list())
-    assert [e.status for e in episodes] == ["agent_error"] * 2 and rewards == [None, None]
+    assert [e.status for e in episodes] == ["limit_exceeded"] * 2 and rewards == [None, None]
     assert "ModelError" in episodes[0].error and per_func["correct_answer"] == [None, None]
 
 
