@@ -135,11 +135,14 @@ def test_absolute_judge_scores_each_episode_against_the_rubric(judge_server):
     assert judge(**batch(episodes)) == [1.0, 0.25, None]
     turns = server.close_episode(session.episode.id).turns
     assert len(turns) == 2  # one per episode that ended ok
-    for turn, ep in zip(turns, episodes, strict=False):
+    closing = []
+    for turn in turns:  # the episodes are judged concurrently: their requests arrive in any order
         system, user = turn.request_messages[0]["content"], turn.request_messages[-1]["content"]
         assert rubric in system
         assert f'<reference>\n{{"answer": "{SECRET}"}}\n</reference>' in user  # shown: named in `columns`
-        assert trajectory_blocks(user)[1][-1] == {"agent_result": ep.result}  # the agent's return value closes it
+        closing.append(trajectory_blocks(user)[1][-1])
+    # The agent's return value closes each trajectory
+    assert sorted(closing, key=str) == [{"agent_result": ep.result} for ep in episodes[:2]]
     judge.close()
 
 
