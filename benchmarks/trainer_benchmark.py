@@ -204,21 +204,28 @@ def main() -> None:
         help="Blocks of the asynchronous trainer, each followed by as many steps of TRL's (0: none).",
     )
     parser.add_argument("--async-steps", type=int, default=6, help="Optimizer steps per asynchronous block.")
+    parser.add_argument(
+        "--rollout-process",
+        choices=("off", "on", "both"),
+        default="both",
+        help="Asynchronous blocks with the producer in the trainer's process (off), in a process of its own "
+        "(`rollout_process=True`, on), or both, one after the other in each round (default).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     ratios = {size: benchmark(size, args) for size in args.model_size.split(",")}
     print()
-    for size, (ratio, async_ratio) in ratios.items():
+    for size, (ratio, async_ratios) in ratios.items():
         print(
             f"tiny:qwen2_5:{size}: AgenticGRPOTrainer / GRPOTrainer(tools=...) s/step {ratio:.2f}x "
             f"(goal <= 1.10x: {'met' if ratio <= 1.10 else 'NOT met'})"
         )
-        if async_ratio is not None:
+        for arm, async_ratio in async_ratios.items():
             print(
-                f"tiny:qwen2_5:{size}: AgenticGRPOTrainer(async_rollouts=True) / GRPOTrainer(tools=...) s/step "
-                f"{async_ratio:.2f}x (goal <= 0.80x: {'met' if async_ratio <= 0.80 else 'NOT met'})"
+                f"tiny:qwen2_5:{size}: AgenticGRPOTrainer(async_rollouts=True, {arm}) / GRPOTrainer(tools=...) "
+                f"s/step {async_ratio:.2f}x (goal <= 0.80x: {'met' if async_ratio <= 0.80 else 'NOT met'})"
             )
 
 
@@ -235,9 +242,9 @@ class StepEnds(TrainerCallback):
         self.cpu.append(time.process_time())
 
 
-def benchmark(model_size: str, args) -> tuple[float, float | None]:
+def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
     """The trainers on the `model_size` tiny model; prints the table, returns the ratios of seconds per step
-    (synchronous, asynchronous) to TRL's."""
+    (synchronous; asynchronous by arm) to TRL's."""
     # Model: warm-started so that it calls the calculator, reads the result and answers (two model calls)
     task = get_task("calculator")
     assert get_json_schema(calculator) == task.tools[0], "the two trainers would render different prompts"
@@ -301,7 +308,10 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         trainer.add_callback(timers[name])
         trainer.remove_callback(PrinterCallback)  # disable_tqdm=True would print every log dict
 
-    async_seconds, trl_block_seconds, async_cpu, trl_block_cpu = [], [], [], []
+    arms = {"in-process": False, "rollout process": True}
+    if args.rollout_process != "both":
+        arms = {k: v for k, v in arms.items() if v == (args.rollout_process == "on")}
+    async_seconds, trl_block_seconds, async_cpu, trl_block_cpu = ({arm: [] for arm in arms} for _ in range(4))
     try:
         # One warm-up step each (lazy initialisation, first endpoint calls), then alternate, flipping the order
         for trainer in trainers.values():
@@ -312,29 +322,37 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
                 one_step(trainers[name])
         # Asynchronous blocks, each followed by as many of TRL's steps (its timer keeps counting them separately)
         for round_index in range(args.async_rounds):
-            ahead = agentic(f"async-{round_index}", async_rollouts=True, max_staleness=1, max_steps=args.async_steps)
-            ends = StepEnds()
-            ahead.add_callback(ends)
-            ahead.remove_callback(PrinterCallback)
-            try:
-                ahead.train()
-            finally:
-                ahead.close()
-            async_seconds.append((ends.ends[-1] - ends.ends[0]) / (len(ends.ends) - 1))
-            async_cpu.append((ends.cpu[-1] - ends.cpu[0]) / (len(ends.cpu) - 1))
-            timer = timers[trl_name]
-            kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
-            for _ in range(args.async_steps):
-                one_step(trl)
-            trl_block_seconds.append(statistics.mean(timer.seconds[kept[0] :]))
-            trl_block_cpu.append(statistics.mean(timer.cpu_seconds[kept[0] :]))
-            # The table below is of the alternating steps only
-            del (
-                timer.seconds[kept[0] :],
-                timer.cpu_seconds[kept[0] :],
-                timer.logs[kept[1] :],
-                counts[trl_name][kept[2] :],
-            )
+            for arm, in_process in arms.items():
+                ahead = agentic(
+                    f"async-{round_index}-{in_process}",
+                    async_rollouts=True,
+                    max_staleness=1,
+                    rollout_process=in_process,
+                    max_steps=args.async_steps,
+                )
+                ends = StepEnds()
+                ahead.add_callback(ends)
+                ahead.remove_callback(PrinterCallback)
+                try:
+                    ahead.train()
+                finally:
+                    ahead.close()
+                async_seconds[arm].append((ends.ends[-1] - ends.ends[0]) / (len(ends.ends) - 1))
+                # The rollout process's CPU is not in this process's: the ratio of CPU is of the trainer's only
+                async_cpu[arm].append((ends.cpu[-1] - ends.cpu[0]) / (len(ends.cpu) - 1))
+                timer = timers[trl_name]
+                kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
+                for _ in range(args.async_steps):
+                    one_step(trl)
+                trl_block_seconds[arm].append(statistics.mean(timer.seconds[kept[0] :]))
+                trl_block_cpu[arm].append(statistics.mean(timer.cpu_seconds[kept[0] :]))
+                # The table below is of the alternating steps only
+                del (
+                    timer.seconds[kept[0] :],
+                    timer.cpu_seconds[kept[0] :],
+                    timer.logs[kept[1] :],
+                    counts[trl_name][kept[2] :],
+                )
     finally:
         ours.close()
 
@@ -403,21 +421,25 @@ def benchmark(model_size: str, args) -> tuple[float, float | None]:
         f"of the rounds' ratios {paired:.2f}x; CPU seconds per step {cpu_ratio:.2f}x (less sensitive to the load of "
         f"other processes)"
     )
-    if not async_seconds:
-        return ratio, None
-    async_ratio = statistics.mean(async_seconds) / statistics.mean(trl_block_seconds)
-    print(
-        f"AgenticGRPOTrainer(async_rollouts=True, max_staleness=1), {args.async_rounds} blocks of "
-        f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in async_seconds) + " s/step; GRPOTrainer(tools="
-        "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_block_seconds) + f" s/step; ratio "
-        f"{async_ratio:.2f}x (goal <= 0.80x); median of the blocks' ratios "
-        f"{statistics.median(a / t for a, t in zip(async_seconds, trl_block_seconds, strict=True)):.2f}x; CPU seconds "
-        f"per step {statistics.mean(async_cpu):.3f} / {statistics.mean(trl_block_cpu):.3f} = "
-        f"{statistics.mean(async_cpu) / statistics.mean(trl_block_cpu):.2f}x; cores busy "
-        f"{statistics.mean(async_cpu) / statistics.mean(async_seconds):.2f} (CPU / wall: 1.00 is one core's worth, "
-        f"more means generation and training overlapped)"
-    )
-    return ratio, async_ratio
+    if not args.async_rounds:
+        return ratio, {}
+    async_ratios = {}
+    for arm in arms:
+        seconds, trl_seconds, cpu, trl_cpu = (
+            values[arm] for values in (async_seconds, trl_block_seconds, async_cpu, trl_block_cpu)
+        )
+        async_ratios[arm] = statistics.mean(seconds) / statistics.mean(trl_seconds)
+        print(
+            f"AgenticGRPOTrainer(async_rollouts=True, max_staleness=1), {arm}, {args.async_rounds} blocks of "
+            f"{args.async_steps} steps: " + ", ".join(f"{a:.3f}" for a in seconds) + " s/step; GRPOTrainer(tools="
+            "...) right after each: " + ", ".join(f"{t:.3f}" for t in trl_seconds) + f" s/step; ratio "
+            f"{async_ratios[arm]:.2f}x (goal <= 0.80x); median of the blocks' ratios "
+            f"{statistics.median(a / t for a, t in zip(seconds, trl_seconds, strict=True)):.2f}x; CPU seconds per step "
+            f"of the trainer's process {statistics.mean(cpu):.3f} / {statistics.mean(trl_cpu):.3f} = "
+            f"{statistics.mean(cpu) / statistics.mean(trl_cpu):.2f}x; its cores busy "
+            f"{statistics.mean(cpu) / statistics.mean(seconds):.2f} (CPU / wall)"
+        )
+    return ratio, async_ratios
 
 
 if __name__ == "__main__":

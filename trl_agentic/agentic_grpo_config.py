@@ -183,6 +183,13 @@ class AgenticGRPOConfig(GRPOConfig):
             Most optimizer steps between the weights that sampled a trained token and the step that trains it. The
             producer starts a group only when it will be consumed within this bound (it is paced, never discards);
             `0` keeps the producer from running ahead (a synchronous schedule through the asynchronous path).
+        rollout_process (`bool`, *optional*, defaults to `False`):
+            With `async_rollouts`: run the producer, its endpoint, the agents and the embedded engine (over an
+            inference copy of the policy) in a spawned process of their own, the weights handed over in shared memory
+            after each optimizer step. In one process they share the trainer's interpreter lock, so with small models
+            on CPU generation and training overlap little; in their own process they overlap. The embedded engine
+            only (a vLLM server already generates in its own process), one training process, a model on the CPU
+            without PEFT; the agent must pickle with `dill` (closures and lambdas do) and its result with `pickle`.
     """
 
     max_concurrent_episodes: int = field(default=64, metadata={"help": "Most episodes running at once."})
@@ -283,6 +290,10 @@ class AgenticGRPOConfig(GRPOConfig):
     max_staleness: int = field(
         default=1, metadata={"help": "Most optimizer steps between a token's sampling policy and its training step."}
     )
+    rollout_process: bool = field(
+        default=False,
+        metadata={"help": "With async_rollouts: the producer, endpoint, agents and engine in a process of their own."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -330,6 +341,12 @@ class AgenticGRPOConfig(GRPOConfig):
                 "async_rollouts=True needs generation beside training, and vLLM colocate shares the GPU with the "
                 "trainer in turns. Serve the policy with `trl vllm-serve` and set vllm_mode='server', or generate with "
                 "the embedded engine (use_vllm=False), or set async_rollouts=False."
+            )
+        if self.rollout_process and (not self.async_rollouts or self.use_vllm):
+            raise ValueError(
+                "rollout_process=True runs the asynchronous producer and the embedded engine in a process of their "
+                "own: set async_rollouts=True and use_vllm=False (a vLLM server already generates in its own process), "
+                "or set rollout_process=False."
             )
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")

@@ -22,6 +22,7 @@ import math
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,14 @@ from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
 from .endpoint.launch import build_engine, launch_endpoint
 from .envs.environment_factory import environment_factory_agent
 from .generation.engine import GenerationEngine
-from .generation.transformers_engine import TransformersEngine
+from .generation.transformers_engine import EngineStats, TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
 from .rewards.utils import unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
+from .rollout.process import ProcessRolloutProducer, ensure_picklable_agent
 from .rollout.producer import RolloutProducer
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
@@ -235,9 +237,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
         # Endpoint serving the live policy
         self.engine = engine or self._default_engine(args)
-        self.endpoint = launch_endpoint(
-            self.engine,
-            self._tokenizer,
+        self._endpoint_kwargs = dict(  # also the rollout process's (`rollout_process`)
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
@@ -248,8 +248,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             max_open_episodes=args.max_open_episodes,
             episode_idle_timeout=args.episode_idle_timeout,
             host=args.endpoint_host,
-            port=args.endpoint_port,
         )
+        self.endpoint = launch_endpoint(self.engine, self._tokenizer, port=args.endpoint_port, **self._endpoint_kwargs)
+        if args.rollout_process:
+            self._check_rollout_process(engine)
         self._pending_inputs: list[dict] | None = None
         self._seen_tasks: set[str] = set()  # the tasks drawn so far (their agent and difficulty columns, as JSON)
         self._rollouts = 0  # rollouts run so far (train and eval): each samples from a seed of its own
@@ -279,6 +281,24 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # The console: one line per step (after the alarms, so it shows those that fire), warnings a user can act on
         install_step_lines(self)
         quiet_known_warnings()
+
+    def _check_rollout_process(self, engine: GenerationEngine | None) -> None:
+        """`rollout_process=True`: what the child can rebuild (at construction, not at the first step)."""
+        model = self.accelerator.unwrap_model(self.model)
+        problems = []
+        if engine is not None:
+            problems.append("an `engine=` of your own (the child builds the embedded engine)")
+        if self.accelerator.num_processes > 1:
+            problems.append(f"{self.accelerator.num_processes} training processes (one only)")
+        if hasattr(model, "peft_config"):
+            problems.append("a PEFT model (merge the adapter, or train without rollout_process)")
+        if any(p.device.type != "cpu" for p in model.parameters()):
+            problems.append("a model off the CPU (on a GPU, serve the policy with vLLM: use_vllm=True, server mode)")
+        if problems:
+            raise ValueError(
+                "rollout_process=True cannot run with " + "; ".join(problems) + ". Set rollout_process=False."
+            )
+        ensure_picklable_agent(self.agent)
 
     def _default_engine(self, args: AgenticGRPOConfig) -> GenerationEngine:
         context = args.vllm_max_model_length or self.accelerator.unwrap_model(self.model).config.max_position_embeddings
@@ -443,6 +463,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from_producer = self._ready_episodes is not None
         if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
             episodes, self._ready_episodes = self._ready_episodes, None
+            if self.args.rollout_process:  # the child's engine's work since the last batch
+                stats = EngineStats(**{f.name: self._producer.stats.get(f.name, 0) for f in fields(EngineStats)})
         else:
             episodes = self._run_rollout(tasks, num_generations, stats)
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
@@ -911,15 +933,33 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._async["stream"] = self._task_batches()
             for _ in range(self._async["drawn"]):  # where the stopped run's stream was
                 next(self._async["stream"])
-        self._producer = RolloutProducer(
-            self.endpoint,
-            self.agent,
-            max_staleness=self.args.max_staleness,
-            max_concurrent=self.args.max_concurrent_episodes,
-            timeout=self.args.episode_timeout,
-            model=SERVED_MODEL_NAME,
-            version=self.state.global_step,
-        )
+        if self.args.rollout_process:
+            self._producer = ProcessRolloutProducer(
+                self.accelerator.unwrap_model(self.model),
+                self._tokenizer,
+                self.agent,
+                engine_kwargs=dict(
+                    max_batch_size=self.args.max_generation_batch_size,
+                    batch_wait_ms=self.args.generation_batch_wait_ms,
+                    max_context_length=self.engine.max_context_length,
+                ),
+                endpoint_kwargs=self._endpoint_kwargs,
+                max_staleness=self.args.max_staleness,
+                max_concurrent=self.args.max_concurrent_episodes,
+                timeout=self.args.episode_timeout,
+                model_name=SERVED_MODEL_NAME,
+                version=self.state.global_step,
+            )
+        else:
+            self._producer = RolloutProducer(
+                self.endpoint,
+                self.agent,
+                max_staleness=self.args.max_staleness,
+                max_concurrent=self.args.max_concurrent_episodes,
+                timeout=self.args.episode_timeout,
+                model=SERVED_MODEL_NAME,
+                version=self.state.global_step,
+            )
         self._async_sync_weights()
         # The batches the stopped run had drawn but not trained: their episodes were lost with it; run them again.
         for index, indices in sorted((int(k), v) for k, v in saved.get("pending", {}).items()):
@@ -967,6 +1007,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self.vllm_generation.sync_weights()  # TRL's own sync with the vLLM server
             self._last_loaded_step = version
             self.engine.policy_version = version
+        elif self.args.rollout_process:  # the shared staging copy; the child's engine takes it between decode steps
+            self._producer.sync_weights(self.accelerator.unwrap_model(self.model), version)
         else:
             with unwrap_model_for_generation(
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation

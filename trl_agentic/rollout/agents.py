@@ -94,6 +94,13 @@ class CallableAgent:
         if self.client not in AGENT_CLIENTS:
             raise ValueError(f"CallableAgent(client={self.client!r}): use one of {list(AGENT_CLIENTS)}.")
 
+    def __getstate__(self) -> dict[str, Any]:  # to a rollout process: the function and its client, not the pool
+        return {"fn": self.fn, "client": self.client}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.fn, self.client = state["fn"], state["client"]
+        self._sync_http_client, self._lock = None, threading.Lock()
+
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         if self.client == "anthropic":
             return await self._run_anthropic(context, task)

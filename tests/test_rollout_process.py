@@ -1,0 +1,171 @@
+"""The asynchronous producer in a process of its own (`rollout_process=True`, issue 30).
+
+Real parts: a spawned child process with the embedded engine over an inference copy of a tiny Qwen2-shaped model,
+the endpoint on loopback, agents using the official `openai` client, weights handed over in shared memory.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent, train_and_read_log
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.rollout.agents import resolve_agent
+from trl_agentic.rollout.process import ProcessRolloutProducer
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+def scored_logprobs(model, turn) -> list[float]:
+    """The logprobs `model` gives a turn's sampled ids after its prompt (temperature 1)."""
+    with torch.no_grad():
+        ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+        logits = model(ids).logits[0, len(turn.prompt_ids) - 1 : -1].float()
+        logps = torch.log_softmax(logits, dim=-1)
+        return logps.gather(1, torch.tensor(turn.completion_ids).unsqueeze(1)).squeeze(1).tolist()
+
+
+def producer_for(model, tokenizer, agent, **overrides):
+    kwargs = dict(
+        engine_kwargs=dict(batch_wait_ms=0.0),
+        endpoint_kwargs=dict(temperature=1.0, max_tokens=5),
+        max_staleness=1,
+        max_concurrent=8,
+        timeout=60,
+        model_name="policy",
+        version=0,
+    )
+    return ProcessRolloutProducer(model, tokenizer, resolve_agent(agent), **{**kwargs, **overrides})
+
+
+def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+    suffix = " Be brief."  # a closure: crosses to the child by value (dill)
+
+    async def agent(client, task):
+        messages = [{"role": "user", "content": task["q"] + suffix}]
+        response = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+        return {"text": response.choices[0].message.content}
+
+    tasks = [{"q": "Add 1 and 2."}, {"q": "Add 1 and 2."}]
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        assert producer.pid != os.getpid()
+        producer.submit(0, tasks, [0, 1], consume_version=0, unit_size=2, seed=7)
+        before, _ = producer.result(0, timeout=120)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        producer.sync_weights(model, 1)
+        producer.submit(1, tasks, [0, 1], consume_version=2, unit_size=2, seed=8)
+        after, waited = producer.result(1, timeout=120)
+        assert waited >= 0 and producer.pending() == []
+        assert producer.stats["requests"] == 2  # the child's engine's work since the last delivery
+    finally:
+        producer.close()
+    assert not producer._process.is_alive()
+    for episodes, version in ((before, 0), (after, 1)):
+        assert [e.status for e in episodes] == ["ok", "ok"] and [e.group_index for e in episodes] == [0, 1]
+        for episode in episodes:
+            (turn,) = episode.turns
+            assert turn.policy_version == version and episode.metadata["start_version"] == version
+            assert turn.request_messages == [{"role": "user", "content": "Add 1 and 2. Be brief."}]
+            assert turn.prompt_ids == tokenizer.apply_chat_template(
+                turn.request_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            assert isinstance(episode.result["text"], str)
+    # The tokens sampled after the sync carry the new weights' logprobs: the child took the trainer's weights.
+    for episode in after:
+        assert episode.turns[0].logprobs == pytest.approx(scored_logprobs(model, episode.turns[0]), abs=1e-4)
+
+
+def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        return threading.Lock() if task["bad"] else "fine"
+
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        producer.submit(0, [{"bad": True}, {"bad": False}], [0, 1], consume_version=0, unit_size=2)
+        episodes, _ = producer.result(0, timeout=120)
+    finally:
+        producer.close()
+    assert [e.status for e in episodes] == ["agent_error", "ok"] and episodes[1].result == "fine"
+    assert "could not be sent from the rollout process" in episodes[0].error and len(episodes[0].turns) == 1
+
+
+def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+    def agent(client, task):
+        time.sleep(600)  # the episode runs until the child dies
+
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        producer.submit(0, [{"q": 1}], [0], consume_version=0, unit_size=1)
+        os.kill(producer.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="rollout process exited unexpectedly"):
+            producer.result(0, timeout=60)
+        with pytest.raises(RuntimeError, match="rollout process exited unexpectedly"):
+            producer.submit(1, [{"q": 1}], [0], consume_version=1, unit_size=1)
+    finally:
+        producer.close()
+
+
+def test_training_in_a_rollout_process_keeps_every_trained_token_within_the_bound(tmp_path, tokenizer):
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=tool_agent,
+        reward_funcs=length_reward,
+        args=config(
+            tmp_path, async_rollouts=True, rollout_process=True, max_steps=3, per_device_train_batch_size=4
+        ),
+        train_dataset=dataset(8),
+        processing_class=tokenizer,
+    )
+    records = train_and_read_log(trainer, tmp_path)
+    assert [r["step"] for r in records] == [s for s in range(3) for _ in range(4)]
+    staleness = []
+    for record in records:
+        versions = [v for row in record["rows"] for v, m in zip(row["versions"], row["env_mask"]) if m]
+        assert versions and record["step"] - min(versions) <= 1
+        assert record["episode"]["metadata"]["staleness"] == record["step"] - min(versions)
+        staleness.append(record["episode"]["metadata"]["staleness"])
+        # Rows are built in the trainer from the child's exact ids: each trained token is one the child sampled.
+        turns = record["episode"]["turns"]
+        sampled = [t for turn in turns for t in turn["completion_ids"]]
+        trained = [t for row in record["rows"] for t, m in zip(row["completion_ids"], row["env_mask"]) if m]
+        assert trained == sampled
+    assert 1 in staleness  # it ran ahead
+    logs = [entry for entry in trainer.state.log_history if "async/staleness_max" in entry]
+    assert len(logs) == 3 and all(e["async/dropped_groups"] == 0 for e in logs)
+    assert all(e["engine/mean_decode_batch"] > 0 for e in logs)  # the child's engine stats reach the logs
+    assert trainer._producer is None  # the child stopped with train()
+
+
+def test_what_a_rollout_process_cannot_run_is_refused_at_construction(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="set async_rollouts=True"):
+        AgenticGRPOConfig(output_dir=str(tmp_path), rollout_process=True, use_cpu=True, report_to="none")
+    numbers = (i for i in range(3))  # a generator does not pickle
+
+    async def holds_a_generator(client, task):
+        return next(numbers)
+
+    with pytest.raises(ValueError, match="could not be pickled.*build clients, locks"):
+        AgenticGRPOTrainer(
+            build_tiny_model(tokenizer, hidden_size=32, num_layers=1),
+            agent=holds_a_generator,
+            reward_funcs=length_reward,
+            args=config(tmp_path, async_rollouts=True, rollout_process=True),
+            train_dataset=dataset(2),
+            processing_class=tokenizer,
+        )
