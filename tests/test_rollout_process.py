@@ -106,6 +106,7 @@ def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
 
 def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
     def agent(client, task):
         time.sleep(600)  # the episode runs until the child dies
 
@@ -126,9 +127,7 @@ def test_training_in_a_rollout_process_keeps_every_trained_token_within_the_boun
         build_tiny_model(tokenizer),
         agent=tool_agent,
         reward_funcs=length_reward,
-        args=config(
-            tmp_path, async_rollouts=True, rollout_process=True, max_steps=3, per_device_train_batch_size=4
-        ),
+        args=config(tmp_path, async_rollouts=True, rollout_process=True, max_steps=3, per_device_train_batch_size=4),
         train_dataset=dataset(8),
         processing_class=tokenizer,
     )
