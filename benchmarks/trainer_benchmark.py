@@ -34,14 +34,12 @@ nothing overlaps), and does more work than the synchronous one. 64x2, 6 steps: 0
 step skips it), engine 0.20 (decode batches of 4.7 rows instead of 6.5 and 63% of prompt tokens reused instead of
 87%: the decoding competes with training for the GIL), agents + producer loop 0.09, endpoint 0.05; the trainer
 waited 0.05 s/step for data. Side by side, CPU s/step over 3 runs: TRL's `tools=` loop 0.27-0.36, synchronous
-1.16-1.35x that, asynchronous in-process 1.25-1.58x. A prototype with the producer, endpoint and engine in a spawned
-process (weights copied into shared-memory tensors after each optimizer step, the child's engine taking them under
-its model lock; branch `rollout-process-prototype`, staleness max 1 from the logs) splits 64x2 into trainer 0.18-0.24
-and rollout process 0.21-0.30 (engine 0.16-0.18, agents + openai client + producer 0.05-0.08, endpoint 0.03-0.04);
-256x2 into trainer 0.45-0.63 and rollout 0.23-0.42 against TRL 0.76-0.95. With two idle cores a step costs at least
-the larger side: ~0.8x TRL at 64x2 (the rollout side alone, HTTP and agents included, is ~0.8x TRL's whole step) and
-~0.6-0.65x at 256x2. Not measured as wall time: no core was free (two busy-looping processes got 0.8 of a core
-together).
+1.16-1.35x that, asynchronous in-process 1.25-1.58x. `--rollout-process both` (the default) times the asynchronous
+blocks twice, with the producer in the trainer's process and with `rollout_process=True` (producer, endpoint, agents
+and engine in a spawned process, weights handed over in shared memory after each optimizer step). On 2 idle cores
+(2026-12-05, docs/async_rollouts.md): 256x2 0.67x and 0.72x TRL with the rollout process (0.84x and 0.96x in-process);
+64x2 1.08x (1.28x in-process), where the two sides' CPU per step (trainer 0.19 s, rollout ~0.24 s) already exceeds
+two cores' worth of 0.8x TRL's 0.255 s step.
 """
 
 from __future__ import annotations
