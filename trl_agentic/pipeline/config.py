@@ -55,7 +55,7 @@ class PipelineConfig:
     steps, learning_rate, warmup_steps, lr_scheduler_type, decay_steps (a linear decay to 0 over the last steps),
     cut_off_penalty (an episode cut at `max_completion_length` scores 1 less), mask_truncated_completions,
     steps_per_generation, num_iterations, max_grad_norm, num_generations (episodes per task), tasks_per_step, beta,
-    train_size (GRPO's tasks), generation_batch_wait_ms, async_rollouts, max_staleness.
+    train_size (GRPO's tasks), generation_batch_wait_ms, async_rollouts, max_staleness, rollout_process.
 
     > Parameters that control the held-out evaluation (the eval split, never trained on)
 
@@ -117,6 +117,7 @@ class PipelineConfig:
     generation_batch_wait_ms: float = 50.0
     async_rollouts: bool = False
     max_staleness: int = 1
+    rollout_process: bool = False
 
     # The fields that shape the warm-started model (with the task's demonstrations and validation tasks: the cache key)
     WARM_START_FIELDS: typing.ClassVar[tuple[str, ...]] = (

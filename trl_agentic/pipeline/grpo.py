@@ -142,6 +142,7 @@ def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path):
         sampling_revisit=config.sampling_revisit,
         async_rollouts=config.async_rollouts,
         max_staleness=config.max_staleness,
+        rollout_process=config.rollout_process,
         # the agent's task: the columns the suite declares its agent needs (the others are the checker's)
         agent_columns=list(dict.fromkeys(["prompt", *suite.agent_columns])),
         # the suite's checkers with its weights (a verifiers rubric's), the cut-off penalty at 1

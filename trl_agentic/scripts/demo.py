@@ -73,7 +73,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--async-rollouts",
         action="store_true",
         help="Generate the next step's episodes while this one trains (max_staleness 1; "
-        "--set max_staleness=N for another bound).",
+        "--set max_staleness=N for another bound; --set rollout_process=true to generate in a process of its own).",
     )
     parser.add_argument(
         "--set",
