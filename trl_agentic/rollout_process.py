@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ..trace import Episode
+from .trace import Episode
 
 
 def ensure_picklable_agent(agent: Any) -> bytes:
@@ -68,8 +68,8 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
     """The child: build the engine, the endpoint and the producer, then serve the trainer's messages."""
     import dill
 
-    from ..endpoint.launch import build_engine, launch_endpoint
-    from .producer import RolloutProducer
+    from .endpoint.launch import build_engine, launch_endpoint
+    from .rollout.producer import RolloutProducer
 
     torch.set_num_threads(num_threads)
     send_lock = threading.Lock()
