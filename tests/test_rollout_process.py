@@ -68,7 +68,7 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         producer.submit(1, tasks, [0, 1], consume_version=2, unit_size=2, seed=8)
         after, waited = producer.result(1, timeout=120)
         assert waited >= 0 and producer.pending() == []
-        assert producer.stats["requests"] == 2  # the child's engine's work since the last delivery
+        assert producer.stats.requests == 2  # the child's engine's work since the last delivery
     finally:
         producer.close()
     assert not producer._process.is_alive()

@@ -22,7 +22,6 @@ import math
 import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
 from .endpoint.launch import build_engine, launch_endpoint
 from .envs.environment_factory import environment_factory_agent
 from .generation.engine import GenerationEngine
-from .generation.transformers_engine import EngineStats, TransformersEngine
+from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
 from .rewards.utils import unscorable_unless_ok
@@ -235,6 +234,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if environment_factory is not None:  # TRL's completion budget counts tool results: the agent measures them
             agent.use_tokenizer(self._tokenizer, args.max_completion_length, self.chat_template_kwargs)
 
+        if args.rollout_process:  # before anything starts: a refusal leaves no server running
+            self._check_rollout_process(engine)
         # Endpoint serving the live policy
         self.engine = engine or self._default_engine(args)
         self._endpoint_kwargs = dict(  # also the rollout process's (`rollout_process`)
@@ -250,8 +251,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             host=args.endpoint_host,
         )
         self.endpoint = launch_endpoint(self.engine, self._tokenizer, port=args.endpoint_port, **self._endpoint_kwargs)
-        if args.rollout_process:
-            self._check_rollout_process(engine)
         self._pending_inputs: list[dict] | None = None
         self._seen_tasks: set[str] = set()  # the tasks drawn so far (their agent and difficulty columns, as JSON)
         self._rollouts = 0  # rollouts run so far (train and eval): each samples from a seed of its own
@@ -464,7 +463,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
             episodes, self._ready_episodes = self._ready_episodes, None
             if self.args.rollout_process:  # the child's engine's work since the last batch
-                stats = EngineStats(**{f.name: self._producer.stats.get(f.name, 0) for f in fields(EngineStats)})
+                stats = self._producer.stats
         else:
             episodes = self._run_rollout(tasks, num_generations, stats)
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)

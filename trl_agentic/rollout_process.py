@@ -18,6 +18,7 @@ back pickled. An episode whose result cannot be pickled loses only its result (i
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from .generation.transformers_engine import EngineStats
 from .trace import Episode
 
 
@@ -100,7 +102,7 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
         except BaseException as e:  # noqa: BLE001 - the trainer raises it when it takes the batch
             episodes, error = None, repr(e)
         with send_lock:  # the engine's work since the last batch went back (one stats object per delivery)
-            stats = engine.stats.to_dict()
+            stats = dataclasses.replace(engine.stats)
             engine.stats.reset()
             message = ("result", index, episodes, error, producer.take_idle_seconds(), producer.running, stats)
             _send_episodes(conn.send, message, episodes)
@@ -194,7 +196,7 @@ class ProcessRolloutProducer:
         self._sent = self._acked = version
         self._idle = 0.0
         self._running = 0
-        self.stats: dict[str, float] = {}  # the child's engine's work between the last two deliveries
+        self.stats = EngineStats()  # the child's engine's work between the last two deliveries
         self._dead: str | None = None
         self._closed = False
         if not self._conn.poll(start_timeout):
