@@ -61,6 +61,8 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         assert producer.pid != os.getpid()
         producer.submit(0, tasks, [0, 1], consume_version=0, unit_size=2, seed=7)
         before, _ = producer.result(0, timeout=120)
+        assert producer.stats.requests == 2  # the child's engine's work, delivered with the batch
+        producer.stats.reset()  # as the trainer does when it has logged them
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -68,7 +70,7 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         producer.submit(1, tasks, [0, 1], consume_version=2, unit_size=2, seed=8)
         after, waited = producer.result(1, timeout=120)
         assert waited >= 0 and producer.pending() == []
-        assert producer.stats.requests == 2  # the child's engine's work since the last delivery
+        assert producer.stats.requests == 2 and producer.stats.decode_steps > 0
     finally:
         producer.close()
     assert not producer._process.is_alive()
@@ -147,7 +149,9 @@ def test_training_in_a_rollout_process_keeps_every_trained_token_within_the_boun
     assert 1 in staleness  # it ran ahead
     logs = [entry for entry in trainer.state.log_history if "async/staleness_max" in entry]
     assert len(logs) == 3 and all(e["async/dropped_groups"] == 0 for e in logs)
-    assert all(e["engine/mean_decode_batch"] > 0 for e in logs)  # the child's engine stats reach the logs
+    # The child's engine statistics reach the logs (a step whose batch was all decoded before the last step consumed
+    # its own logs none, as in one process)
+    assert any(e["engine/mean_decode_batch"] > 0 for e in logs)
     assert trainer._producer is None  # the child stopped with train()
 
 

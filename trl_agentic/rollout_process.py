@@ -101,7 +101,7 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
             error = None
         except BaseException as e:  # noqa: BLE001 - the trainer raises it when it takes the batch
             episodes, error = None, repr(e)
-        with send_lock:  # the engine's work since the last batch went back (one stats object per delivery)
+        with send_lock:  # the engine's work since the last delivery, added up on the trainer's side
             stats = dataclasses.replace(engine.stats)
             engine.stats.reset()
             message = ("result", index, episodes, error, producer.take_idle_seconds(), producer.running, stats)
@@ -196,7 +196,8 @@ class ProcessRolloutProducer:
         self._sent = self._acked = version
         self._idle = 0.0
         self._running = 0
-        self.stats = EngineStats()  # the child's engine's work between the last two deliveries
+        # The child's engine's work delivered since the owner last reset it (as `engine.stats` in one process)
+        self.stats = EngineStats()
         self._dead: str | None = None
         self._closed = False
         if not self._conn.poll(start_timeout):
@@ -226,9 +227,10 @@ class ProcessRolloutProducer:
                 if message[0] == "result":
                     _, index, episodes, error, idle, running, stats = message
                     self._results[index] = (episodes, error)
+                    for name, value in dataclasses.asdict(stats).items():
+                        setattr(self.stats, name, getattr(self.stats, name) + value)
                     self._idle += idle
                     self._running = running
-                    self.stats = stats
                 elif message[0] == "ack":
                     self._acked = message[1]
                 elif message[0] == "closed":
