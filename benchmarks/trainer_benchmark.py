@@ -5,7 +5,7 @@ generations per step, batch, temperature and max tokens, same reward function. A
 trainers take turns, one step at a time (the order flips every round, so drifting machine load hits both alike).
 
 ```bash
-python benchmarks/trainer_benchmark.py     # tiny:qwen2_5 64x2 then 256x2, 8 timed steps each: ~3-5 min on 2 cores
+python benchmarks/trainer_benchmark.py     # tiny:qwen2_5 64x2 then 256x2: ~10 min on 2 cores
 python benchmarks/trainer_benchmark.py --steps 16 --model-size 128x2
 ```
 
@@ -36,16 +36,20 @@ step skips it), engine 0.20 (decode batches of 4.7 rows instead of 6.5 and 63% o
 waited 0.05 s/step for data. Side by side, CPU s/step over 3 runs: TRL's `tools=` loop 0.27-0.36, synchronous
 1.16-1.35x that, asynchronous in-process 1.25-1.58x. `--rollout-process both` (the default) times the asynchronous
 blocks twice, with the producer in the trainer's process and with `rollout_process=True` (producer, endpoint, agents
-and engine in a spawned process, weights handed over in shared memory after each optimizer step). On 2 idle cores
-(2026-12-05, docs/async_rollouts.md): 256x2 0.67x and 0.72x TRL with the rollout process (0.84x and 0.96x in-process);
-64x2 1.08x (1.28x in-process), where the two sides' CPU per step (trainer 0.19 s, rollout ~0.24 s) already exceeds
-two cores' worth of 0.8x TRL's 0.255 s step.
+and engine in a spawned process, weights handed over in shared memory after each optimizer step); for the latter it
+prints the rollout process's CPU seconds per step too, and for both the engine's batching and prefix reuse and each
+block's slowest step. On 2 idle cores (2026-12-05, docs/async_rollouts.md), with the rollout process: 64x2 0.67x TRL
+(trainer's process 0.145 CPU s/step, rollout process 0.146), 256x2 0.71x; in-process 1.01x and 0.85x. Blocks must be
+long: a batch held back by one long episode (the slowest step, ~0.4 s at 64x2) weighs 1/(steps - 1) of a block's rate,
+and 6-step blocks read 0.87x on 64x2 from the same code.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
+import math
 import statistics
 import tempfile
 import threading
@@ -201,7 +205,12 @@ def main() -> None:
         default=2,
         help="Blocks of the asynchronous trainer, each followed by as many steps of TRL's (0: none).",
     )
-    parser.add_argument("--async-steps", type=int, default=6, help="Optimizer steps per asynchronous block.")
+    parser.add_argument(
+        "--async-steps",
+        type=int,
+        default=16,
+        help="Optimizer steps per asynchronous block (the first fills the pipeline; a block's rate is the others').",
+    )
     parser.add_argument(
         "--rollout-process",
         choices=("off", "on", "both"),
@@ -228,16 +237,25 @@ def main() -> None:
 
 
 class StepEnds(TrainerCallback):
-    """When each optimizer step ended, and the process's CPU seconds then (an asynchronous block's rate: steps over
-    the time between their ends)."""
+    """When each optimizer step ended, the process's CPU seconds then (an asynchronous block's rate: steps over the
+    time between their ends) and the rollout process's, if the trainer has one (its CPU when it delivered its last
+    batch); the engine's logged work per step."""
 
-    def __init__(self):
+    def __init__(self, trainer):
+        self.trainer = trainer
         self.ends: list[float] = []
         self.cpu: list[float] = []
+        self.rollout_cpu: list[float] = []
+        self.engine: list[dict] = []
 
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        self.rollout_cpu.append(getattr(self.trainer._producer, "cpu_seconds", float("nan")))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "engine/mean_decode_batch" in logs:
+            self.engine.append(logs)
 
 
 def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
@@ -309,7 +327,9 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
     arms = {"in-process": False, "rollout process": True}
     if args.rollout_process != "both":
         arms = {k: v for k, v in arms.items() if v == (args.rollout_process == "on")}
-    async_seconds, trl_block_seconds, async_cpu, trl_block_cpu = ({arm: [] for arm in arms} for _ in range(4))
+    async_seconds, trl_block_seconds, async_cpu, trl_block_cpu, rollout_cpu, async_engine, slowest = (
+        {arm: [] for arm in arms} for _ in range(7)
+    )
     try:
         # One warm-up step each (lazy initialisation, first endpoint calls), then alternate, flipping the order
         for trainer in trainers.values():
@@ -328,7 +348,7 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
                     rollout_process=in_process,
                     max_steps=args.async_steps,
                 )
-                ends = StepEnds()
+                ends = StepEnds(ahead)
                 ahead.add_callback(ends)
                 ahead.remove_callback(PrinterCallback)
                 try:
@@ -336,8 +356,18 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
                 finally:
                     ahead.close()
                 async_seconds[arm].append((ends.ends[-1] - ends.ends[0]) / (len(ends.ends) - 1))
+                slowest[arm].append(max(b - a for a, b in itertools.pairwise(ends.ends)))
                 # The rollout process's CPU is not in this process's: the ratio of CPU is of the trainer's only
                 async_cpu[arm].append((ends.cpu[-1] - ends.cpu[0]) / (len(ends.cpu) - 1))
+                # Deliveries are not step ends, but over a block the difference is one batch's at most
+                rollout_cpu[arm].append((ends.rollout_cpu[-1] - ends.rollout_cpu[0]) / (len(ends.rollout_cpu) - 1))
+                logs = ends.engine[1:]  # after the first step, which fills the pipeline
+                async_engine[arm].append(
+                    (
+                        statistics.mean(log["engine/mean_decode_batch"] for log in logs),
+                        statistics.mean(log["engine/reused_prompt_tokens"] for log in logs),
+                    )
+                )
                 timer = timers[trl_name]
                 kept = len(timer.seconds), len(timer.logs), len(counts[trl_name])
                 for _ in range(args.async_steps):
@@ -436,6 +466,18 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
             f"of the trainer's process {statistics.mean(cpu):.3f} / {statistics.mean(trl_cpu):.3f} = "
             f"{statistics.mean(cpu) / statistics.mean(trl_cpu):.2f}x; its cores busy "
             f"{statistics.mean(cpu) / statistics.mean(seconds):.2f} (CPU / wall)"
+        )
+        print(
+            "  slowest step of each block: " + ", ".join(f"{t:.3f}" for t in slowest[arm]) + " s (a batch waiting on "
+            "its longest episode: one such batch weighs 1/(steps - 1) of a block's rate)"
+        )
+        if not math.isnan(statistics.mean(rollout_cpu[arm])):
+            print(f"  the rollout process's CPU seconds per step: {statistics.mean(rollout_cpu[arm]):.3f}")
+        decode_batch, reused = (statistics.mean(values) for values in zip(*async_engine[arm], strict=True))
+        print(
+            f"  engine: {decode_batch:.2f} sequences decoded per step, {reused:.0%} of prompt tokens reused "
+            f"(synchronous, last step: {stats.mean_decode_batch:.2f}, "
+            f"{stats.reused_tokens / max(stats.reused_tokens + stats.prefilled_tokens, 1):.0%})"
         )
     return ratio, async_ratios
 

@@ -62,6 +62,8 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         producer.submit(0, tasks, [0, 1], consume_version=0, unit_size=2, seed=7)
         before, _ = producer.result(0, timeout=120)
         assert producer.stats.requests == 2  # the child's engine's work, delivered with the batch
+        first_cpu = producer.cpu_seconds  # the child's CPU (benchmarks/trainer_benchmark.py rates it per step)
+        assert first_cpu > 0
         producer.stats.reset()  # as the trainer does when it has logged them
         with torch.no_grad():
             for p in model.parameters():
@@ -71,6 +73,7 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         after, waited = producer.result(1, timeout=120)
         assert waited >= 0 and producer.pending() == []
         assert producer.stats.requests == 2 and producer.stats.decode_steps > 0
+        assert producer.cpu_seconds > first_cpu
     finally:
         producer.close()
     assert not producer._process.is_alive()

@@ -104,7 +104,8 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
         with send_lock:  # the engine's work since the last delivery, added up on the trainer's side
             stats = dataclasses.replace(engine.stats)
             engine.stats.reset()
-            message = ("result", index, episodes, error, producer.take_idle_seconds(), producer.running, stats)
+            idle, cpu = producer.take_idle_seconds(), time.process_time()
+            message = ("result", index, episodes, error, idle, producer.running, stats, cpu)
             _send_episodes(conn.send, message, episodes)
 
     while True:
@@ -198,6 +199,7 @@ class ProcessRolloutProducer:
         self._running = 0
         # The child's engine's work delivered since the owner last reset it (as `engine.stats` in one process)
         self.stats = EngineStats()
+        self.cpu_seconds = 0.0  # the child's CPU seconds (all its threads) when it delivered its last batch
         self._dead: str | None = None
         self._closed = False
         if not self._conn.poll(start_timeout):
@@ -225,7 +227,7 @@ class ProcessRolloutProducer:
                 break
             with self._lock:
                 if message[0] == "result":
-                    _, index, episodes, error, idle, running, stats = message
+                    _, index, episodes, error, idle, running, stats, self.cpu_seconds = message
                     self._results[index] = (episodes, error)
                     for name, value in dataclasses.asdict(stats).items():
                         setattr(self.stats, name, getattr(self.stats, name) + value)
