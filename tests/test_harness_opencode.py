@@ -3,7 +3,8 @@
 completes a task through `Harness("opencode")`.
 
 opencode asks for a session title first (a system prompt and two user messages, no tools), then runs the task's
-conversation: its system prompt, the task as a user message (quoted: `opencode run` quotes a message with spaces), 9
+conversation: its system prompt, the task as a user message (the preset writes it to opencode's stdin: as an argument
+with spaces, `opencode run` would send it in quotes, as the recording shows), 9
 tools, `max_tokens` 32000, `stream_options.include_usage`, `tool_choice: "auto"`; an assistant tool call comes back
 with `content: ""` (and `reasoning_content` when the model reasoned). The title is a side call of the episode, the
 task's conversation its main line (decided by lineage when the episode closes).
@@ -169,7 +170,8 @@ def test_the_preset_writes_its_config_under_the_episode_home(tmp_path):
         base_url="http://127.0.0.1:9/episodes/e1/v1", api_key="sk-ep-secret", model="policy", timeout=60
     )
     argv, env = HARNESS_PRESETS["opencode"].prepare("/bin/opencode", TASK, context, work, home)
-    assert argv == ["/bin/opencode", "run", "--model", "trl-agentic/policy", TASK]
+    assert argv == ["/bin/opencode", "run", "--model", "trl-agentic/policy"]  # the task goes on its stdin
+    assert HARNESS_PRESETS["opencode"].task_on_stdin
     config_file = home / ".config" / "opencode" / "opencode.json"
     config = json.loads(config_file.read_text())
     provider = config["provider"]["trl-agentic"]
@@ -236,7 +238,8 @@ def test_opencode_completes_a_task_through_its_preset(start_server, tokenizers, 
     for parent, turn in itertools.pairwise(main):
         assert_continues(turn, parent, tokenizer, family)
     assert not title.request_tools and title.response_message["content"] == TITLE
-    assert episode.messages[1]["content"] == f'"{TASK}"' and episode.messages[-1]["content"] == DONE
+    # The task as written: from the command line, opencode would have quoted it (the recording's '"..."')
+    assert episode.messages[1]["content"] == TASK and episode.messages[-1]["content"] == DONE
     assert episode.messages[2]["tool_calls"][0]["function"]["name"] == tool
     if reasoning:  # sent back as `reasoning_content`, continued
         assert episode.messages[2]["reasoning_content"] == reasoning

@@ -6,7 +6,7 @@ A harness is a program people run themselves (a coding CLI). For each episode [`
    `home/` folder (the harness's `HOME`: its configuration is written there, never into the user's own);
 2. writes the preset's configuration (telemetry, auto-update and analytics off, headless permissions), points the
    harness at the episode's endpoint URL and key through its documented settings, and gives it the task on its command
-   line;
+   line (opencode: on its standard input);
 3. runs it in its own process group with a minimal environment (no trainer secrets, as [`CommandAgent`]); when it
    exits, or its episode times out, the whole group is killed;
 4. returns `{"harness", "exit_code", "output", "workspace", "files"}`: its exit status, the tail of its output, the
@@ -59,11 +59,14 @@ class HarnessPreset:
         prepare: `prepare(binary, task_text, context, work, home) -> (argv, env)`: writes the harness's configuration
             under `home` and returns its command line and the environment variables it needs (on top of the minimal
             environment, with `HOME=home`).
+        task_on_stdin: the task is written to the harness's standard input (then closed) rather than being on its
+            command line, for a harness that would alter it there.
     """
 
     executable: str
     install: str
     prepare: Callable[[str, str, EpisodeContext, Path, Path], tuple[list[str], dict[str, str]]]
+    task_on_stdin: bool = False
 
 
 def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
@@ -193,7 +196,8 @@ def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home:
     # servers fetched for the files it touches. It also installs `@opencode-ai/plugin` into each config directory in
     # the background through npm, with no setting to turn that off: `offline=true` in the home's .npmrc makes it fail
     # at once without a request (a logged warning, nothing lost: no plugins are configured). It asks for a session
-    # title first (a side call of the episode); the task arrives as opencode quotes a message with spaces ("...").
+    # title first (a side call of the episode). The task goes on its standard input: a message on the command line
+    # reaches the model in quotes (`opencode run` quotes an argument with spaces), read from stdin it arrives as is.
     config_home = home / ".config"
     (config_home / "opencode").mkdir(parents=True)
     config = {
@@ -223,7 +227,7 @@ def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home:
         "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
         "NO_COLOR": "1",
     }
-    return [binary, "run", "--model", f"trl-agentic/{context.model}", task], env
+    return [binary, "run", "--model", f"trl-agentic/{context.model}"], env
 
 
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
@@ -231,7 +235,7 @@ HARNESS_PRESETS: dict[str, HarnessPreset] = {
     "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
     "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
-    "opencode": HarnessPreset("opencode", "npm install -g opencode-ai", _opencode),
+    "opencode": HarnessPreset("opencode", "npm install -g opencode-ai", _opencode, task_on_stdin=True),
 }
 
 SNAPSHOT_FILE_LIMIT = 64 << 10  # bytes: larger files are listed with their size, not their text
@@ -320,7 +324,8 @@ class Harness:
         home.mkdir()
         try:
             self._write_files(work, task)
-            argv, preset_env = self.preset.prepare(binary, self.task_text(task), context, work, home)
+            text = self.task_text(task)
+            argv, preset_env = self.preset.prepare(binary, text, context, work, home)
             env = {
                 **command_environment(self.inherit_env),
                 **preset_env,
@@ -331,14 +336,16 @@ class Harness:
             process = await asyncio.create_subprocess_exec(
                 *argv,
                 *self.args,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if self.preset.task_on_stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 cwd=work,
                 start_new_session=True,
             )
-            returncode, output, _, held = await run_process(process)
+            returncode, output, _, held = await run_process(
+                process, text.encode() if self.preset.task_on_stdin else None
+            )
         except BaseException:
             self._remove(root)  # a failed start, a timeout (cancelled) or a crash: nothing will score this episode
             raise
