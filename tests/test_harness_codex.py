@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -270,3 +271,84 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
         f"codex exec: {elapsed:.1f} s, first prompt {len(episode.turns[0].prompt_ids)} tokens "
         f"(tiny {family} tokenizer), {len(episode.turns)} turns, {episode.num_forks} forks"
     )
+
+
+HANDOFF = "Create a file answer.txt containing 42 in the working directory."
+
+
+@pytest.mark.skipif(
+    codex_binary() is None,
+    reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
+    "PATH (npm install --prefix <dir> @openai/codex)",
+)
+@pytest.mark.parametrize("fork_context", [False, True], ids=["fresh", "fork_context"])
+def test_codex_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, fork_context):
+    """`codex exec` whose model spawns a sub-agent (`multi_agent_v1.spawn_agent`, answered at once with the agent's id),
+    waits for it (`wait_agent`), then answers; the sub-agent writes answer.txt. The sub-agent's first request comes
+    after the parent's `wait_agent` call and keeps the parent's instructions (and, with `fork_context`, its task):
+    lineage makes it a sub-agent conversation spawned by the `spawn_agent` turn, the parent the main line, 0 forks."""
+    tokenizer = tokenizers["qwen2_5"]
+    said: list[str] = []
+
+    def respond(prompt_ids):
+        prompt = tokenizer.decode(prompt_ids)
+        blocks = prompt.split("<|im_start|>")
+        users = [b for b in blocks if b.startswith("user\n") and not b.startswith("user\n<tool_response>")]
+        if HANDOFF in users[-1]:  # the sub-agent: runs the command, then reports
+            answered = "<tool_response>" in blocks[-2]
+            said.append("sub")
+            return completion("qwen2_5", 0, None if answered else EXEC)
+        if "spawn" not in said:
+            said.append("spawn")
+            arguments = {"message": HANDOFF, **({"fork_context": True} if fork_context else {})}
+            return completion("qwen2_5", 0, ("multi_agent_v1__spawn_agent", arguments))
+        if "wait" not in said:  # the spawn call's result names the agent
+            said.append("wait")
+            [agent_id] = set(re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", blocks[-2]))
+            return completion(
+                "qwen2_5", 0, ("multi_agent_v1__wait_agent", {"targets": [agent_id], "timeout_ms": 60000})
+            )
+        return completion("qwen2_5", 0, None)
+
+    server = scripted_server(start_server, tokenizer, respond)
+    session = server.open_episode()
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(base_url=server.base_url))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CODEX_HOME": str(home / ".codex"),
+        "TRL_AGENTIC_API_KEY": session.key,
+    }
+    result = subprocess.run(
+        [codex_binary(), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    episode = server.close_episode(session.episode.id)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert (work / "answer.txt").read_text().strip() == "42"
+    calls = [
+        (t.response_message.get("tool_calls") or [{"function": {"name": None}}])[0]["function"]["name"]
+        for t in episode.turns
+    ]
+    assert calls == ["multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent", "exec_command", None, None]
+    main, wait, sub, sub_done, done = episode.turns
+    assert sub.prompt_source == "rendered" and sub.request_messages[-1] == {"role": "user", "content": HANDOFF}
+    assert (TASK in [m.get("content") for m in sub.request_messages]) == fork_context
+    assert [(t.conversation, t.role, t.spawned_by) for t in episode.turns] == [
+        (0, "main", None),
+        (0, "main", None),
+        (2, "sub_agent", 0),
+        (2, "sub_agent", 0),
+        (0, "main", None),
+    ]
+    assert episode.num_main_line_forks == 0 and episode.messages[-1]["content"] == "Done."
+    for parent, turn in ((main, wait), (wait, done), (sub, sub_done)):
+        assert_continues(turn, parent, tokenizer, "qwen2_5")

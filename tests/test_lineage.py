@@ -310,6 +310,60 @@ def test_rules_on_plain_turns():
     assert [(c.role, c.spawned_by) for c in find_conversations(short)] == [("main", None), ("side_call", None)]
 
 
+def test_a_sub_agent_started_after_its_parent_went_on_is_found_by_its_whole_task():
+    """A background sub-agent (Codex's `spawn_agent` answers at once: the sub-agent's first request comes after the
+    parent's next call) is spawned by the turn whose call argument is, as a whole, its request's last user message;
+    with the parent's history (`fork_context`) as well. A request that only quotes an answered call's argument (a
+    compaction summary) stays a fork of its conversation."""
+    system = {"role": "system", "content": MAIN_SYSTEM}
+    spawn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "spawn", "arguments": json.dumps({"msg": SUB_PROMPT})}}
+        ],
+    }
+    answered = [system, user(TASK), spawn, {"role": "tool", "tool_call_id": "a", "content": "agent 7"}]
+    head = [1, 2, 3, 4]  # the system prompt and the task, shared by every request below
+    for history in ([], [spawn]):  # fresh; carrying the parent's history (an assistant message in it)
+        turns = [
+            turn(0, head, [5], [system, user(TASK)], [SHELL], answer=spawn),
+            turn(
+                1, [*head, 5, 6], [7], answered, [SHELL], answer={"role": "assistant", "content": "Waiting."}, parent=0
+            ),
+            turn(
+                2,
+                [*head, 8],
+                [9],
+                [system, user(TASK), *history, user(SUB_PROMPT)],
+                [SHELL],
+                forked_from=1,
+                fork_reason="history_rewritten",
+            ),
+            turn(3, [*head, 8, 9, 10], [11], [system, user(TASK), *history, user(SUB_PROMPT)], [SHELL], parent=2),
+            turn(
+                4,
+                [*head, 12],
+                [13],
+                [system, user("Summary: " + SUB_PROMPT)],
+                [SHELL],
+                forked_from=1,
+                fork_reason="history_rewritten",
+            ),
+            turn(
+                5,
+                [*head, 14],
+                [15],
+                [system, user(TASK), user(SUB_PROMPT + " Also list the folder.")],
+                [SHELL],
+                forked_from=1,
+                fork_reason="history_rewritten",
+            ),
+        ]
+        found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, TASK)}
+        assert found == {0: ("main", [0, 1, 4, 5], None), 2: ("sub_agent", [2, 3], 0)}, history
+
+
 def respond_by_role(tokenizer):
     """The scripted model of a harness-like agent, answering by what the prompt is (episodes run concurrently)."""
 

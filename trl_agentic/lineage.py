@@ -13,8 +13,11 @@ Rules, applied to the turns in the order they were recorded (the same turns alwa
 3. A fresh request (no assistant message in it: the first call of a conversation) that quotes a string argument of at
    least `MIN_HANDOFF_CHARS` characters of a tool call of the latest turn of an existing conversation starts a
    sub-agent conversation, spawned by that turn: the harness handed the call's task (Claude Code's `Agent` prompt,
-   opencode's `task` prompt) to a new conversation. It comes before rule 4: opencode's sub-agent keeps the main
-   line's system prompt.
+   opencode's `task` prompt) to a new conversation. So does a request whose last message is a user message that is,
+   as a whole, such an argument of any earlier turn (spawned by the latest such turn): a sub-agent started in the
+   background, after its parent went on (Codex's `spawn_agent` answers at once, and the sub-agent's first request
+   comes after the parent's next call; with `fork_context` it also carries the parent's history). Both come before
+   rule 4: opencode's and Codex's sub-agents keep the main line's system prompt.
 4. A request that shares a message prefix with an earlier turn (`Turn.forked_from`: a rewritten history, a compaction
    restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it.
 5. Anything else starts a conversation of its own (the first call; a title or summary request sharing nothing).
@@ -27,10 +30,12 @@ Roles:
 - `side_call`: every other one (title and summary requests, ...).
 
 On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33 (by hand), each with its title
-request first and a sub-agent, give one main line with 0 forks, one side call and one sub-agent. Nothing here needs a
-harness's own hints (Claude Code's session metadata, Codex's `client_metadata`). What it does not
-see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS` or rewritten before it reaches the sub-agent, and one
-started after its parent's conversation went on (a background agent), count as side calls.
+request first and a sub-agent, give one main line with 0 forks, one side call and one sub-agent; Codex 0.171.0's
+`spawn_agent` sub-agents, with and without `fork_context` (tests/test_harness_codex.py), one main line with 0 forks and
+one sub-agent. Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's `client_metadata`).
+What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or rewritten before it reaches the
+sub-agent and started after its parent's conversation went on, counts as a side call (a fork, if it carries the
+parent's history).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
     conversations: dict[int, Conversation] = {}
     conversation_of: dict[int, int] = {}  # turn index -> conversation index
     latest_calls: dict[int, tuple[int, list[str]]] = {}  # conversation -> (its latest turn, that turn's handoffs)
+    all_calls: list[tuple[int, list[str]]] = []  # (turn, its handoffs) of every turn so far
     rendered: dict[tuple[int, ...], int] = {}  # prompt ids of rendered turns -> the first such turn
     previous = None  # the latest delivered turn (for traces without `forked_from`)
     for turn in turns:
@@ -101,6 +107,8 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
             home = conversation_of[same]  # rule 2
         else:
             spawned_by = _spawning_turn(turn, latest_calls) if _is_fresh(turn) else None  # rule 3
+            if spawned_by is None:
+                spawned_by = _background_spawner(turn, all_calls)  # rule 3, a sub-agent started after its parent went on
             if spawned_by is None:
                 if turn.forked_from in conversation_of:
                     home = conversation_of[turn.forked_from]  # rule 4
@@ -116,6 +124,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         conversations[home].turns.append(turn.index)
         conversation_of[turn.index] = home
         latest_calls[home] = (turn.index, _handoffs(turn))
+        all_calls.append(latest_calls[home])
         previous = turn.index
 
     by_index = {turn.index: turn for turn in turns}
@@ -205,6 +214,18 @@ def _spawning_turn(turn: Turn, latest_calls: dict[int, tuple[int, list[str]]]) -
     text = _request_text(turn)
     spawners = [index for index, handoffs in latest_calls.values() if any(h in text for h in handoffs)]
     return max(spawners, default=None)
+
+
+def _background_spawner(turn: Turn, calls: list[tuple[int, list[str]]]) -> int | None:
+    """The latest turn one of whose tool calls' arguments is, as a whole, the last message of `turn`'s request (a
+    user message), if any."""
+    last = turn.request_messages[-1] if turn.request_messages else None
+    if not isinstance(last, dict) or last.get("role") != "user":
+        return None
+    text = _text(last.get("content")).strip()
+    if len(text) < MIN_HANDOFF_CHARS:
+        return None
+    return max((index for index, handoffs in calls if text in handoffs), default=None)
 
 
 def _task_text(task_prompt: str | list[dict] | None) -> str:
