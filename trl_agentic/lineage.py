@@ -108,9 +108,8 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         else:
             spawned_by = _spawning_turn(turn, latest_calls) if _is_fresh(turn) else None  # rule 3
             if spawned_by is None:
-                spawned_by = _background_spawner(
-                    turn, all_calls
-                )  # rule 3, a sub-agent started after its parent went on
+                # rule 3: a sub-agent started after its parent went on
+                spawned_by = _background_spawner(turn, all_calls)
             if spawned_by is None:
                 if turn.forked_from in conversation_of:
                     home = conversation_of[turn.forked_from]  # rule 4
