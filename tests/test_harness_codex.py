@@ -218,6 +218,35 @@ wire_api = "responses"
 """
 
 
+def run_codex_exec(server, tmp_path):
+    """`codex exec` on TASK in a fresh home and workspace, pointed at a new episode of `server` through its
+    config.toml only; checks it exited 0 and wrote answer.txt with 42, and returns the closed episode."""
+    session = server.open_episode()
+    home, work = tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True)
+    work.mkdir()
+    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(base_url=server.base_url))
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(home),
+        "CODEX_HOME": str(home / ".codex"),
+        "TRL_AGENTIC_API_KEY": session.key,
+    }
+    result = subprocess.run(
+        [codex_binary(), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    episode = server.close_episode(session.episode.id)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert (work / "answer.txt").read_text().strip() == "42"
+    return episode
+
+
 @pytest.mark.skipif(
     codex_binary() is None,
     reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
@@ -235,31 +264,9 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
         return completion(family, step, [EXEC, CLOSE_AGENT, None][min(step, 2)])
 
     server = scripted_server(start_server, tokenizer, respond)
-    session = server.open_episode()
-    home, work = tmp_path / "home", tmp_path / "work"
-    (home / ".codex").mkdir(parents=True)
-    work.mkdir()
-    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(base_url=server.base_url))
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "CODEX_HOME": str(home / ".codex"),
-        "TRL_AGENTIC_API_KEY": session.key,
-    }
     started = time.monotonic()
-    result = subprocess.run(
-        [codex_binary(), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK],
-        cwd=work,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    episode = run_codex_exec(server, tmp_path)
     elapsed = time.monotonic() - started
-    episode = server.close_episode(session.episode.id)
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    assert (work / "answer.txt").read_text().strip() == "42"
     assert len(episode.turns) == 3 and episode.num_forks == 0
     for parent, turn in itertools.pairwise(episode.turns):
         assert_continues(turn, parent, tokenizer, family)
@@ -284,9 +291,10 @@ HANDOFF = "Create a file answer.txt containing 42 in the working directory."
 @pytest.mark.parametrize("fork_context", [False, True], ids=["fresh", "fork_context"])
 def test_codex_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, fork_context):
     """`codex exec` whose model spawns a sub-agent (`multi_agent_v1.spawn_agent`, answered at once with the agent's id),
-    waits for it (`wait_agent`), then answers; the sub-agent writes answer.txt. The sub-agent's first request comes
-    after the parent's `wait_agent` call and keeps the parent's instructions (and, with `fork_context`, its task):
-    lineage makes it a sub-agent conversation spawned by the `spawn_agent` turn, the parent the main line, 0 forks."""
+    waits for it (`wait_agent`), then answers; the sub-agent writes answer.txt. The sub-agent's first request keeps the
+    parent's instructions (and, with `fork_context`, its task) and races the parent's `wait_agent` call (it came after
+    it in ~3 runs of 4 here): either way lineage makes it a sub-agent conversation spawned by the `spawn_agent` turn,
+    the parent the main line, 0 forks."""
     tokenizer = tokenizers["qwen2_5"]
     said: list[str] = []
 
@@ -310,45 +318,24 @@ def test_codex_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path,
             )
         return completion("qwen2_5", 0, None)
 
-    server = scripted_server(start_server, tokenizer, respond)
-    session = server.open_episode()
-    home, work = tmp_path / "home", tmp_path / "work"
-    (home / ".codex").mkdir(parents=True)
-    work.mkdir()
-    (home / ".codex" / "config.toml").write_text(CODEX_CONFIG.format(base_url=server.base_url))
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(home),
-        "CODEX_HOME": str(home / ".codex"),
-        "TRL_AGENTIC_API_KEY": session.key,
-    }
-    result = subprocess.run(
-        [codex_binary(), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", TASK],
-        cwd=work,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    episode = server.close_episode(session.episode.id)
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
-    assert (work / "answer.txt").read_text().strip() == "42"
-    calls = [
-        (t.response_message.get("tool_calls") or [{"function": {"name": None}}])[0]["function"]["name"]
-        for t in episode.turns
-    ]
-    assert calls == ["multi_agent_v1__spawn_agent", "multi_agent_v1__wait_agent", "exec_command", None, None]
-    main, wait, sub, sub_done, done = episode.turns
+    episode = run_codex_exec(scripted_server(start_server, tokenizer, respond), tmp_path)
+
+    # The parent's `wait_agent` call and the sub-agent's first request race (spawn_agent answers at once): by content
+    def called(turn):
+        return [c["function"]["name"] for c in turn.response_message.get("tool_calls") or []]
+
+    main, *later = episode.turns
+    assert called(main) == ["multi_agent_v1__spawn_agent"] and len(later) == 4
+    [wait] = [t for t in later if called(t) == ["multi_agent_v1__wait_agent"]]
+    [sub] = [t for t in later if called(t) == ["exec_command"]]
+    [sub_done] = [t for t in later if t.parent_turn == sub.index]
+    [done] = [t for t in later if t not in (wait, sub, sub_done)]
     assert sub.prompt_source == "rendered" and sub.request_messages[-1] == {"role": "user", "content": HANDOFF}
     assert (TASK in [m.get("content") for m in sub.request_messages]) == fork_context
-    assert [(t.conversation, t.role, t.spawned_by) for t in episode.turns] == [
-        (0, "main", None),
-        (0, "main", None),
-        (2, "sub_agent", 0),
-        (2, "sub_agent", 0),
-        (0, "main", None),
-    ]
+    assert {t.index: (t.conversation, t.role, t.spawned_by) for t in episode.turns} == {
+        **{t.index: (0, "main", None) for t in (main, wait, done)},
+        **{t.index: (sub.index, "sub_agent", 0) for t in (sub, sub_done)},
+    }
     assert episode.num_main_line_forks == 0 and episode.messages[-1]["content"] == "Done."
     for parent, turn in ((main, wait), (wait, done), (sub, sub_done)):
         assert_continues(turn, parent, tokenizer, "qwen2_5")

@@ -16,7 +16,7 @@ Rules, applied to the turns in the order they were recorded (the same turns alwa
    opencode's `task` prompt) to a new conversation. So does a request whose last message is a user message that is,
    as a whole, such an argument of any earlier turn (spawned by the latest such turn): a sub-agent started in the
    background, after its parent went on (Codex's `spawn_agent` answers at once, and the sub-agent's first request
-   comes after the parent's next call; with `fork_context` it also carries the parent's history). Both come before
+   often comes after the parent's next call; with `fork_context` it also carries the parent's history). Both come before
    rule 4: opencode's and Codex's sub-agents keep the main line's system prompt.
 4. A request that shares a message prefix with an earlier turn (`Turn.forked_from`: a rewritten history, a compaction
    restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it.
