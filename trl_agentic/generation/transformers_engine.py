@@ -328,7 +328,7 @@ class TransformersEngine:
         `policy_version`: set `self.policy_version` with the weights, under the lock that decode steps hold: no
         token is sampled by the old weights once the new version shows.
         """
-        with self.model_lock, torch.no_grad():
+        with self.model_lock, torch.inference_mode():
             if policy_version is not None:
                 self.policy_version = policy_version
             self._sync(self._source_state(), explicit=True)
@@ -540,7 +540,7 @@ class TransformersEngine:
 
     @contextlib.contextmanager
     def _using_model(self):
-        with self.model_lock, torch.no_grad():
+        with self.model_lock, torch.inference_mode():
             yield
 
     # One batch, synchronously
