@@ -39,7 +39,8 @@ blocks twice, with the producer in the trainer's process and with `rollout_proce
 and engine in a spawned process, weights handed over in shared memory after each optimizer step); for the latter it
 prints the rollout process's CPU seconds per step too, and for both the engine's batching and prefix reuse and each
 block's slowest step. On 2 idle cores (2026-12-05, docs/async_rollouts.md), with the rollout process: 64x2 0.67x TRL
-(trainer's process 0.145 CPU s/step, rollout process 0.146), 256x2 0.71x; in-process 1.01x and 0.85x. Blocks must be
+(trainer's process 0.145 CPU s/step, rollout process 0.146), 256x2 0.71x; in-process 1.01x and 0.85x (a second
+run: 0.62x and 0.70x). Blocks must be
 long: a batch held back by one long episode (the slowest step, ~0.4 s at 64x2) weighs 1/(steps - 1) of a block's rate,
 and 6-step blocks read 0.87x on 64x2 from the same code.
 """
