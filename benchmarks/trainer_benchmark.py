@@ -40,9 +40,8 @@ and engine in a spawned process, weights handed over in shared memory after each
 prints the rollout process's CPU seconds per step too, and for both the engine's batching and prefix reuse and each
 block's slowest step. On 2 idle cores (2026-12-05, docs/async_rollouts.md), with the rollout process: 64x2 0.67x TRL
 (trainer's process 0.145 CPU s/step, rollout process 0.146), 256x2 0.71x; in-process 1.01x and 0.85x (a second
-run: 0.62x and 0.70x). Blocks must be
-long: a batch held back by one long episode (the slowest step, ~0.4 s at 64x2) weighs 1/(steps - 1) of a block's rate,
-and 6-step blocks read 0.87x on 64x2 from the same code.
+run: 0.62x and 0.70x). Blocks must be long: a batch held back by one long episode (the slowest step, ~0.4 s at 64x2)
+weighs 1/(steps - 1) of a block's rate, and 6-step blocks read 0.87x on 64x2 from the same code.
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import math
 import statistics
 import tempfile
 import threading
@@ -252,7 +250,8 @@ class StepEnds(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.ends.append(time.perf_counter())
         self.cpu.append(time.process_time())
-        self.rollout_cpu.append(getattr(self.trainer._producer, "cpu_seconds", float("nan")))
+        if self.trainer.args.rollout_process:
+            self.rollout_cpu.append(self.trainer._producer.cpu_seconds)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "engine/mean_decode_batch" in logs:
@@ -361,7 +360,8 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
                 # The rollout process's CPU is not in this process's: the ratio of CPU is of the trainer's only
                 async_cpu[arm].append((ends.cpu[-1] - ends.cpu[0]) / (len(ends.cpu) - 1))
                 # Deliveries are not step ends, but over a block the difference is one batch's at most
-                rollout_cpu[arm].append((ends.rollout_cpu[-1] - ends.rollout_cpu[0]) / (len(ends.rollout_cpu) - 1))
+                if ends.rollout_cpu:
+                    rollout_cpu[arm].append((ends.rollout_cpu[-1] - ends.rollout_cpu[0]) / (len(ends.rollout_cpu) - 1))
                 logs = ends.engine[1:]  # after the first step, which fills the pipeline
                 async_engine[arm].append(
                     (
@@ -472,7 +472,7 @@ def benchmark(model_size: str, args) -> tuple[float, dict[str, float]]:
             "  slowest step of each block: " + ", ".join(f"{t:.3f}" for t in slowest[arm]) + " s (a batch waiting on "
             "its longest episode: one such batch weighs 1/(steps - 1) of a block's rate)"
         )
-        if not math.isnan(statistics.mean(rollout_cpu[arm])):
+        if rollout_cpu[arm]:
             print(f"  the rollout process's CPU seconds per step: {statistics.mean(rollout_cpu[arm]):.3f}")
         decode_batch, reused = (statistics.mean(values) for values in zip(*async_engine[arm], strict=True))
         print(

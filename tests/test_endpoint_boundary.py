@@ -367,17 +367,16 @@ def test_a_large_request_does_not_hold_up_other_requests(start_server, tokenizer
     # off while measuring.
     gc.collect()
     gc.disable()
+    poller = threading.Thread(target=health_checks)
+    poller.start()
     try:
-        poller = threading.Thread(target=health_checks)
-        poller.start()
         time.sleep(0.1)
         started = time.perf_counter()
         response = httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60)
         ended = time.perf_counter()
-        done.set()
-        poller.join()
     finally:
         done.set()
+        poller.join()
         gc.enable()
     assert response.status_code == 200, response.text[:300]
     assert len(server.close_episode(session.episode.id).turns[0].prompt_ids) > 200_000

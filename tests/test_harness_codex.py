@@ -218,6 +218,13 @@ wire_api = "responses"
 """
 
 
+needs_codex = pytest.mark.skipif(
+    codex_binary() is None,
+    reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
+    "PATH (npm install --prefix <dir> @openai/codex)",
+)
+
+
 def run_codex_exec(server, tmp_path):
     """`codex exec` on TASK in a fresh home and workspace, pointed at a new episode of `server` through its
     config.toml only; checks it exited 0 and wrote answer.txt with 42, and returns the closed episode."""
@@ -247,11 +254,7 @@ def run_codex_exec(server, tmp_path):
     return episode
 
 
-@pytest.mark.skipif(
-    codex_binary() is None,
-    reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
-    "PATH (npm install --prefix <dir> @openai/codex)",
-)
+@needs_codex
 @pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
 def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokenizers, tmp_path, family):
     """`codex exec` with its defaults (sub-agents, web_search) and a custom provider: the scripted model runs
@@ -283,11 +286,7 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
 HANDOFF = "Create a file answer.txt containing 42 in the working directory."
 
 
-@pytest.mark.skipif(
-    codex_binary() is None,
-    reason="Codex CLI not found: set TRL_AGENTIC_CODEX_BIN or put `codex` on "
-    "PATH (npm install --prefix <dir> @openai/codex)",
-)
+@needs_codex
 @pytest.mark.parametrize("fork_context", [False, True], ids=["fresh", "fork_context"])
 def test_codex_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, fork_context):
     """`codex exec` whose model spawns a sub-agent (`multi_agent_v1.spawn_agent`, answered at once with the agent's id),
