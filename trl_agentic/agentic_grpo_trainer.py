@@ -44,7 +44,7 @@ from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
-from .rewards.utils import unscorable_unless_ok
+from .rewards.utils import RewardModelFunc, unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
@@ -134,6 +134,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             public methods are the tools, with `reset(**row)` and optionally `get_reward()`; or a dict of them
             selected by an `environment` column), run by a built-in agent over the endpoint: see
             `trl_agentic.envs.environment_factory` and docs/envs_environment_factory.md.
+        reward_processing_classes: as in TRL, the tokenizer of each reward model in `reward_funcs` (one entry per
+            reward function, `None` for plain functions and for reward models whose tokenizer loads from their path).
+        tools: TRL's argument, refused: the agent owns its tools. Pass `agent=ToolAgent(tools=[...])`
+            (`trl_agentic.tasks.agent_loop`) for TRL's tool loop over plain functions.
 
     Example:
 
@@ -174,11 +178,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
         engine: GenerationEngine | None = None,
         environment_factory=None,
+        tools=None,
     ):
         # Args
         if args is None:
@@ -188,6 +194,32 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}; build it with "
                 "AgenticGRPOConfig(**grpo_config.to_dict()) to keep your GRPO settings."
             )
+
+        if tools is not None:  # TRL's argument, refused rather than ignored (issue 40)
+            raise ValueError(
+                "AgenticGRPOTrainer does not take `tools=`: the agent owns its tools (it sends their schemas with its "
+                "model calls and runs them). Pass `agent=ToolAgent(tools=[...])` (trl_agentic.tasks.agent_loop) for "
+                "TRL's tool loop over plain functions, or give your own agent its tools."
+            )
+
+        # Reward processing classes, as in TRL: entry i tokenizes for reward model i (ignored for functions); applied
+        # before the environments' own reward sources join
+        if reward_funcs is not None:
+            if not isinstance(reward_funcs, list):
+                reward_funcs = [reward_funcs]
+            if reward_processing_classes is None:
+                reward_processing_classes = [None] * len(reward_funcs)
+            elif not isinstance(reward_processing_classes, list):
+                reward_processing_classes = [reward_processing_classes]
+            if len(reward_processing_classes) != len(reward_funcs):
+                raise ValueError(
+                    f"The number of reward processing classes ({len(reward_processing_classes)}) must match the number of "
+                    f"reward functions ({len(reward_funcs)}): give `None` for the functions that are not reward models."
+                )
+            reward_funcs = [
+                RewardModelFunc(f, tokenizer=tok) if isinstance(f, str | torch.nn.Module) else f
+                for f, tok in zip(reward_funcs, reward_processing_classes, strict=True)
+            ]
 
         # Environments (TRL's `environment_factory`, issue 32): a built-in agent plays TRL's tool loop over the
         # endpoint, and the environments' `get_reward` join the reward sources (trl_agentic/envs/environment_factory.py)
@@ -239,9 +271,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Endpoint serving the live policy
         self.engine = engine or self._default_engine(args)
         self._endpoint_kwargs = dict(  # also the rollout process's (`rollout_process`)
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            **args.sampling_kwargs(),  # TRL's sampling settings, `generation_kwargs` overriding them (issue 40)
             max_tokens=args.max_completion_length,
             max_turns=args.max_turns,
             max_episode_tokens=args.max_episode_tokens,
