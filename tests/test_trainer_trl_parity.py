@@ -165,3 +165,43 @@ def test_importance_sampling_masked_counts_rows_and_tokens_the_correction_zeroes
     token = torch.tensor([[0.0, 1.0, 0.0, 1.1], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     # row 0: 1 of 3 trained tokens zeroed; row 1: all 3 zeroed (masked whole); row 3: none
     assert importance_sampling_masked_counts(token, loss_mask) == (1, 3, 4, 7)
+
+
+async def two_call_agent(client, task):
+    messages = list(task["prompt"])
+    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_mask"])
+def test_async_rollouts_log_the_share_of_rows_and_tokens_the_correction_masks(tmp_path, tokenizer, mode):
+    """Under asynchronous rollouts TRL's `*_mask` correction can zero whole multi-turn rows: the share is logged next to
+    TRL's ratio metrics. `max_staleness=0` samples with the weights that score (ratios 1 to float rounding), so a
+    lower clip bound of 2 masks every row and token, and the metrics say so."""
+    args = config(
+        tmp_path,
+        async_rollouts=True,
+        max_staleness=0,
+        logging_steps=1,
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=2.0,  # above every ratio: all masked
+        vllm_importance_sampling_clip_max=3.0,
+    )
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=two_call_agent,
+        reward_funcs=constant_reward,
+        args=args,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    logged = next(entry for entry in trainer.state.log_history if "sampling/importance_sampling_ratio/max" in entry)
+    assert logged["sampling/importance_sampling_ratio/max"] == 0.0
+    assert logged["sampling/importance_sampling_masked_rows"] == 1.0
+    assert logged["sampling/importance_sampling_masked_tokens"] == 1.0

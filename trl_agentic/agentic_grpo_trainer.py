@@ -85,6 +85,29 @@ def _padded(values: list[list[float]], width: int, device) -> torch.Tensor:
     return torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float32, device=device)
 
 
+def importance_sampling_masked_counts(ratio: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """What TRL's importance-sampling correction zeroes out of the loss: `(masked rows, rows, masked tokens, tokens)`,
+    counted over the trained tokens (`loss_mask` (B, T) 1) and the rows holding any. `ratio` is TRL's
+    `importance_sampling_ratio`, (B, 1) in `sequence_*` modes and (B, T) in `token_*` modes; a `*_mask` mode sets it to
+    0 beyond the clip bounds. A masked row is one whose every trained token is zeroed: under asynchronous rollouts
+    TRL's default (`sequence_mask`, `vllm_importance_sampling_clip_max=3`) drops a whole multi-turn row once its
+    summed log-ratio passes log(3), which TRL's min/mean/max ratio metrics do not show (issue 40).
+
+    Example:
+
+    ```python
+    >>> importance_sampling_masked_counts(torch.tensor([[0.0], [1.2]]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    (1, 2, 2, 3)
+    ```
+    """
+    trained = loss_mask.bool()  # (B, T)
+    zeroed = (ratio == 0).expand_as(trained) & trained  # (B, T)
+    rows = trained.any(dim=1)  # (B,)
+    masked_rows = rows & (zeroed.sum(dim=1) == trained.sum(dim=1))
+    counts = torch.stack([masked_rows.sum(), rows.sum(), zeroed.sum(), trained.sum()])
+    return tuple(counts.tolist())
+
+
 def rollout_seed(seed: int, process_index: int, rollout: int) -> int:
     """The seed of one process's `rollout`-th rollout: distinct per process and rollout, the same in every run."""
     digest = hashlib.sha256(f"{seed}/{process_index}/{rollout}".encode()).digest()
@@ -678,10 +701,22 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 else _padded(extra_advantages, max(len(v) for v in extra_advantages), advantages.device)
             )
             output = self._append_rows(output, extra_rows, extra)
+        if "importance_sampling_ratio" in output:  # beside TRL's ratio metrics: what its correction zeroed
+            self._log_importance_sampling_masked(output)
 
         self._log_episodes(episodes, rows_results, episode_advantages, inputs)
         self._observe_tasks(inputs, episodes)
         return output
+
+    def _log_importance_sampling_masked(self, output: dict) -> None:
+        """`sampling/importance_sampling_masked_rows` and `_tokens`: the share of the batch's rows (those with a trained
+        token, every process) and of its trained tokens that TRL's importance-sampling correction zeroed."""
+        loss_mask = output["completion_mask"] * output["tool_mask"]  # (B, T): what the loss trains
+        counts = importance_sampling_masked_counts(output["importance_sampling_ratio"], loss_mask)
+        total = self.accelerator.gather(torch.tensor([counts], device=loss_mask.device)).sum(dim=0).tolist()
+        metrics = self._metrics[self._mode()]
+        metrics["sampling/importance_sampling_masked_rows"].append(total[0] / total[1] if total[1] else 0.0)
+        metrics["sampling/importance_sampling_masked_tokens"].append(total[2] / total[3] if total[3] else 0.0)
 
     def _turn_advantage_terms(self, episodes: list[Episode]) -> list[list[float] | None] | None:
         """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no
