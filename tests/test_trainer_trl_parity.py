@@ -205,3 +205,29 @@ def test_async_rollouts_log_the_share_of_rows_and_tokens_the_correction_masks(tm
     assert logged["sampling/importance_sampling_ratio/max"] == 0.0
     assert logged["sampling/importance_sampling_masked_rows"] == 1.0
     assert logged["sampling/importance_sampling_masked_tokens"] == 1.0
+
+
+def test_the_held_out_evaluation_samples_as_training_does(tmp_path, tokenizer):
+    """The held-out evaluator (`held_out_eval_steps`) serves the policy with the training run's sampling, TRL's
+    `min_p`, `repetition_penalty` and `generation_kwargs` included (issue 40)."""
+    from trl_agentic.alarms.held_out import TrainerHeldOutEvaluator
+
+    args = config(tmp_path, min_p=0.05, repetition_penalty=1.3, generation_kwargs={"temperature": 0.8})
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=one_call_agent,
+        reward_funcs=constant_reward,
+        args=args,
+        train_dataset=dataset(),
+        eval_dataset=dataset(1),
+        processing_class=tokenizer,
+    )
+    held_out = TrainerHeldOutEvaluator(trainer)
+    try:
+        held_out.evaluate(seed=0)  # builds the evaluator
+        episodes = held_out.evaluator.run(seed=0)
+    finally:
+        held_out.close()
+        trainer.close()
+    sampling = episodes[0].turns[0].sampling
+    assert (sampling["temperature"], sampling["min_p"], sampling["repetition_penalty"]) == (0.8, 0.05, 1.3)
