@@ -428,7 +428,8 @@ class AgenticGRPOConfig(GRPOConfig):
         Example:
 
         ```python
-        >>> AgenticGRPOConfig(output_dir="out", temperature=1.0, generation_kwargs={"temperature": 0.7}).sampling_kwargs()
+        >>> args = AgenticGRPOConfig(output_dir="out", temperature=1.0, generation_kwargs={"temperature": 0.7})
+        >>> args.sampling_kwargs()
         {'temperature': 0.7, 'top_p': 1.0, 'top_k': 0, 'min_p': None, 'repetition_penalty': 1.0}
         ```
         """

@@ -236,8 +236,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 reward_processing_classes = [reward_processing_classes]
             if len(reward_processing_classes) != len(reward_funcs):
                 raise ValueError(
-                    f"The number of reward processing classes ({len(reward_processing_classes)}) must match the number of "
-                    f"reward functions ({len(reward_funcs)}): give `None` for the functions that are not reward models."
+                    f"The number of reward processing classes ({len(reward_processing_classes)}) must match the "
+                    f"number of reward functions ({len(reward_funcs)}): give `None` for the functions that are not "
+                    "reward models."
                 )
             reward_funcs = [
                 RewardModelFunc(f, tokenizer=tok) if isinstance(f, str | torch.nn.Module) else f
