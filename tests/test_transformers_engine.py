@@ -346,3 +346,67 @@ def test_a_row_whose_logits_are_not_finite_fails_greedy_or_sampled():
         engine.generate_batch(prompts([5]), [SamplingParams(max_tokens=3, temperature=0.0)])
     with pytest.raises(ValueError, match="not finite"):
         engine.generate_batch(prompts([5]), [SamplingParams(max_tokens=3, seed=0)])
+
+
+def penalized_score(model, prompt, completion, penalty):
+    """TRL's transformers sampling of `completion` after `prompt` with `repetition_penalty` (transformers'
+    `RepetitionPenaltyLogitsProcessor` over the prompt and the tokens sampled so far): the logprob of each token."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    process = RepetitionPenaltyLogitsProcessor(penalty)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # (C, V)
+    logps = []
+    for t, token in enumerate(completion):
+        scores = process(torch.tensor([prompt + completion[:t]]), logits[t : t + 1].clone())
+        logps.append(torch.log_softmax(scores, dim=-1)[0, token].item())
+    return logps
+
+
+def test_repetition_penalty_samples_as_transformers_generate_does(engine):
+    """TRL's `repetition_penalty` (issue 40): greedy decoding picks what `generate(repetition_penalty=...)` picks, and
+    a sampled token's logprob is that of the penalized distribution it was drawn from (vLLM's `processed_logprobs`,
+    which TRL's importance-sampling correction is built on)."""
+    prompt = prompts([9])[0]
+    plain = engine.generate_batch([prompt], [SamplingParams(max_tokens=12, temperature=0.0)])[0]
+    out = engine.generate_batch([prompt], [SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=5.0)])[0]
+    reference = engine.model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=12,
+        do_sample=False,
+        repetition_penalty=5.0,
+        eos_token_id=None,
+        pad_token_id=engine.pad_token_id,
+    )[0, len(prompt) :].tolist()
+    assert out.token_ids == reference
+    assert out.token_ids != plain.token_ids  # the penalty changed what was sampled
+    sampled = engine.generate_batch([prompt], [SamplingParams(max_tokens=12, repetition_penalty=1.5, seed=4)])[0]
+    expected = penalized_score(engine.model, prompt, sampled.token_ids, 1.5)
+    assert sampled.logprobs == pytest.approx(expected, abs=1e-3)
+    assert sampled.logprobs != pytest.approx(score(engine.model, prompt, sampled.token_ids, 1.0), abs=1e-3)
+
+
+def test_min_p_restricts_which_tokens_can_be_drawn(engine):
+    """TRL's `min_p`: only tokens at least `min_p` times as likely as the most likely one can be drawn; as top-p,
+    the logprobs stay those of the full distribution. `min_p=1` leaves only the most likely token: greedy."""
+    prompt = prompts([7])[0]
+    greedy = engine.generate_batch([prompt], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
+    for seed in range(3):
+        out = engine.generate_batch([prompt], [SamplingParams(max_tokens=8, min_p=1.0, seed=seed)])[0]
+        assert out.token_ids == greedy.token_ids
+        assert out.logprobs == pytest.approx(score(engine.model, prompt, out.token_ids, 1.0), abs=1e-3)
+    out = engine.generate_batch([prompt], [SamplingParams(max_tokens=16, temperature=2.0, min_p=0.3, seed=1)])[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        probs = torch.softmax(engine.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / 2.0, dim=-1)
+    for t, token in enumerate(out.token_ids):
+        assert probs[t, token] >= 0.3 * probs[t].max() - 1e-6
+
+
+def test_sampling_params_refuse_bad_penalties():
+    with pytest.raises(ValueError, match=r"repetition_penalty=0.0 \(finite, > 0\)"):
+        SamplingParams(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match=r"min_p=1.5 \(in \[0, 1\]\)"):
+        SamplingParams(min_p=1.5)

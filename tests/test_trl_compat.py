@@ -170,3 +170,36 @@ def test_transformers_internals_the_endpoint_relies_on():
     assert "_encode_plus" in vars(TokenizersBackend)
     tokenizer = build_tiny_tokenizer("qwen2_5")
     assert isinstance(tokenizer, TokenizersBackend) and isinstance(_plain_backend(tokenizer), Tokenizer)
+
+
+# GRPOTrainer arguments AgenticGRPOTrainer does not take, and why (issue 40: none may be silently dropped).
+NOT_TAKEN = {
+    "rollout_func": "the rollout is the agents' episodes (set internally through this very hook)",
+    "quantization_config": "not wired: the embedded engine's inference copy of a quantized model is untested",
+}
+
+
+def test_every_grpo_trainer_argument_is_taken_or_known_not_to_be():
+    """A GRPOTrainer argument a new TRL adds must be taken (honoured or refused with a reason, as `tools` is) or
+    listed in NOT_TAKEN with its reason; a TypeError naming it would otherwise be the only explanation."""
+    ours = set(params(AgenticGRPOTrainer.__init__))
+    missing = [name for name in params(GRPOTrainer.__init__) if name not in ours and name not in NOT_TAKEN]
+    assert missing == []
+    assert "reward_processing_classes" in ours and "tools" in ours
+
+
+def test_trl_generation_settings_we_honour_or_refuse():
+    """AgenticGRPOConfig honours `min_p`, `repetition_penalty` and `generation_kwargs`, and refuses
+    `cache_implementation` and `use_transformers_continuous_batching`, which `use_transformers_paged` sets in TRL's
+    `__post_init__` (issue 40). The masked-share metric counts TRL's `*_mask` zeros (`masked_fill(..., value=0.0)`)."""
+    from trl import GRPOConfig
+
+    fields = GRPOConfig.__dataclass_fields__
+    defaults = {name: fields[name].default for name in ("min_p", "repetition_penalty", "generation_kwargs")}
+    assert defaults == {"min_p": None, "repetition_penalty": 1.0, "generation_kwargs": None}
+    assert fields["cache_implementation"].default is None
+    assert fields["use_transformers_continuous_batching"].default is False
+    assert "self.use_transformers_continuous_batching = True" in inspect.getsource(GRPOConfig.__post_init__)
+    assert "generation_kwargs" in GRPOConfig._VALID_DICT_FIELDS  # given as JSON text on the CLI, parsed by TRL
+    score = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "invalid_mis_mask, value=0.0" in score

@@ -38,6 +38,8 @@ def vllm_protocol_app(engine: TransformersEngine, requests: list) -> FastAPI:
             max_tokens=body["max_tokens"],
             temperature=body["temperature"],
             top_p=body["top_p"],
+            min_p=body["min_p"],
+            repetition_penalty=body["repetition_penalty"],
             seed=body.get("seed"),
             stop_token_ids=body["stop_token_ids"],
         )
@@ -133,3 +135,12 @@ def test_server_engine_rejects_inconsistent_answers(tiny):
             asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)))
     finally:
         server.stop()
+
+
+def test_trls_repetition_penalty_and_min_p_reach_the_vllm_server():
+    """TRL passes `repetition_penalty` and `min_p` to vLLM's SamplingParams (issue 40): so does the server engine."""
+    engine = VLLMServerEngine("http://127.0.0.1:1", max_context_length=4096)
+    payload = engine.payload([5, 6], SamplingParams(max_tokens=4, repetition_penalty=1.3, min_p=0.05))
+    assert (payload["repetition_penalty"], payload["min_p"]) == (1.3, 0.05)
+    plain = engine.payload([5, 6], SamplingParams(max_tokens=4))
+    assert (plain["repetition_penalty"], plain["min_p"]) == (1.0, 0.0)  # vLLM's own defaults: off

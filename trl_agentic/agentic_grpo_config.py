@@ -8,14 +8,22 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 
+# The `generation_kwargs` keys every engine honours (the embedded engine samples with them, vLLM gets them): TRL lets
+# them override the named settings. Others (`num_beams`, `suppress_tokens`, ...) are refused, not silently ignored.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 @dataclass
 class AgenticGRPOConfig(GRPOConfig):
     r"""
     Configuration class for the [`AgenticGRPOTrainer`].
 
     Everything of [`trl.GRPOConfig`] keeps its meaning (loss, KL `beta`, clipping, `num_generations` = episodes per
-    task, `temperature`/`top_p`/`top_k` = how the policy samples, whatever the agent asks for). One generation slot is
-    one *episode* of the agent; `max_completion_length` caps the tokens of one model call.
+    task, `temperature`/`top_p`/`top_k`/`min_p`/`repetition_penalty` = how the policy samples, whatever the agent asks
+    for, and `generation_kwargs` overriding them as in TRL). One generation slot is one *episode* of the agent;
+    `max_completion_length` caps the tokens of one model call. TRL settings that do not apply to episodes are refused
+    with a `ValueError` saying what to do: `cache_implementation`, `use_transformers_continuous_batching` (and the
+    deprecated `use_transformers_paged`), and `generation_kwargs` keys other than those five.
 
     Parameters:
         > Parameters that control the episodes
@@ -296,7 +304,8 @@ class AgenticGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        super().__post_init__()
+        super().__post_init__()  # also parses a `generation_kwargs` given as JSON text (the CLI)
+        self._check_trl_generation_settings()
         if self.max_concurrent_episodes < 1:
             raise ValueError(f"max_concurrent_episodes must be >= 1, got {self.max_concurrent_episodes}.")
         if self.max_turns < 1:
@@ -378,3 +387,51 @@ class AgenticGRPOConfig(GRPOConfig):
         ):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
+
+    def _check_trl_generation_settings(self) -> None:
+        """TRL's generation settings: those the episodes' sampling honours are checked, the others refused (issue 40:
+        they used to be ignored without a word)."""
+        if self.cache_implementation is not None:
+            raise ValueError(
+                f"cache_implementation={self.cache_implementation!r} configures TRL's `model.generate`, which the "
+                "agentic trainer does not call: the embedded engine keeps its own key/value cache (continuous batching "
+                "with per-episode prefix reuse) and vLLM its own. Remove it."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "use_transformers_continuous_batching=True (or the deprecated use_transformers_paged=True, which TRL "
+                "turns into it) selects TRL's transformers generation, which the agentic trainer does not call: the "
+                "embedded engine already batches the episodes' calls continuously (see max_generation_batch_size), "
+                "and use_vllm=True serves them with vLLM. Set it to False."
+            )
+        unknown = sorted(set(self.generation_kwargs or {}) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs {unknown} cannot be honoured: every model call of an episode is sampled by the "
+                f"endpoint's engine, which takes {list(SAMPLING_KEYS)} (they override the settings of the same name, "
+                "as in TRL). Remove the others."
+            )
+        sampling = self.sampling_kwargs()
+        if not (
+            isinstance(sampling["repetition_penalty"], int | float) and 0 < sampling["repetition_penalty"] < math.inf
+        ):
+            raise ValueError(
+                f"repetition_penalty must be > 0 and finite (1.0: off), got {sampling['repetition_penalty']!r}."
+            )
+        if sampling["min_p"] is not None and not 0 <= sampling["min_p"] <= 1:
+            raise ValueError(f"min_p must be in [0, 1] or None (off), got {sampling['min_p']!r}.")
+
+    def sampling_kwargs(self) -> dict:
+        """How every model call of an episode is sampled, whatever the agent asks for: `temperature`, `top_p`,
+        `top_k`, `min_p` and `repetition_penalty`, with `generation_kwargs` overriding them as in TRL.
+
+        Example:
+
+        ```python
+        >>> args = AgenticGRPOConfig(output_dir="out", temperature=1.0, generation_kwargs={"temperature": 0.7})
+        >>> args.sampling_kwargs()
+        {'temperature': 0.7, 'top_p': 1.0, 'top_k': 0, 'min_p': None, 'repetition_penalty': 1.0}
+        ```
+        """
+        named = {key: getattr(self, key) for key in SAMPLING_KEYS}
+        return {**named, **(self.generation_kwargs or {})}

@@ -44,7 +44,7 @@ from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
-from .rewards.utils import unscorable_unless_ok
+from .rewards.utils import RewardModelFunc, unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
@@ -83,6 +83,29 @@ def split_rows(batch: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
 def _padded(values: list[list[float]], width: int, device) -> torch.Tensor:
     """Per-token advantages of rows, right-padded with 0 to `width`: (R, width), as TRL pads completions."""
     return torch.tensor([v + [0.0] * (width - len(v)) for v in values], dtype=torch.float32, device=device)
+
+
+def importance_sampling_masked_counts(ratio: torch.Tensor, loss_mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """What TRL's importance-sampling correction zeroes out of the loss: `(masked rows, rows, masked tokens, tokens)`,
+    counted over the trained tokens (`loss_mask` (B, T) 1) and the rows holding any. `ratio` is TRL's
+    `importance_sampling_ratio`, (B, 1) in `sequence_*` modes and (B, T) in `token_*` modes; a `*_mask` mode sets it to
+    0 beyond the clip bounds. A masked row is one whose every trained token is zeroed: under asynchronous rollouts
+    TRL's default (`sequence_mask`, `vllm_importance_sampling_clip_max=3`) drops a whole multi-turn row once its
+    summed log-ratio passes log(3), which TRL's min/mean/max ratio metrics do not show (issue 40).
+
+    Example:
+
+    ```python
+    >>> importance_sampling_masked_counts(torch.tensor([[0.0], [1.2]]), torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    (1, 2, 2, 3)
+    ```
+    """
+    trained = loss_mask.bool()  # (B, T)
+    zeroed = (ratio == 0).expand_as(trained) & trained  # (B, T)
+    rows = trained.any(dim=1)  # (B,)
+    masked_rows = rows & (zeroed.sum(dim=1) == trained.sum(dim=1))
+    counts = torch.stack([masked_rows.sum(), rows.sum(), zeroed.sum(), trained.sum()])
+    return tuple(counts.tolist())
 
 
 def rollout_seed(seed: int, process_index: int, rollout: int) -> int:
@@ -134,6 +157,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
             public methods are the tools, with `reset(**row)` and optionally `get_reward()`; or a dict of them
             selected by an `environment` column), run by a built-in agent over the endpoint: see
             `trl_agentic.envs.environment_factory` and docs/envs_environment_factory.md.
+        reward_processing_classes: as in TRL, the tokenizer of each reward model in `reward_funcs` (one entry per
+            reward function, `None` for plain functions and for reward models whose tokenizer loads from their path).
+        tools: TRL's argument, refused: the agent owns its tools. Pass `agent=ToolAgent(tools=[...])`
+            (`trl_agentic.tasks.agent_loop`) for TRL's tool loop over plain functions.
 
     Example:
 
@@ -174,11 +201,13 @@ class AgenticGRPOTrainer(GRPOTrainer):
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
         engine: GenerationEngine | None = None,
         environment_factory=None,
+        tools=None,
     ):
         # Args
         if args is None:
@@ -188,6 +217,33 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}; build it with "
                 "AgenticGRPOConfig(**grpo_config.to_dict()) to keep your GRPO settings."
             )
+
+        if tools is not None:  # TRL's argument, refused rather than ignored (issue 40)
+            raise ValueError(
+                "AgenticGRPOTrainer does not take `tools=`: the agent owns its tools (it sends their schemas with its "
+                "model calls and runs them). Pass `agent=ToolAgent(tools=[...])` (trl_agentic.tasks.agent_loop) for "
+                "TRL's tool loop over plain functions, or give your own agent its tools."
+            )
+
+        # Reward processing classes, as in TRL: entry i tokenizes for reward model i (ignored for functions); applied
+        # before the environments' own reward sources join
+        if reward_funcs is not None:
+            if not isinstance(reward_funcs, list):
+                reward_funcs = [reward_funcs]
+            if reward_processing_classes is None:
+                reward_processing_classes = [None] * len(reward_funcs)
+            elif not isinstance(reward_processing_classes, list):
+                reward_processing_classes = [reward_processing_classes]
+            if len(reward_processing_classes) != len(reward_funcs):
+                raise ValueError(
+                    f"The number of reward processing classes ({len(reward_processing_classes)}) must match the "
+                    f"number of reward functions ({len(reward_funcs)}): give `None` for the functions that are not "
+                    "reward models."
+                )
+            reward_funcs = [
+                RewardModelFunc(f, tokenizer=tok) if isinstance(f, str | torch.nn.Module) else f
+                for f, tok in zip(reward_funcs, reward_processing_classes, strict=True)
+            ]
 
         # Environments (TRL's `environment_factory`, issue 32): a built-in agent plays TRL's tool loop over the
         # endpoint, and the environments' `get_reward` join the reward sources (trl_agentic/envs/environment_factory.py)
@@ -239,9 +295,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Endpoint serving the live policy
         self.engine = engine or self._default_engine(args)
         self._endpoint_kwargs = dict(  # also the rollout process's (`rollout_process`)
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            **args.sampling_kwargs(),  # TRL's sampling settings, `generation_kwargs` overriding them (issue 40)
             max_tokens=args.max_completion_length,
             max_turns=args.max_turns,
             max_episode_tokens=args.max_episode_tokens,
@@ -648,10 +702,22 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 else _padded(extra_advantages, max(len(v) for v in extra_advantages), advantages.device)
             )
             output = self._append_rows(output, extra_rows, extra)
+        if "importance_sampling_ratio" in output:  # beside TRL's ratio metrics: what its correction zeroed
+            self._log_importance_sampling_masked(output)
 
         self._log_episodes(episodes, rows_results, episode_advantages, inputs)
         self._observe_tasks(inputs, episodes)
         return output
+
+    def _log_importance_sampling_masked(self, output: dict) -> None:
+        """`sampling/importance_sampling_masked_rows` and `_tokens`: the share of the batch's rows (those with a trained
+        token, every process) and of its trained tokens that TRL's importance-sampling correction zeroed."""
+        loss_mask = output["completion_mask"] * output["tool_mask"]  # (B, T): what the loss trains
+        counts = importance_sampling_masked_counts(output["importance_sampling_ratio"], loss_mask)
+        total = self.accelerator.gather(torch.tensor([counts], device=loss_mask.device)).sum(dim=0).tolist()
+        metrics = self._metrics[self._mode()]
+        metrics["sampling/importance_sampling_masked_rows"].append(total[0] / total[1] if total[1] else 0.0)
+        metrics["sampling/importance_sampling_masked_tokens"].append(total[2] / total[3] if total[3] else 0.0)
 
     def _turn_advantage_terms(self, episodes: list[Episode]) -> list[list[float] | None] | None:
         """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no

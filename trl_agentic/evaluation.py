@@ -334,6 +334,7 @@ class Evaluator:
         temperature: sampling temperature of every model call (`0` = greedy).
         max_tokens: most tokens of one model call.
         top_p, top_k: nucleus / top-k sampling; `None` = what the agent asks (default 1.0 / off).
+        min_p, repetition_penalty: TRL's min-p sampling and repetition penalty on every call; `None` = off.
         agent: replaces the suite's agent (a function `(client, task)` or a `CommandAgent`).
         reward_funcs: replace the suite's checkers (TRL signature).
         reward_weights: one weight per reward function (default: the suite's `reward_weights` for its own checkers,
@@ -369,6 +370,8 @@ class Evaluator:
         max_tokens: int = 512,
         top_p: float | None = None,
         top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
         agent: Any = None,
         reward_funcs: Sequence[Callable] | None = None,
         reward_weights: Sequence[float] | None = None,
@@ -418,6 +421,8 @@ class Evaluator:
             "top_k": top_k,
             "max_tokens": max_tokens,
             "max_turns": max_turns,
+            # set only (the summary of a run that uses neither stays as it was)
+            **{k: v for k, v in (("min_p", min_p), ("repetition_penalty", repetition_penalty)) if v is not None},
         }
 
         # Endpoint serving the model, built as the trainer builds it
@@ -430,6 +435,8 @@ class Evaluator:
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             max_tokens=max_tokens,
             max_turns=max_turns,
             max_episode_tokens=max_episode_tokens,

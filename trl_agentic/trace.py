@@ -153,12 +153,9 @@ class Episode:
 
     @property
     def versions(self) -> list[int]:
-        """The policy version that sampled each completion token."""
-        return (
-            list(self.token_versions)
-            if self.token_versions is not None
-            else [self.policy_version] * len(self.completion_ids)
-        )
+        """The policy version that sampled each sampled token of the episode, turn after turn (one per token of
+        `num_sampled_tokens`)."""
+        return [version for turn in self.turns for version in turn.versions]
 
     @property
     def num_tool_calls(self) -> int:

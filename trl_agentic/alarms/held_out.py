@@ -59,10 +59,8 @@ class TrainerHeldOutEvaluator:
                 suite,
                 trainer.eval_dataset,
                 num_samples=args.held_out_num_samples,
-                temperature=args.temperature,
+                **args.sampling_kwargs(),  # TRL's sampling settings, `generation_kwargs` overriding them (issue 40)
                 max_tokens=args.max_completion_length,
-                top_p=args.top_p,
-                top_k=args.top_k,
                 reward_weights=reward_weights,
                 concurrency=args.max_concurrent_episodes,
                 max_turns=args.max_turns,

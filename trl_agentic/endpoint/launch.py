@@ -95,6 +95,8 @@ def create_endpoint_app(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
     max_tokens: int | None = None,
     default_max_tokens: int | None = None,
     max_turns: int | None = None,
@@ -113,6 +115,7 @@ def create_endpoint_app(
         tokenizer: the policy's tokenizer, with its chat template.
         temperature, top_p, top_k: sampling imposed on every call, whatever the agent asks (`None`: the request's
             value; `top_k` 0 or `None`: off, TRL's convention).
+        min_p, repetition_penalty: TRL's, on every call (`None`: off; no wire format lets an agent set them).
         max_tokens: cap on the tokens of one call (a request may ask for fewer); `None`: no cap.
         default_max_tokens: `max_tokens` of a request that sets none (default: `max_tokens`, else 512).
         max_turns, max_episode_tokens: default per-episode limits (`None`: none).
@@ -127,7 +130,14 @@ def create_endpoint_app(
         **({} if admin_token is None else {"admin_token": admin_token}),
         served_model_names=[served_model_name],
         default_max_tokens=default_max_tokens or max_tokens or DEFAULT_MAX_TOKENS,
-        overrides=SamplingOverrides(temperature=temperature, top_p=top_p, top_k=top_k or None, max_tokens=max_tokens),
+        overrides=SamplingOverrides(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k or None,
+            max_tokens=max_tokens,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+        ),
         default_limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
         max_open_episodes=max_open_episodes,
         episode_idle_timeout=episode_idle_timeout,
@@ -142,6 +152,8 @@ def launch_endpoint(
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
     max_tokens: int | None = None,
     default_max_tokens: int | None = None,
     max_turns: int | None = None,
@@ -173,6 +185,8 @@ def launch_endpoint(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
         max_tokens=max_tokens,
         default_max_tokens=default_max_tokens,
         max_turns=max_turns,

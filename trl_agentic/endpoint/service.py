@@ -64,6 +64,9 @@ class SamplingOverrides:
     top_p: float | None = None
     top_k: int | None = None
     max_tokens: int | None = None  # cap on tokens per call (the request may ask for fewer)
+    # TRL's `min_p` and `repetition_penalty`: the trainer's alone (no wire format an agent speaks carries them)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -406,6 +409,8 @@ class CompletionService:
             temperature=_first(overrides.temperature, conversation.temperature, 1.0),
             top_p=_first(overrides.top_p, conversation.top_p, 1.0),
             top_k=_first(overrides.top_k, conversation.top_k, 0),
+            min_p=_first(overrides.min_p, 0.0),
+            repetition_penalty=_first(overrides.repetition_penalty, 1.0),
             # The request's seed, else one from the episode's seed and this call's index (taken by every call): not
             # from the order calls reach the engine, which concurrent episodes change from run to run (issue 29).
             seed=_first(conversation.seed, session.call_seed()),

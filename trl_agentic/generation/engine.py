@@ -22,6 +22,10 @@ class SamplingParams:
 
     `temperature`, `top_p`, `top_k` decide the distribution the logprobs are reported under (TRL scores tokens
     with `logits / temperature`, so do we). `stop_token_ids` end the generation and are kept in the output.
+    `repetition_penalty` and `min_p` are TRL's (`GRPOConfig`): the penalty divides the positive logits (multiplies the
+    negative ones) of every token already in the prompt or the completion, as transformers and vLLM do, and the
+    logprobs are those of the penalized distribution (what sampled the token, vLLM's `processed_logprobs`); `min_p`
+    only restricts which tokens can be drawn (those at least `min_p` times as likely as the most likely), as top-p.
     """
 
     max_tokens: int = 256
@@ -31,6 +35,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0  # also report this many most likely (id, logprob) pairs per position
+    repetition_penalty: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
 
     def __post_init__(self):
         # The last line of defence of a batch: one request's bad value used to fail every request sampled with it.
@@ -47,6 +53,10 @@ class SamplingParams:
             problems.append(f"seed={self.seed!r} (an int64)")
         if not (isinstance(self.top_logprobs, int) and self.top_logprobs >= 0):
             problems.append(f"top_logprobs={self.top_logprobs!r} (an int >= 0)")
+        if not (isinstance(self.repetition_penalty, int | float) and 0 < self.repetition_penalty < math.inf):
+            problems.append(f"repetition_penalty={self.repetition_penalty!r} (finite, > 0)")
+        if not (isinstance(self.min_p, int | float) and 0 <= self.min_p <= 1):
+            problems.append(f"min_p={self.min_p!r} (in [0, 1])")
         if problems:
             raise ValueError(f"Invalid sampling parameters: {', '.join(problems)}.")
 

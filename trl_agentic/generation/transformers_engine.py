@@ -9,7 +9,8 @@ Concurrent `generate` calls are queued for one worker thread that runs the model
 - each row keeps its own sampling parameters, seed (a random stream of its own), stop ids, top logprobs and
   cancellation;
   each sampled token comes with `log_softmax(logits / temperature)` at that token, the distribution TRL scores the same
-  token under (top-p/top-k only restrict which tokens can be drawn);
+  token under (top-p/top-k/min-p only restrict which tokens can be drawn; a `repetition_penalty` changes the logits,
+  and the logprob is then the penalized distribution's, what sampled the token);
 - the key/value states of finished requests (prompt + sampled ids) are kept in a [`PrefixCache`]: an agent's next
   call, which extends its previous call token for token, prefills only its new tokens. The cache belongs to one
   set of weights: it is dropped whenever the engine takes new weights (see below).
@@ -732,7 +733,13 @@ class TransformersEngine:
         rows' `_sampling_inputs`."""
         rows = batch.rows
         temperatures, streams = inputs
-        logps = torch.log_softmax(logits.float() / temperatures.unsqueeze(1), dim=-1)  # (B, V)
+        logits = logits.float()
+        penalized = [i for i, row in enumerate(rows) if row.sampling.repetition_penalty != 1.0]
+        if penalized:  # TRL's `repetition_penalty`, on the rows that ask for it (a copy: the model's logits stay)
+            logits = logits.clone()
+            for i in penalized:
+                _penalize(logits[i], rows[i].prompt + rows[i].tokens, rows[i].sampling.repetition_penalty)
+        logps = torch.log_softmax(logits / temperatures.unsqueeze(1), dim=-1)  # (B, V)
         # torch.multinomial draws one sample as argmax(probs / q), q ~ Exp(1): here every row's q comes from its own
         # stream, all rows in one go, and the argmax runs over the whole batch at once (a generator per row cost a
         # Python call per row and step: 8% of a 32-row decode step on a 256-hidden model).
@@ -743,7 +750,7 @@ class TransformersEngine:
             if (
                 row.finish is None
                 and row.sampling.temperature > 0
-                and (row.sampling.top_k > 0 or row.sampling.top_p < 1.0)
+                and (row.sampling.top_k > 0 or row.sampling.top_p < 1.0 or row.sampling.min_p > 0)
             ):
                 try:
                     probs[i] = _restrict(probs[i], row.sampling)
@@ -911,9 +918,19 @@ def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> None:
+    """Apply a repetition penalty to `logits` (V,) in place, as transformers' `RepetitionPenaltyLogitsProcessor` and
+    vLLM do: the logit of every token in `seen` (prompt + tokens sampled so far) divided by `penalty` when positive,
+    multiplied when negative (a token seen twice is penalized once)."""
+    ids = torch.tensor(seen, dtype=torch.long, device=logits.device)
+    scores = logits.gather(0, ids)
+    logits.scatter_(0, ids, torch.where(scores < 0, scores * penalty, scores / penalty))
+
+
 def _restrict(probs: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """`probs` (V,) with the tokens top-k / top-p exclude set to 0 (the rest is not renormalized: sampling does not
-    need it, and the reported logprobs stay those of the full distribution)."""
+    """`probs` (V,) with the tokens top-k / top-p / min-p exclude set to 0 (the rest is not renormalized: sampling does
+    not need it, and the reported logprobs stay those of the full distribution). In transformers' order: top-k, top-p,
+    then min-p relative to the most likely token (which the first two always keep)."""
     if sampling.top_k > 0:
         kth = torch.topk(probs, min(sampling.top_k, probs.numel())).values[-1]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
@@ -923,6 +940,8 @@ def _restrict(probs: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
         remove = cumulative - sorted_probs > sampling.top_p  # keep the smallest set whose mass reaches top_p
         sorted_probs[remove] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    if sampling.min_p > 0:
+        probs = torch.where(probs < sampling.min_p * probs.max(), torch.zeros_like(probs), probs)
     return probs
 
 
