@@ -24,14 +24,16 @@ def task_file_source(spec: str) -> str:
 
 
 def save_trained_model(
-    model, tokenizer, config: PipelineConfig, output_dir: Path, task_source: str | None
+    model, tokenizer, config: PipelineConfig, output_dir: Path, task_source: str | None, eval_seed: int | None = None
 ) -> dict[str, str]:
     """Save the trained policy (model + tokenizer) to `<output_dir>/model` and the task to `<output_dir>/task.py`
     (`task_source`, the file's text); return the `trl-agentic eval` and `trl-agentic serve` commands that use them
     (without `task_source`, no task file and no eval command).
 
-    The eval command measures what the held-out evaluation measures (same eval-split tasks, one episode each, same
-    sampling and turn limit); its `success` is the pipeline's "after" figure up to sampling noise.
+    The eval command repeats the "after" evaluation: the same eval-split tasks (`--split`, `--size`,
+    `--dataset-seed`), one episode each, the same sampling, turn limit and sampling seed. `eval_seed` is that seed:
+    the alarms evaluate step `s` with `seed + s`, so the "after" figure of an `N`-step run was sampled with
+    `config.seed + N` (default `config.seed`). Issue 40: the command carried `config.seed` and gave another figure.
     """
     model_dir = output_dir / "model"
     model.save_pretrained(model_dir)
@@ -66,7 +68,9 @@ def save_trained_model(
         "1",
         *sampling,
         "--seed",
-        str(config.seed),
+        str(config.seed if eval_seed is None else eval_seed),
+        "--concurrency",
+        str(config.eval_size),  # every task at once, as the held-out evaluation runs them
     ]
     return {"eval": shlex.join(evaluate), "serve": shlex.join(serve)}
 

@@ -173,7 +173,15 @@ def run_pipeline(
             f"{config.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(config.steps, 1):.2f} s/step "
             f"without the held-out evaluations)"
         )
-        commands = save_trained_model(trainer.model, tokenizer, config, output_dir, task_file_source)
+        # the "after" figure is the alarms' evaluation at the last step, sampled with `seed + step`
+        commands = save_trained_model(
+            trainer.model,
+            tokenizer,
+            config,
+            output_dir,
+            task_file_source,
+            eval_seed=config.seed + trainer.state.global_step,
+        )
         info(f"trained model saved to {output_dir / 'model'}")
 
         # 4. Held-out evaluation after (the alarms' evaluation at the last step)

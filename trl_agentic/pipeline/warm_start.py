@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from ..tasks import TaskSuite
 from .config import PipelineConfig, warm_start_key, warm_start_levels
 from .data import short_form_rows, validation_tasks, warm_start_demonstrations
 from .held_out import HeldOutEvaluator, StagedCheck
-from .printing import info
+from .printing import info, progress
 
 
 def default_cache_root() -> Path:
@@ -59,7 +58,6 @@ def build_warm_started(
     ```
     """
     import torch
-    from tqdm.auto import tqdm
 
     from ..tiny_models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
     from ..warm_start import warm_start
@@ -110,14 +108,7 @@ def build_warm_started(
     )
 
     losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
-    bar = tqdm(
-        total=config.short_steps,
-        desc="  SFT phase 1/2 (conversation only)",
-        unit="step",
-        file=sys.stdout,
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
+    bar = progress(config.short_steps, "  SFT phase 1/2 (conversation only)")
 
     def on_short_step(step: int, loss: float) -> None:
         losses["phase1"].append(loss)
@@ -168,14 +159,7 @@ def build_warm_started(
         gate=config.warm_start_check_gate * config.warm_start_target,
     )
     checks: list[dict] = []
-    bar = tqdm(
-        total=config.full_steps,
-        desc="  SFT phase 2/2 (as the agent sends it)",
-        unit="step",
-        file=sys.stdout,
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
+    bar = progress(config.full_steps, "  SFT phase 2/2 (as the agent sends it)")
 
     def on_full_step(step: int, loss: float) -> None:
         losses["phase2"].append(loss)
