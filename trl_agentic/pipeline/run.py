@@ -95,11 +95,16 @@ def run_pipeline(
         f"{title}{' (smoke)' if smoke else ''}: {config.describe_task(suite)}, seed {config.seed}; outputs in {output_dir}",
         flush=True,
     )
+    if smoke:
+        info(
+            "--smoke: every stage at toy sizes, to check the wiring in seconds. The model is too small and trained too "
+            "briefly to learn: 0% success, answers cut at the token limit and the notes below are expected."
+        )
 
     # 1. Model and warm start
     stage(1, total_stages, "Tiny model + warm start (SFT on demonstrations)")
     t = time.monotonic()
-    model, tokenizer, warm_info = build_warm_started(config, suite, cache_dir, use_cache=use_cache)
+    model, tokenizer, warm_info = build_warm_started(config, suite, cache_dir, use_cache=use_cache, smoke=smoke)
     timings["warm_start"] = time.monotonic() - t
 
     # 2. Held-out evaluation before
