@@ -1,5 +1,6 @@
 """`trl-agentic demo --smoke`: the whole demo pipeline at toy sizes, as a user runs it (a subprocess)."""
 
+import gzip
 import json
 import os
 import re
@@ -92,7 +93,12 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     # the printed eval/serve commands use `temperature`.
     settings = summary["settings"]
     assert settings["grpo_temperature"] == 1.2 and settings["temperature"] == 1.0
-    records = [json.loads(line) for line in Path(summary["episode_log"]).read_text().splitlines()]
+    # the episode log is kept gzipped (issue 40: 145 MB plain for the 300-step demo), every record in it
+    episode_log = Path(summary["episode_log"])
+    assert episode_log.name == "episodes-rank0.jsonl.gz" and not episode_log.with_suffix("").exists()
+    assert f"episodes: {episode_log} (" in result.stdout and "--set episode_log=jsonl" in result.stdout
+    records = [json.loads(line) for line in gzip.decompress(episode_log.read_bytes()).decode().splitlines()]
+    assert len(records) == summary["settings"]["steps"] * 4  # 2 tasks x 2 episodes a step
     used = {turn["sampling"]["temperature"] for record in records for turn in record["episode"]["turns"]}
     assert used == {1.2}
     assert "--temperature 1.0" in " ".join(summary["commands"].values())
@@ -403,6 +409,14 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     # a run shorter than warmup + decay (--smoke) keeps a valid schedule: the decay is cut to what is left
     short = grpo_config(CalculatorDemoConfig(decay_steps=decay_steps, steps=20), settings.suite(), tmp_path)
     assert short.get_warmup_steps(20) == 20 and short.lr_scheduler_type.value == "constant_with_warmup"
+
+
+def test_the_episode_log_setting_names_its_choices():
+    from trl_agentic.pipeline import PipelineConfig, with_overrides
+
+    assert with_overrides(PipelineConfig(), ["episode_log=jsonl"]).episode_log == "jsonl"
+    with pytest.raises(ValueError, match="episode_log='zip': expected one of gzip, jsonl"):
+        with_overrides(PipelineConfig(), ["episode_log=zip"])
 
 
 def test_demo_set_parses_the_optional_grpo_temperature():

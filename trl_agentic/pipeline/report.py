@@ -3,8 +3,10 @@ split-rate line."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,29 @@ def save_trained_model(
         str(config.eval_size),  # every task at once, as the held-out evaluation runs them
     ]
     return {"eval": shlex.join(evaluate), "serve": shlex.join(serve)}
+
+
+def keep_episode_log(path: Path, episode_log: str) -> Path:
+    """The episode log as `episode_log` (`PipelineConfig`) keeps it: `"gzip"` compresses the trainer's JSONL at `path`
+    into `<path>.gz` and removes it (every record kept; a 300-step calculator run wrote 145 MB of it, issue 40),
+    `"jsonl"` leaves it. Returns the file kept."""
+    if episode_log == "jsonl" or not path.is_file():
+        return path
+    packed = path.with_name(path.name + ".gz")
+    with path.open("rb") as source, gzip.open(packed, "wb", compresslevel=6) as target:
+        shutil.copyfileobj(source, target)
+    path.unlink()
+    return packed
+
+
+def describe_episode_log(path: Path, output_dir: Path) -> str:
+    """The results' line on the episode log: where, how big, how to browse it and how to keep it uncompressed."""
+    if not path.is_file():
+        return ""
+    size = f"{path.stat().st_size / 1e6:.1f} MB" + (
+        ", gzip: --set episode_log=jsonl keeps it uncompressed" if path.suffix == ".gz" else ""
+    )
+    return f"  episodes: {path} ({size}); browse them: trl-agentic inspect {output_dir}\n"
 
 
 def format_table(before: dict, after: dict) -> str:

@@ -15,7 +15,15 @@ from .data import check_task
 from .grpo import make_callbacks, train_grpo
 from .held_out import HeldOutEvaluator
 from .printing import info, quiet_libraries, stage
-from .report import format_split_rate, format_table, json_default, save_trained_model, split_rate_summary
+from .report import (
+    describe_episode_log,
+    format_split_rate,
+    format_table,
+    json_default,
+    keep_episode_log,
+    save_trained_model,
+    split_rate_summary,
+)
 from .report import task_file_source as spec_task_file_source
 from .warm_start import build_warm_started
 
@@ -224,6 +232,7 @@ def run_pipeline(
         flush=True,
     )
     plots = plot_training_curves(trainer.state.log_history, held_out, output_dir / "plots")
+    episode_log = keep_episode_log(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl", config.episode_log)
     timings["total"] = time.monotonic() - started
     summary = {
         "task": suite.name,
@@ -248,7 +257,7 @@ def run_pipeline(
         "plots": [str(p) for p in plots],
         "model_dir": str(output_dir / "model"),
         "commands": commands,
-        "episode_log": str(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl"),
+        "episode_log": str(episode_log),
         "log_history": trainer.state.log_history,
     }
     summary_path = output_dir / "summary.json"
@@ -256,7 +265,8 @@ def run_pipeline(
     print(
         f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
         f"  model:   {output_dir / 'model'}\n"
-        f"  wall time: {timings['total'] / 60:.1f} min ("
+        + describe_episode_log(episode_log, output_dir)
+        + f"  wall time: {timings['total'] / 60:.1f} min ("
         + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total")
         + ")",
         flush=True,
