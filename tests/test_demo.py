@@ -427,3 +427,19 @@ def test_demo_set_parses_the_optional_grpo_temperature():
     assert config_from_args(parse_args(["--set", "grpo_temperature=none"])).grpo_temperature is None
     with pytest.raises(SystemExit, match="expected NAME=VALUE with NAME one of"):
         config_from_args(parse_args(["--set", "grpo_temprature=1.5"]))
+
+
+def test_off_a_terminal_the_warm_starts_progress_is_a_plain_line_every_tenth(capsys):
+    """Issue 40: redirected to a file, tqdm's bars were 12,000-character lines of carriage returns."""
+    from trl_agentic.pipeline.printing import LineProgress, progress
+
+    bar = progress(20, "  SFT phase 1/2 (conversation only)")  # captured stdout: not a terminal
+    assert isinstance(bar, LineProgress)
+    for step in range(20):
+        bar.set_postfix(loss=f"{step:.3f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10
+    assert lines[0] == "  SFT phase 1/2 (conversation only): step 2/20, loss 1.000"
+    assert lines[-1] == "  SFT phase 1/2 (conversation only): step 20/20, loss 19.000"

@@ -94,7 +94,8 @@ def describe_episode_log(path: Path, output_dir: Path) -> str:
     """The results' line on the episode log: where, how big, how to browse it and how to keep it uncompressed."""
     if not path.is_file():
         return ""
-    size = f"{path.stat().st_size / 1e6:.1f} MB" + (
+    size = path.stat().st_size
+    size = (f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB") + (
         ", gzip: --set episode_log=jsonl keeps it uncompressed" if path.suffix == ".gz" else ""
     )
     return f"  episodes: {path} ({size}); browse them: trl-agentic inspect {output_dir}\n"

@@ -122,8 +122,8 @@ def build_warm_started(
 
     def on_short_step(step: int, loss: float) -> None:
         losses["phase1"].append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # before `update`: a plain line shows this step's loss
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         recent = losses["phase1"][-10:]
         if len(recent) == 10 and sum(recent) / 10 < config.short_loss_target:
             raise _TargetReached
@@ -173,8 +173,8 @@ def build_warm_started(
 
     def on_full_step(step: int, loss: float) -> None:
         losses["phase2"].append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # before `update`: a plain line shows this step's loss
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if (step + 1) % config.warm_start_check_every == 0:
             result = validator.evaluate(model, seed=config.seed + step)
             checks.append(
