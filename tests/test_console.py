@@ -2,6 +2,7 @@
 TRL's whole-episode warning in one line."""
 
 import logging
+import sys
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -32,7 +33,7 @@ def test_a_step_line_shows_what_matters_and_the_alarms_that_fire():
     assert step_line({"train_runtime": 3.0, "train_loss": 0.1}, 300, 300) is None  # the end-of-training summary
 
 
-def test_training_prints_one_line_per_step_and_keeps_every_metric(tmp_path, capsys):
+def test_training_prints_one_line_per_step_and_keeps_every_metric(tmp_path, capsys, monkeypatch):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
@@ -55,16 +56,24 @@ def test_training_prints_one_line_per_step_and_keeps_every_metric(tmp_path, caps
     logged = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert len(logged) == 2 and len(logged[0]) > 40  # the loggers still get every metric
 
-    with_bar = AgenticGRPOTrainer(
-        build_tiny_model(tokenizer),
-        agent=tool_agent,
-        reward_funcs=length_reward,
-        args=config(tmp_path / "bar", max_steps=1),
-        train_dataset=dataset(2),
-        processing_class=tokenizer,
-    )
-    with_bar.close()
-    assert StepLines in [type(cb) for cb in with_bar.callback_handler.callbacks]
+    def installed(interactive: bool) -> list[type]:
+        monkeypatch.setattr(sys.stdout, "isatty", lambda: interactive, raising=False)
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: interactive, raising=False)
+        with_bar = AgenticGRPOTrainer(
+            build_tiny_model(tokenizer),
+            agent=tool_agent,
+            reward_funcs=length_reward,
+            args=config(tmp_path / "bar", max_steps=1),  # disable_tqdm unset: a progress bar
+            train_dataset=dataset(2),
+            processing_class=tokenizer,
+        )
+        with_bar.close()
+        return [type(cb) for cb in with_bar.callback_handler.callbacks]
+
+    assert StepLines in installed(interactive=True)
+    # issue 40: off a terminal (a file, a pipe) a bar is one line of carriage returns: plain lines instead
+    kinds = installed(interactive=False)
+    assert StepLinePrinter in kinds and StepLines not in kinds and ProgressCallback not in kinds
 
 
 def test_trls_whole_episode_warning_becomes_one_line(caplog):

@@ -1,5 +1,6 @@
 """`trl-agentic demo --smoke`: the whole demo pipeline at toy sizes, as a user runs it (a subprocess)."""
 
+import gzip
 import json
 import os
 import re
@@ -37,6 +38,14 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for header in ("[1/5]", "[2/5]", "[3/5]", "[4/5]", "[5/5]"):
         assert header in result.stdout
+    # Issue 40: off a terminal no progress bar (a redirected bar was a 12,000-character line of carriage returns), and
+    # one step line per GRPO step, in the format the README and docs/quickstart.md show
+    printed = result.stdout + result.stderr
+    assert "\r" not in printed and max(len(line) for line in printed.splitlines()) < 400
+    step_lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["1/2", "2/2"]
+    for line in step_lines:
+        assert rendered_again(line) == line
 
     summary = json.loads((output_dir / "summary.json").read_text())
     for when in ("before", "after"):
@@ -84,7 +93,12 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     # the printed eval/serve commands use `temperature`.
     settings = summary["settings"]
     assert settings["grpo_temperature"] == 1.2 and settings["temperature"] == 1.0
-    records = [json.loads(line) for line in Path(summary["episode_log"]).read_text().splitlines()]
+    # the episode log is kept gzipped (issue 40: 145 MB plain for the 300-step demo), every record in it
+    episode_log = Path(summary["episode_log"])
+    assert episode_log.name == "episodes-rank0.jsonl.gz" and not episode_log.with_suffix("").exists()
+    assert f"episodes: {episode_log} (" in result.stdout and "--set episode_log=jsonl" in result.stdout
+    records = [json.loads(line) for line in gzip.decompress(episode_log.read_bytes()).decode().splitlines()]
+    assert len(records) == summary["settings"]["steps"] * 4  # 2 tasks x 2 episodes a step
     used = {turn["sampling"]["temperature"] for record in records for turn in record["episode"]["turns"]}
     assert used == {1.2}
     assert "--temperature 1.0" in " ".join(summary["commands"].values())
@@ -119,22 +133,61 @@ def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     assert model.config.hidden_size == 32 and ChatRenderer(tokenizer).can_parse_tools  # the smoke model, tools on
     commands = summary["commands"]
     assert commands["eval"] in result.stdout and commands["serve"] in result.stdout
-    check_eval_command(commands["eval"], model_dir, tmp_path, capsys)
+    check_eval_command(commands["eval"], model_dir, tmp_path, capsys, summary)
     check_serve_command(commands["serve"], tmp_path)
 
 
-def check_eval_command(command: str, model_dir, tmp_path, capsys):
+def check_eval_command(command: str, model_dir, tmp_path, capsys, summary):
+    """The printed eval command, run as printed, repeats the "after" evaluation: the same figure and the same episodes
+    (issue 40: it sampled with another seed and gave another figure)."""
     from trl_agentic.scripts.eval import main
 
     argv = shlex.split(command)
     assert argv[:2] == ["trl-agentic", "eval"]
-    output = tmp_path / "eval.json"
-    assert main([*argv[2:], "--size", "2", "--no-progress", "--output", str(output)]) == 0  # 2 of the demo's tasks
+    output, episodes = tmp_path / "eval.json", tmp_path / "eval_episodes.jsonl"
+    assert main([*argv[2:], "--no-progress", "--output", str(output), "--episodes", str(episodes)]) == 0
     capsys.readouterr()
     metrics = json.loads(output.read_text())
-    assert metrics["task"] == "calculator" and metrics["model"] == str(model_dir) and metrics["episodes"] == 2
+    assert metrics["task"] == "calculator" and metrics["model"] == str(model_dir) and metrics["episodes"] == 4
     assert (metrics["temperature"], metrics["max_tokens"], metrics["max_turns"]) == (1.0, 24, 2)  # smoke settings
-    assert 0.0 <= metrics["success"] <= 1.0 and sum(metrics["status"].values()) == 2
+    assert metrics["seed"] == summary["settings"]["seed"] + summary["settings"]["steps"]
+    after = summary["after"]
+    assert (metrics["success"], metrics["status"], metrics["mean_sampled_tokens"]) == (
+        after["success"],
+        after["status"],
+        after["mean_sampled_tokens"],
+    )
+    results = [json.loads(line)["episode"]["result"] for line in episodes.read_text().splitlines()]
+    assert results[:3] == [example["answer"] for example in summary["examples"]["after"]]
+
+
+def rendered_again(line: str) -> str:
+    """`step_line` of the values read back from a printed step line: equal to the line when it has the format."""
+    from trl_agentic.console import STEP_FIELDS, step_line
+
+    match = re.fullmatch(r"step +(\d+)/(\d+)  (.*?)(  ([\d.]+) s/step)?(  ALARM (.*))?", line)
+    assert match, line
+    keys = {label: key for key, label, _ in STEP_FIELDS}
+    logs = {}
+    for label, value in re.findall(r"([a-z/-]+|±) ?(-?[\d.]+)", match.group(3)):
+        logs[keys[label]] = float(value)
+    if match.group(5):
+        logs["step_time"] = float(match.group(5))
+    for name in (match.group(7) or "").split(", "):
+        if name:
+            logs[f"alarms/{name}"] = 1.0
+    return step_line(logs, int(match.group(1)), int(match.group(2)))
+
+
+def test_the_documented_step_line_is_what_training_prints():
+    """README.md and docs/quickstart.md quote a step line: it is one `step_line` prints (issue 40: the docs showed
+    `step 12/300 ...` while the demo printed `steps 1-20 ...` every 20 steps)."""
+    root = Path(__file__).resolve().parents[1]
+    for page in ("README.md", "docs/quickstart.md"):
+        quoted = re.findall(r"`(step +\d+/\d+ [^`]*)`", (root / page).read_text())
+        assert quoted, f"{page} quotes no step line"
+        for line in quoted:
+            assert rendered_again(line) == line, page
 
 
 def check_serve_command(command: str, tmp_path):
@@ -231,36 +284,6 @@ def test_split_rate_line_for_runs_shorter_than_its_window(steps):
     else:
         assert signal["steps"] == 20 and signal["lowest_window_mean"] == pytest.approx(0.75)
         assert line == "split rate (groups whose rewards differ) after step 20: mean 75%, lowest 10-step mean 75%"
-
-
-@pytest.mark.parametrize("rollout_every", [1, 2, 3])
-def test_progress_lines_cover_every_step_when_rollout_metrics_skip_steps(rollout_every):
-    """With `num_iterations` (or `steps_per_generation`) above 1, the reward arrives once per rollout, on every 2nd or
-    3rd step only: the progress lines still come every ~`steps // 15` steps and together cover every rollout."""
-    from types import SimpleNamespace
-
-    from trl_agentic.pipeline import CalculatorDemoConfig
-    from trl_agentic.pipeline.grpo import make_callbacks
-
-    settings = CalculatorDemoConfig(steps=45)  # a line every 3 steps
-    _, progress_class = make_callbacks(settings)
-    progress = progress_class()
-    lines = []
-    progress.training_bar = SimpleNamespace(write=lines.append)
-    for step in range(1, settings.steps + 1):
-        state = SimpleNamespace(is_world_process_zero=True, global_step=step, max_steps=settings.steps)
-        logs = {"loss": 0.1}
-        if (step - 1) % rollout_every == 0:  # TRL logs the rollout's metrics on the step that generated it
-            logs.update({"reward": float(step), "sampling/split_rate": 0.5})
-        progress.on_log(None, state, None, logs=logs)
-    spans = [tuple(map(int, re.match(r"\s*steps\s+(\d+)-(\d+)", line).groups())) for line in lines]
-    assert spans[0][0] == 1 and spans[-1][1] > settings.steps - rollout_every  # through the last rollout's step
-    assert all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))  # contiguous, no step in two lines
-    assert all(3 <= end - start + 1 <= 3 + rollout_every - 1 for start, end in spans[:-1])
-    # each line's reward is the mean of the rewards logged within its span
-    for (start, end), line in zip(spans, lines, strict=True):
-        logged = [s for s in range(start, end + 1) if (s - 1) % rollout_every == 0]
-        assert f"reward {sum(logged) / len(logged):.2f}" in line
 
 
 def test_staged_check_runs_the_second_half_only_when_the_first_is_near_the_target():
@@ -388,6 +411,14 @@ def test_demo_learning_rate_schedule(tmp_path, decay_steps):
     assert short.get_warmup_steps(20) == 20 and short.lr_scheduler_type.value == "constant_with_warmup"
 
 
+def test_the_episode_log_setting_names_its_choices():
+    from trl_agentic.pipeline import PipelineConfig, with_overrides
+
+    assert with_overrides(PipelineConfig(), ["episode_log=jsonl"]).episode_log == "jsonl"
+    with pytest.raises(ValueError, match="episode_log='zip': expected one of gzip, jsonl"):
+        with_overrides(PipelineConfig(), ["episode_log=zip"])
+
+
 def test_demo_set_parses_the_optional_grpo_temperature():
     from trl_agentic.scripts.demo import config_from_args, parse_args
 
@@ -396,3 +427,19 @@ def test_demo_set_parses_the_optional_grpo_temperature():
     assert config_from_args(parse_args(["--set", "grpo_temperature=none"])).grpo_temperature is None
     with pytest.raises(SystemExit, match="expected NAME=VALUE with NAME one of"):
         config_from_args(parse_args(["--set", "grpo_temprature=1.5"]))
+
+
+def test_off_a_terminal_the_warm_starts_progress_is_a_plain_line_every_tenth(capsys):
+    """Issue 40: redirected to a file, tqdm's bars were 12,000-character lines of carriage returns."""
+    from trl_agentic.pipeline.printing import LineProgress, progress
+
+    bar = progress(20, "  SFT phase 1/2 (conversation only)")  # captured stdout: not a terminal
+    assert isinstance(bar, LineProgress)
+    for step in range(20):
+        bar.set_postfix(loss=f"{step:.3f}", refresh=False)
+        bar.update(1)
+    bar.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 10
+    assert lines[0] == "  SFT phase 1/2 (conversation only): step 2/20, loss 1.000"
+    assert lines[-1] == "  SFT phase 1/2 (conversation only): step 20/20, loss 19.000"

@@ -374,5 +374,31 @@ def test_your_own_task_page_evaluates_as_written(tmp_path):
     assert summary["episodes"] == 4 * 2 and summary["status"]["agent_error"] == 0
 
 
+@pytest.mark.timeout(420)
+def test_your_own_task_page_runs_the_cpu_pipeline_as_written(tmp_path):
+    # Issue 40: the page's TaskSuite had no demonstrations, so `trl-agentic demo --task` stopped at once; its --smoke
+    # line, as written, runs every stage, and says that what falls short at toy sizes is expected.
+    page = read(DOCS / "your_task.md")
+    (module,) = [body for language, body in code_blocks(page) if language == "python" and "TASK = TaskSuite(" in body]
+    (tmp_path / "my_task.py").write_text(module)
+    lines = [line.split("  #")[0] for _, body in code_blocks(page) for line in body.splitlines()]
+    (command,) = [line for line in lines if line.startswith("trl-agentic demo --task my_task.py:TASK --smoke")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_agentic.cli", *shlex.split(command)[1:], "--cache-dir", str(tmp_path / "cache")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[5/5] Results" in done.stdout and "expected" in done.stdout
+    notes = [line for line in done.stdout.splitlines() if line.strip().startswith("note:")]
+    assert all("(expected with --smoke" in note for note in notes), notes
+    summary = json.loads((tmp_path / "outputs" / "convert-smoke" / "summary.json").read_text())
+    assert summary["task"] == "convert" and summary["smoke"] is True
+
+
 def test_readme_stays_short():
     assert len(read(REPO / "README.md").splitlines()) <= 210

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 from datasets import Dataset
@@ -340,3 +341,66 @@ def test_inspect_takes_the_demos_output_folder_and_finds_its_tokenizer(run_dir, 
     # The viewer used to be one HTML file: a .html output now says what to pass instead.
     with pytest.raises(SystemExit, match="is a folder .* -o .*episodes"):
         cli_main(["inspect", str(demo), "-o", str(tmp_path / "episodes.html")])
+
+
+def test_the_demos_gzipped_log_reads_as_the_plain_one_and_inspect_finds_it(run_dir, tmp_path, capsys):
+    """Issue 40: the demo keeps its episode log gzipped (145 MB plain for 300 steps); the viewer reads what it wrote,
+    from the demo's folder as from the file."""
+    import gzip
+
+    from trl_agentic.pipeline.report import keep_episode_log
+
+    plain = run_dir / "episodes" / "episodes-rank0.jsonl"
+    demo = tmp_path / "demo"
+    (demo / "grpo" / "episodes").mkdir(parents=True)
+    copied = Path(shutil.copy(plain, demo / "grpo" / "episodes"))
+    packed = keep_episode_log(demo / "grpo" / "episodes" / "episodes-rank0.jsonl", "gzip")
+    assert packed == demo / "grpo" / "episodes" / "episodes-rank0.jsonl.gz" and not copied.exists()
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()  # every record kept
+    assert packed.stat().st_size * 4 < plain.stat().st_size
+    kept = tmp_path / "kept.jsonl"
+    shutil.copy(plain, kept)
+    assert (
+        keep_episode_log(kept, "jsonl") == kept and kept.read_bytes() == plain.read_bytes()
+    )  # --set episode_log=jsonl
+
+    files, output_dir = find_episode_files(demo)
+    assert files == [packed] and output_dir == demo / "grpo"
+    assert load_records([packed]) == load_records([plain])
+    build_tiny_tokenizer("qwen2_5").save_pretrained(demo / "model")
+    assert cli_main(["inspect", str(demo)]) == 0
+    assert sorted(p.name for p in (demo / "grpo" / "viewer" / "steps").iterdir()) == ["0.js", "1.js"]
+    assert cli_main(["inspect", str(packed), "--no-tokenizer"]) == 0  # the file itself: a viewer beside it
+    assert (demo / "grpo" / "episodes" / "episodes-rank0-viewer" / "index.html").is_file()
+
+
+def test_a_long_logs_viewer_shows_50_evenly_spaced_steps_unless_asked_for_all(run_dir, tmp_path):
+    """Issue 40: a viewer of every step of a 300-step demo was 37 MB. By default 50 steps (the first and the last
+    among them); `--max-steps 0` keeps every one."""
+    from trl_agentic.viewer import sample_steps
+
+    first = [json.loads(line) for line in (run_dir / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()]
+    first = [r for r in first if r["step"] == 0]
+    (tmp_path / "episodes").mkdir()
+    with (tmp_path / "episodes" / "episodes-rank0.jsonl").open("w") as f:
+        for step in range(1, 121):
+            for record in first:
+                episode = {**record["episode"], "id": f"{record['episode']['id']}-{step}"}
+                f.write(json.dumps({**record, "step": step, "episode": episode}) + "\n")
+    with pytest.warns(UserWarning, match="shows 50 of the log's 120 training steps.*--max-steps 0"):
+        assert cli_main(["inspect", str(tmp_path), "--no-tokenizer", "-o", str(tmp_path / "sampled")]) == 0
+    page = (tmp_path / "sampled" / "index.html").read_text()
+    index = json.loads(re.search(r'<script type="application/json" id="index-data">(.*?)</script>', page)[1])
+    shown = [entry["step"] for entry in index["steps"]]
+    assert len(shown) == 50 and shown[0] == 1 and shown[-1] == 120
+    assert len(list((tmp_path / "sampled" / "steps").glob("*.js"))) == 50
+    gaps = {b - a for a, b in zip(shown, shown[1:])}
+    assert gaps <= {2, 3}  # evenly spaced: 119 steps over 49 gaps
+    assert cli_main(["inspect", str(tmp_path), "--no-tokenizer", "--max-steps", "0", "-o", str(tmp_path / "all")]) == 0
+    assert len(list((tmp_path / "all" / "steps").glob("*.js"))) == 120
+
+    evaluation = [{"step": 0, "mode": "eval", "episode": {}}]
+    train = [{"step": s, "episode": {}} for s in range(10)]
+    records, kept, total = sample_steps(evaluation + train, 3)
+    assert [r["step"] for r in records] == [0, 0, 4, 9] and (kept, total) == (3, 10)  # evaluation records all kept
+    assert sample_steps(train, 0) == (train, 10, 10) and sample_steps(train, 10) == (train, 10, 10)

@@ -9,7 +9,8 @@ step  13/300  reward 0.47 ±0.30  split 0.79  unscorable 0.00  tokens/episode 40
 ```
 
 [`StepLines`] replaces transformers' progress bar's log printing (and [`StepLinePrinter`] its `PrinterCallback`, used
-when `disable_tqdm=True`); `AgenticGRPOTrainer` installs them. [`quiet_known_warnings`] silences warnings a user cannot
+when `disable_tqdm=True`, or when stdout or stderr is not a terminal: a bar redirected to a file is one line of `\r`
+updates, 12,000 characters after 300 steps, issue 40); `AgenticGRPOTrainer` installs them. [`quiet_known_warnings`] silences warnings a user cannot
 act on (deprecations raised inside TRL's own calls) and shortens TRL's "All reward functions returned None" warning,
 which prints the whole episode: for `AgenticGRPOTrainer` an unscorable episode is expected (it failed, or a checker
 said `None`) and counted in `episodes/unscorable`.
@@ -17,12 +18,13 @@ said `None`) and counted in `episodes/unscorable`.
 
 from __future__ import annotations
 
-import logging
-import warnings
+import sys
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
+
+from .quiet import quiet_known_warnings
 
 
 # (log key, label, format): what a step line shows, when the log has it.
@@ -30,12 +32,12 @@ STEP_FIELDS = (
     ("reward", "reward", "{:.2f}"),
     ("reward_std", "±", "{:.2f}"),
     ("sampling/split_rate", "split", "{:.2f}"),
+    ("sampling/difficulty_mean", "difficulty", "{:.2f}"),
     ("held_out/success", "held-out", "{:.2f}"),
     ("episodes/unscorable", "unscorable", "{:.2f}"),
     ("episodes/sampled_tokens_mean", "tokens/episode", "{:.1f}"),
     ("async/staleness_max", "staleness", "{:.0f}"),
 )
-MAX_WARNING_CHARS = 400
 
 
 def step_line(logs: dict[str, Any], step: int, max_steps: int) -> str | None:
@@ -93,53 +95,37 @@ class StepLinePrinter(TrainerCallback):
             print(line, flush=True)
 
 
-class _ShortenWarnings(logging.Filter):
-    """TRL's warning for an episode every reward function returned `None` for, in one line; any other warning of
-    these loggers cut at `MAX_WARNING_CHARS` characters."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith("All reward functions returned None"):
-            record.msg, record.args = (
-                "An episode got no reward from any reward function (unscorable: it failed, or every checker returned "
-                "None); it carries no learning signal. The share is logged as episodes/unscorable; the episode log "
-                "(log_episodes=True) has each one's status and error.",
-                None,
-            )
-        elif len(message) > MAX_WARNING_CHARS:
-            cut = len(message) - MAX_WARNING_CHARS
-            record.msg, record.args = f"{message[:MAX_WARNING_CHARS]}... [{cut} more characters]", None
-        return True
+def interactive_console() -> bool:
+    """Whether progress bars are wanted: stdout and stderr both terminals. Off a terminal (a file, a pipe, CI) a bar is
+    a stream of carriage returns, so every progress bar of the package is then replaced by plain lines."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
-_FILTER = _ShortenWarnings()
-
-
-def quiet_known_warnings() -> None:
-    """Silence the warnings a user of `AgenticGRPOTrainer` cannot act on, and shorten the long ones (idempotent)."""
-    # Deprecations raised by TRL's own calls into transformers (not the user's code)
-    for name in (
-        "gradient_checkpointing_enable",
-        "gradient_checkpointing_disable",
-        "is_gradient_checkpointing",
-        "gradient_checkpointing",
-    ):  # the last: TRL's GRPOConfig default, renamed by transformers 5
-        warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
-    for name in ("trl.trainer.grpo_trainer", "trl_agentic.agentic_grpo_trainer"):
-        logger = logging.getLogger(name)
-        if _FILTER not in logger.filters:
-            logger.addFilter(_FILTER)
+def step_line_callback() -> TrainerCallback:
+    """The callback that prints one line per training log: under a progress bar on a terminal ([`StepLines`]), else
+    plain lines ([`StepLinePrinter`])."""
+    return StepLines() if interactive_console() else StepLinePrinter()
 
 
 def install_step_lines(trainer) -> None:
-    """Replace the trainer's raw-dict printing (progress bar or printer) with one line per step."""
+    """Replace the trainer's raw-dict printing (progress bar or printer) with one line per step; no bar off a
+    terminal."""
     from transformers.trainer_callback import PrinterCallback
 
-    for old, new in ((ProgressCallback, StepLines), (PrinterCallback, StepLinePrinter)):
+    bar = StepLines if interactive_console() else StepLinePrinter
+    for old, new in ((ProgressCallback, bar), (PrinterCallback, StepLinePrinter)):
         found = [cb for cb in trainer.callback_handler.callbacks if type(cb) is old]
         for callback in found:
             trainer.remove_callback(callback)
             trainer.add_callback(new)
 
 
-__all__ = ["StepLinePrinter", "StepLines", "install_step_lines", "quiet_known_warnings", "step_line"]
+__all__ = [
+    "StepLinePrinter",
+    "StepLines",
+    "install_step_lines",
+    "interactive_console",
+    "quiet_known_warnings",
+    "step_line",
+    "step_line_callback",
+]

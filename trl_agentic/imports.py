@@ -10,6 +10,13 @@ from pathlib import Path
 from typing import Any
 
 
+# What `--task` accepts (train, eval, demo). Here, in a module without heavy imports, so that `--help` stays fast.
+TASK_HELP = (
+    "Task: a bundled name ('calculator', 'files', 'latency'), an import path 'pkg.module:TASK', a file "
+    "'path/to/task.py:TASK' (it may import modules next to it), or 'verifiers:<env-id>'."
+)
+
+
 def import_object(path: str) -> Any:
     """Import `"pkg.module:attr"` (or `"pkg.module.attr"`), looking in the working directory too, like TRL's scripts;
     or load `attr` from a Python file, `"path/to/file.py:attr"` (what `trl-agentic demo` prints for its task).

@@ -30,7 +30,7 @@ import yaml
 from trl import GRPOConfig, ModelConfig, TrlParser
 
 from .agentic_grpo_config import AgenticGRPOConfig
-from .imports import import_object
+from .imports import TASK_HELP, import_object
 from .rewards import cut_off_penalty
 from .rollout.agents import CommandAgent
 from .rollout.harnesses import Harness
@@ -74,12 +74,6 @@ def get_reward_func(name: str) -> Callable:
 
 
 # What `--task` (and a recipe's `task:`) accepts: `trl_agentic.tasks.get_task`'s forms, one wording for every command.
-TASK_HELP = (
-    "Task: a bundled name ('calculator', 'files', 'latency'), an import path 'pkg.module:TASK', a file "
-    "'path/to/task.py:TASK' (it may import modules next to it), or 'verifiers:<env-id>'."
-)
-
-
 @dataclass
 class ScriptArguments:
     """

@@ -16,12 +16,47 @@ disjoint, and checkers that score the agent's episodes; `difficulty_levels` (eas
 GRPO tasks whose episodes disagree, which is where its learning signal comes from.
 """
 
-from .calculator import CalculatorDemoConfig
-from .config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
-from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
-from .held_out import HeldOutEvaluator, StagedCheck
-from .run import run_pipeline
-from .warm_start import build_warm_started
+import importlib
+from typing import TYPE_CHECKING
+
+
+# Loaded on first use (PEP 562): `trl-agentic demo --help` reads `CalculatorDemoConfig` and `PipelineConfig`, which
+# need neither torch nor TRL, and must not wait for them (issue 40).
+_EXPORTS = {
+    "CalculatorDemoConfig": ".calculator",
+    "SMOKE_OVERRIDES": ".config",
+    "PipelineConfig": ".config",
+    "with_overrides": ".config",
+    "check_task": ".data",
+    "grpo_tasks": ".data",
+    "short_form_rows": ".data",
+    "validation_tasks": ".data",
+    "warm_start_demonstrations": ".data",
+    "HeldOutEvaluator": ".held_out",
+    "StagedCheck": ".held_out",
+    "run_pipeline": ".run",
+    "build_warm_started": ".warm_start",
+}
+
+if TYPE_CHECKING:
+    from .calculator import CalculatorDemoConfig
+    from .config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
+    from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
+    from .held_out import HeldOutEvaluator, StagedCheck
+    from .run import run_pipeline
+    from .warm_start import build_warm_started
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trl_agentic.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The pipeline's GRPO stage: `AgenticGRPOTrainer` on the suite's agent and checkers, the alarms checked against the
-held-out evaluation, and a short progress line every few steps."""
+held-out evaluation, and one line per step (`trl_agentic.console`)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ def make_callbacks(
 ):
     """`(alarms_callback, progress_class)`: the alarms, checked against held-out success measured every `eval_every`
     steps and at the last step by `evaluator` (issue #11: reward hacking is training reward rising while held-out
-    success does not; without `evaluator`, the alarms alone), and a concise progress line. `held_out` / `evaluations`
+    success does not; without `evaluator`, the alarms alone), and what makes the step lines (`step  12/300  reward
+    ...`, `trl_agentic.console`): `AgenticGRPOTrainer` prints them itself, a plain TRL trainer (a study's control)
+    gets them from `progress_class()`. `held_out` / `evaluations`
     (the reported evaluation, `evaluator`) and `alarm_held_out` (what the alarms got: `alarm_evaluator`'s when given,
     see `ReportingEvaluator`), when given, are filled in after training."""
-    from transformers.trainer_callback import ProgressCallback
-
     from ..alarms import AlarmsCallback
+    from ..console import step_line_callback
 
     class PipelineAlarms(AlarmsCallback):
         def on_train_end(self, args, state, control, **kwargs):
@@ -52,51 +53,13 @@ def make_callbacks(
         else PipelineAlarms()
     )
 
-    class ConciseProgress(ProgressCallback):
-        """TRL's progress bar, plus one short line every `every` steps: metric means over those steps."""
-
-        every = max(1, config.steps // 15)
-        fields = [
-            ("reward", "reward", "{:.2f}"),
-            ("sampling/split_rate", "split groups", "{:.2f}"),
-            ("sampling/difficulty_mean", "difficulty", "{:.2f}"),
-            ("completions/mean_length", "tokens/episode", "{:.1f}"),
-            ("episodes/malformed_tool_calls_mean", "malformed calls/episode", "{:.2f}"),
-        ]
-
-        def __init__(self):
-            super().__init__()
-            self.window: dict[str, list[float]] = {}
-            self.window_start = 1
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            last = state.global_step == state.max_steps
-            if not state.is_world_process_zero or self.training_bar is None or not logs:
-                return
-            if "reward" not in logs and not (last and self.window):
-                return
-            for key, _, _ in self.fields:
-                if isinstance(logs.get(key), (int, float)):
-                    self.window.setdefault(key, []).append(float(logs[key]))
-            # Rollout metrics arrive once per rollout (every num_iterations * steps_per_generation steps): a line
-            # closes once its window spans at least `every` steps.
-            if state.global_step - self.window_start + 1 < self.every and not last:
-                return
-            first, self.window_start = self.window_start, state.global_step + 1
-            parts = [
-                f"{label} {fmt.format(sum(v) / len(v))}"
-                for key, label, fmt in self.fields
-                if (v := self.window.get(key))
-            ]
-            self.training_bar.write(f"  steps {first:>3}-{state.global_step:<3} " + "  ".join(parts))
-            self.window = {}
-
-    return alarms, ConciseProgress
+    return alarms, step_line_callback
 
 
 def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path):
     """The pipeline's `AgenticGRPOConfig` (its output in `<output_dir>/grpo`)."""
     from .. import AgenticGRPOConfig
+    from ..console import interactive_console
 
     warmup_steps = min(config.warmup_steps, config.steps)
     decay_steps = min(config.decay_steps, config.steps - warmup_steps)  # runs shorter than the schedule (--smoke)
@@ -131,7 +94,7 @@ def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path):
         log_episodes=True,
         seed=config.seed,
         data_seed=config.seed,
-        disable_tqdm=False,
+        disable_tqdm=not interactive_console(),  # a bar off a terminal is a 12,000-character line (issue 40)
         # TRL turns it on by default; recomputing a 2-layer model's activations only costs time on CPU (3.98 -> 3.26
         # s/step measured on the calculator's seed 1, 2 threads)
         gradient_checkpointing=False,
@@ -174,11 +137,9 @@ def train_grpo(
     """Train `model` in place with GRPO on `grpo_tasks` (the warm start's demonstrations left out); returns the
     trainer (closed: its endpoint is down, its `state.log_history` and `alarms` remain). `reward_funcs` and `args`
     replace `grpo_reward_funcs` and `grpo_config` (a study's variants, e.g. benchmarks/judge_demo.py)."""
-    from transformers.trainer_callback import ProgressCallback
-
     from .. import AgenticGRPOTrainer
 
-    alarms_callback, progress_class = callbacks
+    alarms_callback, _ = callbacks  # the trainer prints the step lines itself (`trl_agentic.console`)
     trainer = AgenticGRPOTrainer(
         model,
         agent=suite.agent,
@@ -188,8 +149,6 @@ def train_grpo(
         processing_class=tokenizer,
         callbacks=[alarms_callback],
     )
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(progress_class())
     try:
         trainer.train()
     finally:

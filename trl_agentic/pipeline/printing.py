@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 
@@ -14,6 +15,40 @@ def stage(index: int, total: int, title: str) -> None:
 
 def info(message: str) -> None:
     print(f"  {message}", flush=True)
+
+
+class LineProgress:
+    """A progress bar's stand-in off a terminal: a plain line every tenth of `total` (and at the end), with the
+    postfix of the last update, and `write` as `print`. tqdm's own output there is `\r` updates on one line."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.postfix = total, desc.strip(), 0, ""
+        self.every = max(1, total // 10)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            info(f"{self.desc}: step {self.n}/{self.total}" + (f", {self.postfix}" if self.postfix else ""))
+
+    def set_postfix(self, refresh: bool = False, **values) -> None:
+        self.postfix = ", ".join(f"{k} {v}" for k, v in values.items())
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar on `desc` when stdout and stderr are terminals, else a [`LineProgress`]."""
+    from tqdm.auto import tqdm
+
+    from ..console import interactive_console
+
+    if not interactive_console():
+        return LineProgress(total, desc)
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stdout, mininterval=1.0, dynamic_ncols=True)
 
 
 def quiet_libraries() -> None:

@@ -3,8 +3,10 @@ split-rate line."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import shlex
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +26,16 @@ def task_file_source(spec: str) -> str:
 
 
 def save_trained_model(
-    model, tokenizer, config: PipelineConfig, output_dir: Path, task_source: str | None
+    model, tokenizer, config: PipelineConfig, output_dir: Path, task_source: str | None, eval_seed: int | None = None
 ) -> dict[str, str]:
     """Save the trained policy (model + tokenizer) to `<output_dir>/model` and the task to `<output_dir>/task.py`
     (`task_source`, the file's text); return the `trl-agentic eval` and `trl-agentic serve` commands that use them
     (without `task_source`, no task file and no eval command).
 
-    The eval command measures what the held-out evaluation measures (same eval-split tasks, one episode each, same
-    sampling and turn limit); its `success` is the pipeline's "after" figure up to sampling noise.
+    The eval command repeats the "after" evaluation: the same eval-split tasks (`--split`, `--size`,
+    `--dataset-seed`), one episode each, the same sampling, turn limit and sampling seed. `eval_seed` is that seed:
+    the alarms evaluate step `s` with `seed + s`, so the "after" figure of an `N`-step run was sampled with
+    `config.seed + N` (default `config.seed`). Issue 40: the command carried `config.seed` and gave another figure.
     """
     model_dir = output_dir / "model"
     model.save_pretrained(model_dir)
@@ -66,9 +70,35 @@ def save_trained_model(
         "1",
         *sampling,
         "--seed",
-        str(config.seed),
+        str(config.seed if eval_seed is None else eval_seed),
+        "--concurrency",
+        str(config.eval_size),  # every task at once, as the held-out evaluation runs them
     ]
     return {"eval": shlex.join(evaluate), "serve": shlex.join(serve)}
+
+
+def keep_episode_log(path: Path, episode_log: str) -> Path:
+    """The episode log as `episode_log` (`PipelineConfig`) keeps it: `"gzip"` compresses the trainer's JSONL at `path`
+    into `<path>.gz` and removes it (every record kept; a 300-step calculator run wrote 145 MB of it, issue 40),
+    `"jsonl"` leaves it. Returns the file kept."""
+    if episode_log == "jsonl" or not path.is_file():
+        return path
+    packed = path.with_name(path.name + ".gz")
+    with path.open("rb") as source, gzip.open(packed, "wb", compresslevel=6) as target:
+        shutil.copyfileobj(source, target)
+    path.unlink()
+    return packed
+
+
+def describe_episode_log(path: Path, output_dir: Path) -> str:
+    """The results' line on the episode log: where, how big, how to browse it and how to keep it uncompressed."""
+    if not path.is_file():
+        return ""
+    size = path.stat().st_size
+    size = (f"{size / 1e6:.1f} MB" if size >= 100_000 else f"{size / 1e3:.1f} kB") + (
+        ", gzip: --set episode_log=jsonl keeps it uncompressed" if path.suffix == ".gz" else ""
+    )
+    return f"  episodes: {path} ({size}); browse them: trl-agentic inspect {output_dir}\n"
 
 
 def format_table(before: dict, after: dict) -> str:

@@ -15,7 +15,15 @@ from .data import check_task
 from .grpo import make_callbacks, train_grpo
 from .held_out import HeldOutEvaluator
 from .printing import info, quiet_libraries, stage
-from .report import format_split_rate, format_table, json_default, save_trained_model, split_rate_summary
+from .report import (
+    describe_episode_log,
+    format_split_rate,
+    format_table,
+    json_default,
+    keep_episode_log,
+    save_trained_model,
+    split_rate_summary,
+)
 from .report import task_file_source as spec_task_file_source
 from .warm_start import build_warm_started
 
@@ -95,11 +103,16 @@ def run_pipeline(
         f"{title}{' (smoke)' if smoke else ''}: {config.describe_task(suite)}, seed {config.seed}; outputs in {output_dir}",
         flush=True,
     )
+    if smoke:
+        info(
+            "--smoke: every stage at toy sizes, to check the wiring in seconds. The model is too small and trained too "
+            "briefly to learn: 0% success, answers cut at the token limit and the notes below are expected."
+        )
 
     # 1. Model and warm start
     stage(1, total_stages, "Tiny model + warm start (SFT on demonstrations)")
     t = time.monotonic()
-    model, tokenizer, warm_info = build_warm_started(config, suite, cache_dir, use_cache=use_cache)
+    model, tokenizer, warm_info = build_warm_started(config, suite, cache_dir, use_cache=use_cache, smoke=smoke)
     timings["warm_start"] = time.monotonic() - t
 
     # 2. Held-out evaluation before
@@ -173,7 +186,15 @@ def run_pipeline(
             f"{config.steps} steps in {timings['grpo']:.0f}s ({grpo_only / max(config.steps, 1):.2f} s/step "
             f"without the held-out evaluations)"
         )
-        commands = save_trained_model(trainer.model, tokenizer, config, output_dir, task_file_source)
+        # the "after" figure is the alarms' evaluation at the last step, sampled with `seed + step`
+        commands = save_trained_model(
+            trainer.model,
+            tokenizer,
+            config,
+            output_dir,
+            task_file_source,
+            eval_seed=config.seed + trainer.state.global_step,
+        )
         info(f"trained model saved to {output_dir / 'model'}")
 
         # 4. Held-out evaluation after (the alarms' evaluation at the last step)
@@ -211,6 +232,7 @@ def run_pipeline(
         flush=True,
     )
     plots = plot_training_curves(trainer.state.log_history, held_out, output_dir / "plots")
+    episode_log = keep_episode_log(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl", config.episode_log)
     timings["total"] = time.monotonic() - started
     summary = {
         "task": suite.name,
@@ -235,7 +257,7 @@ def run_pipeline(
         "plots": [str(p) for p in plots],
         "model_dir": str(output_dir / "model"),
         "commands": commands,
-        "episode_log": str(output_dir / "grpo" / "episodes" / "episodes-rank0.jsonl"),
+        "episode_log": str(episode_log),
         "log_history": trainer.state.log_history,
     }
     summary_path = output_dir / "summary.json"
@@ -243,7 +265,8 @@ def run_pipeline(
     print(
         f"\n  summary: {summary_path}\n  plots:   {output_dir / 'plots'} ({len(plots)} PNGs)\n"
         f"  model:   {output_dir / 'model'}\n"
-        f"  wall time: {timings['total'] / 60:.1f} min ("
+        + describe_episode_log(episode_log, output_dir)
+        + f"  wall time: {timings['total'] / 60:.1f} min ("
         + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items() if k != "total")
         + ")",
         flush=True,

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from ..tasks import TaskSuite
 from .config import PipelineConfig, warm_start_key, warm_start_levels
 from .data import short_form_rows, validation_tasks, warm_start_demonstrations
 from .held_out import HeldOutEvaluator, StagedCheck
-from .printing import info
+from .printing import info, progress
 
 
 def default_cache_root() -> Path:
@@ -38,15 +37,24 @@ class _TargetReached(Exception):
     """Raised from the warm start's step callback to end a phase once it reached its target."""
 
 
+# Issue 40: a new user read the smoke run's notes as bugs.
+SMOKE_NOTE = "(expected with --smoke: its sizes are too small to learn, they check that every stage runs)"
+
+
 def build_warm_started(
-    config: PipelineConfig, suite: TaskSuite, cache_dir: str | Path | None = None, use_cache: bool = True
+    config: PipelineConfig,
+    suite: TaskSuite,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+    smoke: bool = False,
 ) -> tuple[Any, Any, dict[str, Any]]:
     """Return `(model, tokenizer, info)`: loaded from the cache or built, warm-started and cached.
 
     Phase 1 trains on the demonstrations' conversations alone for at most `short_steps`. Phase 2 trains on the
     demonstrations as the agent sends them, for at most `full_steps`, and stops as soon as the success rate on
     `validation_size` training-split tasks (not among the demonstrations), at the sampling temperature, reaches
-    `warm_start_target`. It is cached in `<cache_dir>/<key>` (default `cache_dir`: `<$TRL_AGENTIC_CACHE or
+    `warm_start_target`. `smoke`: `config` is `--smoke`'s toy one, and the notes on what falls short say that it is
+    expected there. It is cached in `<cache_dir>/<key>` (default `cache_dir`: `<$TRL_AGENTIC_CACHE or
     ~/.cache/trl-agentic>/demo`), the key a hash of every setting that shapes the model and of the task's
     demonstrations and validation tasks (`warm_start_key`); `info["cache_dir"]` names that folder.
 
@@ -59,7 +67,6 @@ def build_warm_started(
     ```
     """
     import torch
-    from tqdm.auto import tqdm
 
     from ..tiny_models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
     from ..warm_start import warm_start
@@ -100,7 +107,8 @@ def build_warm_started(
     if longest > config.max_completion_length:
         info(
             f"note: a demonstration's assistant message is {longest} tokens, more than max_completion_length="
-            f"{config.max_completion_length}: the model cannot reproduce it (--set max_completion_length={longest + 16})"
+            f"{config.max_completion_length}: the model cannot reproduce it "
+            + (SMOKE_NOTE if smoke else f"(--set max_completion_length={longest + 16})")
         )
     levels = warm_start_levels(suite, config)
     info(
@@ -110,19 +118,12 @@ def build_warm_started(
     )
 
     losses: dict[str, list[float]] = {"phase1": [], "phase2": []}
-    bar = tqdm(
-        total=config.short_steps,
-        desc="  SFT phase 1/2 (conversation only)",
-        unit="step",
-        file=sys.stdout,
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
+    bar = progress(config.short_steps, "  SFT phase 1/2 (conversation only)")
 
     def on_short_step(step: int, loss: float) -> None:
         losses["phase1"].append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # before `update`: a plain line shows this step's loss
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         recent = losses["phase1"][-10:]
         if len(recent) == 10 and sum(recent) / 10 < config.short_loss_target:
             raise _TargetReached
@@ -168,19 +169,12 @@ def build_warm_started(
         gate=config.warm_start_check_gate * config.warm_start_target,
     )
     checks: list[dict] = []
-    bar = tqdm(
-        total=config.full_steps,
-        desc="  SFT phase 2/2 (as the agent sends it)",
-        unit="step",
-        file=sys.stdout,
-        mininterval=1.0,
-        dynamic_ncols=True,
-    )
+    bar = progress(config.full_steps, "  SFT phase 2/2 (as the agent sends it)")
 
     def on_full_step(step: int, loss: float) -> None:
         losses["phase2"].append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # before `update`: a plain line shows this step's loss
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if (step + 1) % config.warm_start_check_every == 0:
             result = validator.evaluate(model, seed=config.seed + step)
             checks.append(
@@ -233,7 +227,8 @@ def build_warm_started(
     if checks and checks[-1]["success"] < config.warm_start_target:
         info(
             f"note: phase 2 used all {config.full_steps} steps without reaching {config.warm_start_target:.0%}; "
-            "GRPO needs some successes to amplify (raise --set full_steps=... or --set short_steps=...)"
+            "GRPO needs some successes to amplify "
+            + (SMOKE_NOTE if smoke else "(raise --set full_steps=... or --set short_steps=...)")
         )
     if use_cache:
         tmp = cache_path.with_name(cache_path.name + f".tmp-{os.getpid()}")

@@ -19,17 +19,9 @@ import argparse
 import dataclasses
 import sys
 
-from trl_agentic.pipeline import (
-    SMOKE_OVERRIDES,
-    CalculatorDemoConfig,
-    PipelineConfig,
-    check_task,
-    run_pipeline,
-    with_overrides,
-)
-from trl_agentic.pipeline.report import task_file_source as task_file_source_of
-from trl_agentic.recipes import TASK_HELP
-from trl_agentic.tasks import get_task
+from trl_agentic.imports import TASK_HELP
+from trl_agentic.pipeline.calculator import CalculatorDemoConfig
+from trl_agentic.pipeline.config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -112,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 0:
         raise SystemExit(f"--threads {args.threads}: expected 0 (all cores) or a positive thread count")
     config = config_from_args(args)
+    # imported once the arguments parsed: `--help` and a bad flag answer without loading torch and TRL (issue 40)
+    from trl_agentic.pipeline.data import check_task
+    from trl_agentic.pipeline.report import task_file_source as task_file_source_of
+    from trl_agentic.pipeline.run import run_pipeline
+    from trl_agentic.tasks import get_task
+
     try:  # a task that cannot run fails here, in seconds, with what to provide
         if isinstance(config, CalculatorDemoConfig):
             suite, task_file_source = config.suite(), config.task_file_source()

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..recipes import TASK_HELP
+from ..imports import TASK_HELP
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -95,10 +95,10 @@ def _pick(flag, recipe: dict[str, Any], key: str, default=None):
 
 def main(argv: list[str] | None = None) -> int:
     """`trl-agentic eval [--config recipe.yaml] [--task T --model M] [--num-samples K] [--output FILE.json] ...`."""
+    args = make_parser().parse_args(argv)  # first: `--help` answers without loading TRL and torch (issue 40)
     from ..recipes import ScriptArguments, agent_from_recipe, load_recipe, resolve_reward_funcs
     from ..tasks import get_task
 
-    args = make_parser().parse_args(argv)
     recipe = load_recipe(args.config, prog="trl-agentic eval") if args.config else {}
 
     # Task, agent and reward functions: resolved before the model loads, so a bad name fails in seconds
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     import torch
 
+    from ..console import interactive_console
     from ..endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE
     from ..evaluation import evaluate
     from ..tiny_models import load_model_and_tokenizer
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         generation_batch_wait_ms=_pick(None, recipe, "generation_batch_wait_ms", DEFAULT_BATCH_WAIT_MS),
         chat_template_kwargs=recipe.get("chat_template_kwargs"),
         seed=_pick(args.seed, recipe, "seed", 42),
-        progress=args.progress,
+        progress=args.progress and interactive_console(),  # off a terminal a bar is one endless line
         episodes_path=args.episodes,
     )
     metrics = {"model": model_name, "split": args.split, "config": args.config, **metrics}

@@ -1,7 +1,8 @@
 """Trajectory viewer: an episode log as a static folder a browser opens from disk (issues #11, #33).
 
 `trl-agentic inspect <output_dir | episodes.jsonl>` reads the episodes a run logged (`log_episodes=True`:
-`output_dir/episodes/episodes-rank*.jsonl`; or the JSONL `Evaluator.evaluate(episodes_path=...)` writes) and writes a
+`output_dir/episodes/episodes-rank*.jsonl`, or `.jsonl.gz` as the demo keeps it; or the JSONL
+`Evaluator.evaluate(episodes_path=...)` writes) and writes a
 folder, `<output_dir>/viewer/` by default: `index.html` and `steps/<k>.js`, one data file per step. It opens from disk,
 with no server and no network, and can be zipped and shared as it is. It shows steps -> groups -> episodes (reward,
 advantage, status, forks), and for one episode at a time its messages (tool calls and results, errors) and its
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .data import build_viewer_data
-from .log import find_episode_files, find_tokenizer, load_records
+from .log import find_episode_files, find_tokenizer, load_records, open_log, sample_steps
 from .pages import check_folder, render_index, split_by_step, step_script, write_pages
 
 
@@ -56,15 +57,22 @@ def _run_alarms(output_dir: Path | None, records: list[dict[str, Any]]) -> list[
 
 def default_output(path: str | Path, output_dir: Path | None) -> Path:
     """Where `write_viewer` writes without `output`: `<output_dir>/viewer` for a folder, `<name>-viewer` beside a
-    JSONL file."""
+    JSONL file (`x.jsonl` or `x.jsonl.gz`: `x-viewer`)."""
     path = Path(path)
     if path.is_dir():
         return output_dir / "viewer"
-    return path.with_name(f"{path.stem}-viewer")
+    return path.with_name(f"{path.name.removesuffix('.gz').removesuffix('.jsonl')}-viewer")
+
+
+DEFAULT_MAX_STEPS = 50
 
 
 def write_viewer(
-    path: str | Path, output: str | Path | None = None, tokenizer: str | None = None, decode: bool = True
+    path: str | Path,
+    output: str | Path | None = None,
+    tokenizer: str | None = None,
+    decode: bool = True,
+    max_steps: int = DEFAULT_MAX_STEPS,
 ) -> Path:
     """Read the episode log at `path` (an output directory, the demo's folder, an `episodes/` folder or a JSONL file)
     and write the viewer folder.
@@ -75,13 +83,21 @@ def write_viewer(
             a JSONL file.
         tokenizer: a tokenizer to decode ids with (Hub id, path or `tiny:<family>`); default: found next to the log.
         decode: `False` shows token ids without looking for a tokenizer.
+        max_steps: the training steps shown, evenly spaced with the first and the last (`sample_steps`; a warning
+            says how many of how many); `0` shows every step. A viewer of every step of a 300-step demo is 37 MB.
 
     Returns:
         The `index.html` to open.
     """
     folder = check_folder(output) if output is not None else None  # before reading a long log
     files, output_dir = find_episode_files(path)
-    records = load_records(files)
+    records, kept, total = sample_steps(load_records(files), max_steps)
+    if kept < total:
+        warnings.warn(
+            f"The viewer shows {kept} of the log's {total} training steps, evenly spaced (the first and the last "
+            "among them); every step: `trl-agentic inspect --max-steps 0` (`write_viewer(..., max_steps=0)`).",
+            stacklevel=2,
+        )
     records.sort(key=lambda r: (r.get("mode", "train") != "train", r.get("step", 0)))  # stable: rank order kept
     tok = find_tokenizer(output_dir, tokenizer) if decode else None
     if decode and tok is None:
@@ -100,7 +116,9 @@ __all__ = [
     "find_episode_files",
     "find_tokenizer",
     "load_records",
+    "open_log",
     "render_index",
+    "sample_steps",
     "split_by_step",
     "step_script",
     "write_pages",
