@@ -107,3 +107,20 @@ def test_reward_functions_returning_the_wrong_count_or_non_float32_values_are_na
     values = unscorable_unless_ok(unscorable)([None] * 2, [[]] * 2, episodes=episodes)
     assert math.isnan(values[0]) and values[1] is None
     assert unscorable_unless_ok(lambda prompts, completions, **kw: [3e38, -3e38])([None] * 2, [[]] * 2) == [3e38, -3e38]
+
+
+def test_weighted_rewards_whose_group_statistics_overflow_float32_are_refused():
+    """Each within float32, but TRL's float32 group mean (3e38 + 3e38) or std overflows: NaN advantages, refused."""
+    import pytest
+    import torch
+
+    from trl_agentic.rewards.utils import check_weighted_rewards
+
+    nan = float("nan")
+    check_weighted_rewards(torch.tensor([[1.0, nan], [0.0, 2.0], [nan, nan], [5.0, nan]]), torch.ones(2), "fg", 2)
+    with pytest.raises(ValueError, match=r"group 0 .* too far apart for float32"):
+        check_weighted_rewards(torch.tensor([[3e38], [3e38], [-3e38]]), torch.ones(1), ["f"], 3)
+    with pytest.raises(ValueError, match=r"group 1 .* too far apart for float32"):
+        check_weighted_rewards(torch.tensor([[0.0], [1.0], [3e38], [-3e38]]), torch.ones(1), ["f"], 2)
+    with pytest.raises(ValueError, match=r"episode 1 \(\{'f': 2e\+38, 'g': None\}\) weighted by reward_weights"):
+        check_weighted_rewards(torch.tensor([[0.0, 0.0], [2e38, nan]]), torch.tensor([1.0, 1.0]) * 2, "fg", 2)
