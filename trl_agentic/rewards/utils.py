@@ -7,10 +7,11 @@ episode gets no score unless the function scores failures itself.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from trl.trainer.utils import get_callable_name, is_async_callable
 
 from .process import split_turn_rewards
 
@@ -202,7 +203,9 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         reward_func = RewardModelFunc(reward_func)
     if not callable(reward_func):
         return reward_func
-    name = getattr(reward_func, "__name__", type(reward_func).__name__)
+    # TRL's own name for it (a partial's function, an instance's class): the key of its `reward_weights` for the
+    # per-turn rewards filed under it, and of `rewards/<name>/mean` (issue 40)
+    name = get_callable_name(reward_func)
     masks = not getattr(reward_func, "scores_failed_episodes", False)
 
     def finish(rewards, episodes):
@@ -215,7 +218,7 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
             ]
         return rewards
 
-    if inspect.iscoroutinefunction(reward_func):
+    if is_async_callable(reward_func):  # an `async def __call__` too, which `inspect.iscoroutinefunction` misses
 
         @functools.wraps(reward_func)
         async def wrapped(*args, episodes=None, **kwargs):
@@ -227,6 +230,7 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         def wrapped(*args, episodes=None, **kwargs):
             return finish(reward_func(*args, episodes=episodes, **kwargs), episodes)
 
+    wrapped.__name__ = name  # `functools.wraps` copies none from a partial or an instance
     return wrapped
 
 
