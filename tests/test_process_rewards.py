@@ -121,10 +121,12 @@ def test_turn_advantage_terms_by_hand():
 
 
 def test_row_token_turns_and_token_advantages_on_int_lists():
-    t0 = turn(0, [1, 2, 3], [10, 11])
-    t1 = turn(1, [1, 2, 3, 10, 11, 4, 5], [12, 13], parent=0)  # 4, 5: tool output + template glue
-    t2 = turn(2, [9], [20])  # a fork: a row of its own
-    t3 = turn(3, [9, 20, 6], [21], parent=2)
+    # Labelled (as lineage labels an episode when it closes), so that which conversation is the main line (the first
+    # row) is given here, not decided by lineage's rules
+    t0 = labelled_turn(0, 0, "main", [1, 2, 3], [10, 11])
+    t1 = labelled_turn(1, 0, "main", [1, 2, 3, 10, 11, 4, 5], [12, 13], parent=0)  # 4, 5: tool output + template glue
+    t2 = labelled_turn(2, 2, "side_call", [9], [20])  # another conversation: a row of its own
+    t3 = labelled_turn(3, 2, "side_call", [9, 20, 6], [21], parent=2)
     rows = episode_to_rows([t0, t1, t2, t3]).rows
     assert [row.completion_ids for row in rows] == [[10, 11, 4, 5, 12, 13], [20, 6, 21]]
     assert [row_token_turns(row, [t0, t1, t2, t3]) for row in rows] == [[0, 0, -1, -1, 1, 1], [2, -1, 3]]
