@@ -502,3 +502,27 @@ def test_trajectories_are_shown_in_a_seeded_random_order(judge_server):
         orders.append(sorted(shown))
         assert any(order != [4, 5, 6, 7] for order in shown)
     assert orders[0] == orders[1] != orders[2]  # the same seed, the same orders
+
+
+def test_two_processes_rank_a_group_split_between_them_whole(judge_server, tmp_path):
+    """The same, with two real gloo processes (torch.distributed.run): accelerate's `gather_object` under
+    `TrajectoryJudge.__call__`."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, session, script = judge_server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).parent / "judge_ddp_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(port), str(worker), server.base_url, session.key, str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["scores"] for r in ranks] == [[1.0, 0.25], [1.0, 0.25]]
+    assert sorted(r["requests"] for r in ranks) == [0, 1]  # one request, by one process
+    (request,) = script.requests
+    assert len(trajectory_blocks(request)) == 4
