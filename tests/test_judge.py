@@ -10,6 +10,8 @@ server recorded of each judge request.
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from datasets import Dataset
@@ -289,3 +291,238 @@ def test_judge_drives_a_training_step(judge_server, tmp_path, tokenizer):
     assert log["trajectory_judge/requests"] == 2.0 == judge.stats.requests  # one per group
     assert log["trajectory_judge/unscorable"] == 0.0 and log["trajectory_judge/prompt_tokens"] > 0
     assert 0.0 <= log["rewards/trajectory_judge/mean"] <= 1.0
+
+
+# What a judge endpoint may answer besides a good answer (issue 40, item 3)
+
+
+def completion_body(content, usage=None, message="default"):
+    """A Chat Completions response body; `message` replaces the whole message when given."""
+    message = {"role": "assistant", "content": content} if message == "default" else message
+    return json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "judge",
+            "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+            "usage": usage if usage is not None else {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }
+    )
+
+
+@pytest.fixture
+def raw_judge():
+    """A real uvicorn server on loopback whose /v1/chat/completions answers the scripted `(status, content type,
+    body)` in order (the last one again when they run out): what a broken proxy or judge server may send."""
+    from fastapi import FastAPI, Request, Response
+
+    from trl_agentic.endpoint.server import EndpointServer
+
+    servers = []
+
+    def make(*answers):
+        answers, requests = list(answers), []
+        app = FastAPI()
+        app.get("/health")(lambda: {"status": "ok"})  # what EndpointServer waits for
+
+        @app.post("/v1/chat/completions")
+        async def complete(request: Request):
+            requests.append(await request.json())
+            status, content_type, body = answers.pop(0) if len(answers) > 1 else answers[0]
+            return Response(body, status_code=status, media_type=content_type)
+
+        server = EndpointServer(app).start()
+        servers.append(server)
+        return server, requests
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+JSON = "application/json"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (200, "text/html", "<html><body><h1>502 Bad Gateway</h1></body></html>"),
+        (200, JSON, ""),
+        (200, "text/plain", ""),
+        (200, JSON, completion_body(None, message=None)),  # message: null
+        (200, JSON, completion_body(5)),  # non-string content
+        (200, JSON, completion_body([{"type": "text", "text": '{"score": 1}'}])),
+        (200, JSON, json.dumps({"choices": "none"})),
+        (200, JSON, completion_body('{"explanation": "-", "score": true}')),  # a boolean is not a score
+        (200, JSON, completion_body('{"explanation": "-", "score": "0.5"}')),  # nor a string
+        (403, JSON, json.dumps({"error": {"message": "forbidden"}})),
+        (422, JSON, json.dumps({"error": {"message": "unprocessable"}})),
+    ],
+    ids=[
+        "html",
+        "empty-json",
+        "empty-text",
+        "message-null",
+        "content-int",
+        "content-list",
+        "choices-string",
+        "score-true",
+        "score-string",
+        "403",
+        "422",
+    ],
+)
+def test_anything_but_a_valid_score_is_unscorable_and_never_stops_training(raw_judge, answer):
+    """A judge answering 200 with an HTML page, an empty body, `message: null`, non-string content, a boolean or a
+    string score, or a refusal other than 400/401/404: the episode is unscorable (`None`) after the retries, no
+    AttributeError or TypeError escapes (it stopped training)."""
+    server, requests = raw_judge(answer)
+    judge = TrajectoryJudge(model="judge", base_url=server.base_url, api_key="k", mode="absolute", max_retries=1)
+    assert judge(**batch([episode(0, 0, 4)])) == [None]
+    assert len(requests) == 2 and judge.stats.failed == 1 and len(judge.stats.errors) == 2
+    judge.close()
+
+
+def test_a_string_usage_is_ignored_and_the_score_kept(raw_judge):
+    server, _ = raw_judge((200, JSON, completion_body('{"explanation": "-", "score": 0.75}', usage="many")))
+    judge = TrajectoryJudge(model="judge", base_url=server.base_url, api_key="k", mode="absolute", max_retries=0)
+    assert judge(**batch([episode(0, 0, 4)])) == [0.75]
+    assert (judge.stats.prompt_tokens, judge.stats.completion_tokens) == (0, 0)
+    judge.close()
+
+
+@pytest.mark.parametrize("status", [400, 401, 404])
+def test_only_400_401_and_404_raise(raw_judge, status):
+    server, requests = raw_judge((status, JSON, json.dumps({"error": {"message": "no"}})))
+    judge = TrajectoryJudge(model="judge", base_url=server.base_url, api_key="k", mode="absolute", max_retries=2)
+    with pytest.raises(RuntimeError, match="Check the judge's base_url, api_key, model"):
+        judge(**batch([episode(0, 0, 4)]))
+    assert len(requests) == 1
+    judge.close()
+
+
+def test_booleans_are_not_scores_nor_ids():
+    for text, mode in [
+        ('{"score": true}', "absolute"),
+        ('{"score": false}', "absolute"),
+        ('{"scores": [{"trajectory_id": 1, "score": false}]}', "relative"),
+        ('{"scores": [{"trajectory_id": true, "score": 1}]}', "relative"),
+    ]:
+        with pytest.raises(ValueError, match="from 0 to 1"):
+            parse_judge_answer(text, 1, mode)
+    assert parse_judge_answer('{"score": 1}', 1, "absolute") == [1.0]  # an integer is a number
+
+
+def test_the_answer_parser_is_linear_time():
+    """200,000 `{` took 80-95 s (a backtracking regex); deep nesting raised RecursionError, outside the retry."""
+    import time
+
+    started = time.monotonic()
+    for text in ["{" * 200_000, "{" * 100_000 + "}" * 100_000, "x {" * 100_000 + "}", '{"a": ' * 100_000 + "1"]:
+        with pytest.raises(ValueError):
+            parse_judge_answer(text, 1, "absolute")
+    with pytest.raises(ValueError):
+        parse_judge_answer('{"score": ' + "[" * 100_000 + "]" * 100_000 + "}", 1, "absolute")
+    assert time.monotonic() - started < 20  # generous: linear is well under a second
+    # Text around the object, braces before it: the first object that parses is the answer.
+    assert parse_judge_answer('Scores {1-3} below.\n{"explanation": "ok", "score": 0.5} {done}', 1, "absolute") == [0.5]
+
+
+def test_a_cache_file_cut_mid_line_is_repaired_with_a_warning(judge_server, tmp_path):
+    """A crash while appending left half a line: the judge used to fail to start (JSONDecodeError) on resume."""
+    server, session, script = judge_server()
+    cache = tmp_path / "judge_cache.jsonl"
+    episodes = [episode(0, 0, 4), episode(1, 1, 5)]
+    make_judge(server, session, cache_path=cache)(**batch(episodes))
+    whole = cache.read_text()
+    cache.write_text(whole + whole[: len(whole) // 2])  # the next record, cut by the crash
+    with pytest.warns(UserWarning, match="cut mid-line"):
+        resumed = make_judge(server, session, cache_path=cache)
+    assert cache.read_text() == whole  # repaired: the partial line is gone, the next record starts on its own line
+    assert resumed(**batch(episodes)) == [1.0, 0.25] and resumed.stats.cache_hits == 1
+    assert resumed(**batch([episode(2, 0, 4), episode(3, 1, 3)])) == [1.0, 0.25], resumed.stats
+    assert [json.loads(line)["episodes"] for line in cache.read_text().splitlines()] == [["ep0", "ep1"], ["ep2", "ep3"]]
+
+
+# Relative mode: the whole group, in a random order (issue 40, item 3)
+
+
+class FakeProcesses:
+    """accelerate's `gather_object` for `n` processes run as threads: every process's list, concatenated in rank order."""
+
+    def __init__(self, n):
+        self.barrier, self.slots = threading.Barrier(n), [None] * n
+
+    def gather(self, rank, items):
+        self.slots[rank] = list(items)
+        self.barrier.wait()
+        gathered = [item for slot in self.slots for item in slot]
+        self.barrier.wait()
+        return gathered
+
+
+def test_a_group_split_across_processes_is_ranked_whole(judge_server):
+    """TRL scores each process's slice: a group of 4 on 2 processes was ranked as two pairs, each against half its
+    group. Each process's judge gathers the batch, the group is judged once, by one process, in one request of 4."""
+    server, session, script = judge_server()
+    episodes = [episode(0, 0, 4), episode(1, 1, 5), episode(2, 2, 4), episode(3, 3, 3)]
+    processes = FakeProcesses(2)
+    judges = [make_judge(server, session) for _ in range(2)]
+
+    def run(rank):
+        local = batch(episodes[2 * rank : 2 * rank + 2])
+        return judges[rank]._call_across_processes(local, rank, 2, lambda items: processes.gather(rank, items))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(run, [0, 1])) == [[1.0, 0.25], [1.0, 0.25]]
+    (request,) = script.requests
+    assert len(trajectory_blocks(request)) == 4
+    assert sum(judge.stats.requests for judge in judges) == 1
+
+
+def test_trajectories_are_shown_in_a_seeded_random_order(judge_server):
+    """Always shown in group order, a judge's position bias became a bias per slot; now each request shows its group
+    in an order drawn from the seed and its content (the same request again, and so the cache, on a resumed run)."""
+    server, session, script = judge_server()
+    groups = [[episode(4 * g + k, k, [4, 5, 6, 7][k]) for k in range(4)] for g in range(6)]
+    for g, group in enumerate(groups):  # six different tasks
+        for ep in group:
+            ep.messages[0] = {"role": "user", "content": f"Task {g}: what is 2 + 2?"}
+    orders = []
+    for seed in (0, 0, 1):
+        judge = make_judge(server, session, seed=seed)
+        episodes = [ep for group in groups for ep in group]
+        inputs = batch(episodes) | {"prompts": [ep.messages[:1] for ep in episodes]}
+        assert judge(**inputs) == [1.0, 0.25, 0.25, 0.25] * 6  # scores go back to the right episodes
+        shown = [
+            [int(lines[-2]["content"][len("The answer is ") : -1]) for _, lines in sorted(trajectory_blocks(r).items())]
+            for r in script.requests[-6:]
+        ]
+        orders.append(sorted(shown))
+        assert any(order != [4, 5, 6, 7] for order in shown)
+    assert orders[0] == orders[1] != orders[2]  # the same seed, the same orders
+
+
+def test_two_processes_rank_a_group_split_between_them_whole(judge_server, tmp_path):
+    """The same, with two real gloo processes (torch.distributed.run): accelerate's `gather_object` under
+    `TrajectoryJudge.__call__`."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    server, session, script = judge_server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).parent / "judge_ddp_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(port), str(worker), server.base_url, session.key, str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["scores"] for r in ranks] == [[1.0, 0.25], [1.0, 0.25]]
+    assert sorted(r["requests"] for r in ranks) == [0, 1]  # one request, by one process
+    (request,) = script.requests
+    assert len(trajectory_blocks(request)) == 4

@@ -11,13 +11,22 @@ import math
 import pytest
 import torch
 
-from test_learning_parity import KNOBS, dataset, loss_and_gradients, micro_batches, rewriting_agent, three_turn_agent
+from test_learning_parity import (
+    KNOBS,
+    TOOLS,
+    dataset,
+    loss_and_gradients,
+    micro_batches,
+    rewriting_agent,
+    three_turn_agent,
+)
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.rewards.process import (
     combine_turn_rewards,
     row_token_advantages,
     split_turn_rewards,
     turn_advantage_terms,
+    turn_conversation_ids,
 )
 from trl_agentic.rewards.utils import unscorable_unless_ok
 from trl_agentic.rollout.rows import episode_to_rows, row_token_turns
@@ -88,32 +97,36 @@ def test_per_turn_rewards_need_episodes():
 
 def test_turn_advantage_terms_by_hand():
     # One group of two 3-turn episodes: rewards [1, -, 0] and [0, 0.5, 1]. Rewarded turns 1, 0, 0, 0.5, 1: mean 0.5,
-    # sample std 0.5, so they normalise to z, -z, -z, 0, z with z = 0.5 / (0.5 + 1e-4); an unrewarded turn adds 0.
+    # sample std 0.5, so they normalise to z, -z, -z, 0, z with z = 0.5 / (0.5 + 1e-4); an unrewarded turn is left out
+    # of the mean. Each term is the discounted mean of the rewards from its turn on (issue 40: a sum grew with the
+    # turns left), scaled only when the group's largest exceeds 1.
     rewards = [[1.0, None, 0.0], [0.0, 0.5, 1.0]]
     z = 0.5 / 0.5001
-    # gamma 0.5: t2 = n2, t1 = n1 + 0.5 n2, t0 = n0 + 0.5 n1 + 0.25 n2
-    expected = [[z + 0 - 0.25 * z, 0 - 0.5 * z, -z], [-z + 0 + 0.25 * z, 0 + 0.5 * z, z]]
-    got = turn_advantage_terms(rewards, group_size=2, discount=0.5, normalization="group")
+    # gamma 0.5: t2 = n2 / 1, t1 = (n1? + 0.5 n2) / (1? + 0.5), t0 = (n0 + 0.5 n1? + 0.25 n2) / (1 + 0.5 (1?) + 0.25)
+    expected = [[(z - 0.25 * z) / 1.25, -z, -z], [(-z + 0.25 * z) / 1.75, 0.5 * z / 1.5, z]]
+    got = turn_advantage_terms(rewards, group_size=2, discount=0.5, normalization="group", weight=1.0)
     for row, want in zip(got, expected, strict=True):
         assert row == pytest.approx(want, abs=1e-12)
-    # "mean": r - 0.5, gamma 1 (reward-to-go), weight 2
+    # "mean": r - 0.5, gamma 1 (reward-to-go), weight 2: means [0, -0.5, -0.5] and [0, 0.25, 0.5]
     got = turn_advantage_terms(rewards, group_size=2, discount=1.0, normalization="mean", weight=2.0)
-    assert got == [
-        pytest.approx([2 * (0.5 + 0 - 0.5), 2 * (0 - 0.5), 2 * -0.5]),
-        pytest.approx([2 * (-0.5 + 0 + 0.5), 2 * (0 + 0.5), 2 * 0.5]),
-    ]
-    # "none", gamma 0: each turn's own raw reward; episodes without per-turn rewards get None; groups are separate
-    got = turn_advantage_terms([[3.0, None], None, [1.0], [2.0]], group_size=2, discount=0.0, normalization="none")
-    assert got == [[3.0, 0.0], None, [1.0], [2.0]]
+    assert got == [pytest.approx([0.0, -1.0, -1.0]), pytest.approx([0.0, 0.5, 1.0])]
+    # "none", gamma 0: each turn's own raw reward, scaled by the group's largest (3, then 2) to at most `weight`;
+    # episodes without per-turn rewards get None; groups are separate
+    got = turn_advantage_terms(
+        [[3.0, None], None, [1.0], [2.0]], group_size=2, discount=0.0, normalization="none", weight=1.0
+    )
+    assert got == [[1.0, 0.0], None, [0.5], [1.0]]
     # a group whose rewarded turns all agree normalises to 0 (no spread: nothing to prefer)
     assert turn_advantage_terms([[1.0, 1.0], [1.0]], group_size=2) == [[0.0, 0.0], [0.0]]
 
 
 def test_row_token_turns_and_token_advantages_on_int_lists():
-    t0 = turn(0, [1, 2, 3], [10, 11])
-    t1 = turn(1, [1, 2, 3, 10, 11, 4, 5], [12, 13], parent=0)  # 4, 5: tool output + template glue
-    t2 = turn(2, [9], [20])  # a fork: a row of its own
-    t3 = turn(3, [9, 20, 6], [21], parent=2)
+    # Labelled (as lineage labels an episode when it closes), so that which conversation is the main line (the first
+    # row) is given here, not decided by lineage's rules
+    t0 = labelled_turn(0, 0, "main", [1, 2, 3], [10, 11])
+    t1 = labelled_turn(1, 0, "main", [1, 2, 3, 10, 11, 4, 5], [12, 13], parent=0)  # 4, 5: tool output + template glue
+    t2 = labelled_turn(2, 2, "side_call", [9], [20])  # another conversation: a row of its own
+    t3 = labelled_turn(3, 2, "side_call", [9, 20, 6], [21], parent=2)
     rows = episode_to_rows([t0, t1, t2, t3]).rows
     assert [row.completion_ids for row in rows] == [[10, 11, 4, 5, 12, 13], [20, 6, 21]]
     assert [row_token_turns(row, [t0, t1, t2, t3]) for row in rows] == [[0, 0, -1, -1, 1, 1], [2, -1, 3]]
@@ -182,10 +195,10 @@ def test_per_turn_rewards_give_the_hand_computed_token_advantages_loss_and_gradi
     assert [len(ep.turns) for ep in episodes] == [3, 3, 3, 3] and output["prompt_ids"].size(0) == 4  # one row each
 
     # By hand: the final advantages (TRL's rule), the per-turn terms (see test_turn_advantage_terms_by_hand, gamma
-    # 0.5), and each token's turn from the turns' lengths: c0, context, c1, context, c2.
+    # 0.5, the default weight 0.5), and each token's turn from the turns' lengths: c0, context, c1, context, c2.
     final = trl_group_advantages([1.0, 0.0, 1.0, 0.0])
     z = 0.5 / 0.5001
-    terms = [[0.75 * z, -0.5 * z, -z], [-0.75 * z, 0.5 * z, z]] * 2
+    terms = [[0.5 * 0.6 * z, -0.5 * z, -0.5 * z], [-0.5 * 3 / 7 * z, 0.5 * z / 3, 0.5 * z]] * 2  # w = 0.5
     expected = torch.zeros(4, output["completion_ids"].size(1))
     for e, ep in enumerate(episodes):
         t0, t1, t2 = ep.turns
@@ -233,6 +246,7 @@ def test_forked_episodes_and_final_only_episodes_in_one_batch(tmp_path, tokenize
             gradient_accumulation_steps=1,
             turn_reward_normalization="none",
             turn_reward_discount=0.0,
+            turn_reward_weight=1.0,  # the largest raw reward is 1: the terms are the raw rewards
             agent_columns=["prompt", "a"],  # the agent reads `a`
             **dict(KNOBS, per_device_train_batch_size=4),
         ),
@@ -269,3 +283,138 @@ def test_forked_episodes_and_final_only_episodes_in_one_batch(tmp_path, tokenize
         grads = token_grads[position, : len(row.env_mask)]
         torch.testing.assert_close(grads, torch.tensor(expected), rtol=1e-5, atol=1e-7)
         assert (token_grads[position, len(row.env_mask) :] == 0).all()
+
+
+# Credit along conversations, bounded (issue 40, item 2)
+
+
+def labelled_turn(index, conversation, role, prompt, completion, parent=None):
+    t = turn(index, prompt, completion, parent)
+    t.conversation, t.role = conversation, role
+    return t
+
+
+def test_reward_to_go_runs_along_each_conversation_not_call_order():
+    """A title call (turn 0) and a sub-agent's turn (2) come between and before main-line turns 1 and 3: a turn's
+    term averages the rewards of its own conversation's later turns only ("none", gamma 1, weight 1, by hand)."""
+    episode = Episode(
+        "e",
+        turns=[
+            labelled_turn(0, 0, "side_call", [7], [8]),
+            labelled_turn(1, 1, "main", [1, 2], [10]),
+            labelled_turn(2, 2, "sub_agent", [5], [6]),
+            labelled_turn(3, 1, "main", [1, 2, 10, 4], [11], parent=1),
+        ],
+    )
+    conversations = turn_conversation_ids(episode)
+    assert conversations == [0, 1, 2, 1]
+    terms = turn_advantage_terms(
+        [[1.0, 0.0, -1.0, 0.5]], group_size=1, normalization="none", weight=1.0, conversations=[conversations]
+    )
+    # main: turn 1 -> mean(0, 0.5), turn 3 -> 0.5; the title and the sub-agent keep their own reward
+    assert terms == [[1.0, 0.25, -1.0, 0.5]]
+
+
+def test_the_per_turn_term_does_not_grow_with_the_turns_left_and_cannot_outweigh_the_outcome():
+    """The issue's case: 40 turns, defaults (gamma 1, group normalization). The reward-to-go summed 40 normalised
+    rewards (+5.96 at turn 0), so more calls meant more advantage; now each term is a mean of the rewards to come,
+    scaled so that the group's largest is at most `w` (default 0.5): two episodes' terms differ by at most 1, less
+    than the smallest gap TRL's group normalization puts between a passed and a failed episode, 2 sqrt((G-1)/G)."""
+    good, bad = [1.0] * 40, [0.0] * 40
+    short = [1.0] * 4
+    terms = turn_advantage_terms([good, bad, short, [0.0] * 4], group_size=4)
+    weight = AgenticGRPOConfig.__dataclass_fields__["turn_reward_weight"].default
+    assert weight == 0.5
+    assert all(abs(x) <= weight + 1e-12 for term in terms for x in term)
+    # As many good calls, in 40 turns or 4: the same term (a mean), whatever the number of turns left
+    assert terms[0][0] == pytest.approx(terms[2][0]) and terms[0][0] == pytest.approx(terms[0][39])
+    z = 0.5 / (math.sqrt(0.25 * 88 / 87) + 1e-4)  # 44 ones and 44 zeros, normalised; the sum gave 40 z at turn 0
+    assert terms[0][0] == pytest.approx(weight * z) and terms[1][0] == pytest.approx(-weight * z)
+    assert 2 * weight < 2 * math.sqrt(1 / 2)  # G = 2, the smallest gap
+
+
+def test_per_turn_rewards_that_sum_past_float32_give_bounded_terms():
+    """Two functions' per-turn rewards, each within float32, summed past it (6e38): the terms stay within
+    [-w, w] whatever the normalization (they became inf in the (B, T) float32 advantages: NaN parameters)."""
+    episode = two_turn_episode()
+    split_turn_rewards("f", [[3e38, -3e38]], [episode])
+    split_turn_rewards("g", [[3e38, -3e38]], [episode])
+    combined = combine_turn_rewards(episode, {"f": 1.0, "g": 1.0})
+    for normalization in ("group", "mean", "none"):
+        terms = turn_advantage_terms([combined, [0.0, 0.0]], group_size=2, normalization=normalization, weight=2.0)
+        values = torch.tensor([x for term in terms for x in term], dtype=torch.float32)
+        assert torch.isfinite(values).all() and values.abs().max() <= 2.0, (normalization, terms)
+
+
+async def title_between_agent(client, task):
+    """A main-line call, a title request sharing nothing with it (a side call), then the main line again."""
+    messages = list(task["prompt"])
+    response = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=5)
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "Write a title for this chat."}], max_tokens=3
+    )
+    message = response.choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    if message.tool_calls:
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "42"} for c in message.tool_calls]
+    else:
+        messages.append({"role": "user", "content": "Use the add tool."})
+    await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=5)
+    return None
+
+
+def title_reward(prompts, completions, episodes, **kwargs):
+    """The title call (turn 1) of each group's first episode is rewarded 1; every main-line turn 0."""
+    return [{"final": float(ep.group_index == 0), "turns": [0.0, float(ep.group_index == 0), 0.0]} for ep in episodes]
+
+
+def test_the_trainer_keeps_a_side_calls_reward_out_of_the_main_lines_earlier_turns(tmp_path, tokenizer):
+    """In call order the title's reward flowed into the main line's first turn (reward-to-go over turns 0..2); along
+    conversations (lineage) the main line's turns get the main line's rewards only."""
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=title_between_agent,
+        reward_funcs=title_reward,
+        processing_class=tokenizer,
+        train_dataset=dataset(),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            turn_reward_normalization="none",  # raw rewards: 1 at most, so the terms are the means themselves
+            turn_reward_weight=1.0,
+            **KNOBS,
+        ),
+    )
+    inputs = [dict(dataset()[0]) for _ in range(2)]
+    try:
+        trainer.model.train()
+        trainer._generate_and_score_completions(inputs)
+    finally:
+        trainer.close()
+    episodes = [x["episodes"] for x in inputs]
+    assert [turn_conversation_ids(ep) for ep in episodes] == [[0, 1, 0], [0, 1, 0]]
+    assert [[t.role for t in ep.turns] for ep in episodes] == [["main", "side_call", "main"]] * 2
+    assert [ep.metadata["turn_advantages"] for ep in episodes] == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+def huge_finals(prompts, completions, **kwargs):
+    return [3e38] * len(prompts)
+
+
+def test_final_rewards_whose_weighted_sum_overflows_float32_stop_with_the_fix(tmp_path, tokenizer):
+    """Two functions' finals, each within float32 (3e38), weighted and summed by TRL past it: the group's advantages
+    were NaN (NaN parameters, loss logged 0, no error). Now an error names the episode, the values and the fix."""
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=three_turn_agent,
+        reward_funcs=[huge_finals, staged_reward],
+        processing_class=tokenizer,
+        train_dataset=dataset(),
+        args=AgenticGRPOConfig(output_dir=str(tmp_path), reward_weights=[1.0, 1e38], **KNOBS),
+    )
+    inputs = [dict(dataset()[0]) for _ in range(2)]
+    try:
+        trainer.model.train()
+        with pytest.raises(ValueError, match=r"episode 0 .* sum to 4e\+38, beyond float32.*Rescale the reward"):
+            trainer._generate_and_score_completions(inputs)
+    finally:
+        trainer.close()

@@ -5,7 +5,7 @@ from transformers import AutoModelForSequenceClassification
 
 from trl_agentic.rewards.utils import RewardModelFunc, unscorable_unless_ok
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-from trl_agentic.trace import Episode
+from trl_agentic.trace import Episode, Turn
 
 
 def tiny_reward_model(path):
@@ -107,3 +107,67 @@ def test_reward_functions_returning_the_wrong_count_or_non_float32_values_are_na
     values = unscorable_unless_ok(unscorable)([None] * 2, [[]] * 2, episodes=episodes)
     assert math.isnan(values[0]) and values[1] is None
     assert unscorable_unless_ok(lambda prompts, completions, **kw: [3e38, -3e38])([None] * 2, [[]] * 2) == [3e38, -3e38]
+
+
+def test_weighted_rewards_whose_group_statistics_overflow_float32_are_refused():
+    """Each within float32, but TRL's float32 group mean (3e38 + 3e38) or std overflows: NaN advantages, refused."""
+    import pytest
+    import torch
+
+    from trl_agentic.rewards.utils import check_weighted_rewards
+
+    nan = float("nan")
+    check_weighted_rewards(torch.tensor([[1.0, nan], [0.0, 2.0], [nan, nan], [5.0, nan]]), torch.ones(2), "fg", 2)
+    with pytest.raises(ValueError, match=r"group 0 .* too far apart for float32"):
+        check_weighted_rewards(torch.tensor([[3e38], [3e38], [-3e38]]), torch.ones(1), ["f"], 3)
+    with pytest.raises(ValueError, match=r"group 1 .* too far apart for float32"):
+        check_weighted_rewards(torch.tensor([[0.0], [1.0], [3e38], [-3e38]]), torch.ones(1), ["f"], 2)
+    with pytest.raises(ValueError, match=r"episode 1 \(\{'f': 2e\+38, 'g': None\}\) weighted by reward_weights"):
+        check_weighted_rewards(torch.tensor([[0.0, 0.0], [2e38, nan]]), torch.tensor([1.0, 1.0]) * 2, "fg", 2)
+
+
+def test_async_callable_classes_are_awaited_and_masked():
+    """An instance whose `__call__` is `async def`: the wrapper was synchronous, so TRL never awaited it and `finish`
+    got a coroutine (TypeError). TRL's `is_async_callable` is what decides, as in TRL."""
+    import asyncio
+
+    from trl.trainer.utils import is_async_callable
+
+    class AsyncScorer:
+        async def __call__(self, prompts, completions, **kwargs):
+            return [{"final": 1.0, "turns": [0.5]}] * len(prompts)
+
+    episodes = [
+        Episode(id="a", status="ok", turns=[Turn(0, [1], [2], [-0.1], "stop")]),
+        Episode(id="b", status="timeout"),
+    ]
+    wrapped = unscorable_unless_ok(AsyncScorer())
+    assert is_async_callable(wrapped)
+    assert asyncio.run(wrapped([None] * 2, [[]] * 2, episodes=episodes)) == [1.0, None]
+    assert episodes[0].metadata["turn_rewards"] == {"AsyncScorer": [0.5]}
+
+
+def test_reward_callables_without_a_name_keep_their_weight_for_per_turn_rewards():
+    """A functools.partial or a callable instance has no `__name__`: TRL named the wrapper "wrapped" (its
+    `reward_weights` key) while the per-turn rewards were filed under "partial", so the weight was lost (1.0)."""
+    import functools
+
+    from trl.trainer.utils import get_callable_name
+
+    from trl_agentic.rewards.process import combine_turn_rewards
+
+    def per_turn(prompts, completions, episodes, bonus, **kwargs):
+        return [[bonus] for _ in episodes]
+
+    class PerTurn:
+        def __call__(self, prompts, completions, episodes, **kwargs):
+            return [[1.0] for _ in episodes]
+
+    for func, name in ((functools.partial(per_turn, bonus=2.0), "per_turn"), (PerTurn(), "PerTurn")):
+        episode = Episode(id="a", status="ok", turns=[Turn(0, [1], [2], [-0.1], "stop")])
+        wrapped = unscorable_unless_ok(func)
+        wrapped([None], [[]], episodes=[episode])
+        assert get_callable_name(wrapped) == name  # what TRL names it: reward_func_names, rewards/<name>/mean
+        assert combine_turn_rewards(episode, {get_callable_name(wrapped): 3.0}) == [
+            3.0 * (2.0 if name == "per_turn" else 1.0)
+        ]

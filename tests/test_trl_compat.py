@@ -52,6 +52,11 @@ def test_internals_we_rely_on():
         "logits_to_keep",
     ]
     assert hasattr(trl_utils, "shuffle_sequence_dict")
+    # unscorable_unless_ok names and awaits reward functions exactly as TRL does (rewards/utils.py)
+    assert "is_async_callable(reward_func)" in inspect.getsource(GRPOTrainer._calculate_rewards)
+    assert hasattr(trl_utils, "get_callable_name") and hasattr(trl_utils, "is_async_callable")
+    # check_weighted_rewards repeats TRL's float32 weighted sum (rewards/utils.py)
+    assert "(rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)" in score
     compute = inspect.getsource(GRPOTrainer._compute_loss)
     assert 'completion_mask * inputs["tool_mask"]' in compute  # our env_mask is applied in the loss
 

@@ -91,14 +91,18 @@ class AgenticGRPOConfig(GRPOConfig):
 
         > Parameters that control per-turn (process) rewards (trl_agentic/rewards/process.py)
 
-        turn_reward_weight (`float`, *optional*, defaults to `1.0`):
-            Weight `w` of the per-turn term in the advantage of a token sampled in turn t of episode i: `A[i, t] =
-            A[i] + w * sum_{k >= t} gamma^(k - t) * n(r[i, k])`, where `A[i]` is TRL's advantage of the final rewards
-            and `r[i, k]` the turn rewards (a reward function returns, per episode, a list with one reward per turn,
-            or `{"final": r, "turns": [...]}`). Used only when a batch holds per-turn rewards; episodes with final
-            rewards alone train exactly as without. `0`: per-turn rewards are logged, not trained on.
+        turn_reward_weight (`float`, *optional*, defaults to `0.5`):
+            Largest magnitude `w` of the per-turn term in the advantage of a token sampled in turn t of episode i:
+            `A[i, t] = A[i] + w * m[i, t] / max(1, M)`, where `A[i]` is TRL's advantage of the final rewards,
+            `m[i, t]` the `gamma`-weighted mean of the normalised rewards of t's conversation from t on, and `M`
+            the largest magnitude of `m` in the group (a reward function returns, per episode, a list with one reward
+            per turn, or `{"final": r, "turns": [...]}`). With `0.5` two episodes' terms differ by at most 1, less
+            than the gap TRL's group normalization puts between a passed and a failed episode (at least 1.41): the
+            per-turn term cannot outweigh the outcome. Used only when a batch holds per-turn rewards; episodes with
+            final rewards alone train exactly as without. `0`: per-turn rewards are logged, not trained on.
         turn_reward_discount (`float`, *optional*, defaults to `1.0`):
-            `gamma` in [0, 1]: `1` sums every later turn's reward (reward-to-go), `0` keeps each turn's own.
+            `gamma` in [0, 1]: `1` averages every later turn's reward of the conversation (reward-to-go), `0` keeps
+            each turn's own.
         turn_reward_normalization (`str`, *optional*, defaults to `"group"`):
             `n`, over every rewarded turn of the group: `"group"` `(r - mean) / (std + 1e-4)` (the process supervision
             of DeepSeekMath's GRPO, arXiv:2402.03300), `"mean"` `r - mean`, `"none"` the raw reward.
@@ -229,10 +233,11 @@ class AgenticGRPOConfig(GRPOConfig):
         metadata={"help": "How an episode's advantage is spread over its rows.", "choices": ["auto", "episode", "row"]},
     )
     turn_reward_weight: float = field(
-        default=1.0, metadata={"help": "Weight of the per-turn (process) term in each token's advantage."}
+        default=0.5, metadata={"help": "Largest magnitude of the per-turn (process) term in each token's advantage."}
     )
     turn_reward_discount: float = field(
-        default=1.0, metadata={"help": "Discount over later turns' rewards (1 = reward-to-go, 0 = the turn's own)."}
+        default=1.0,
+        metadata={"help": "Discount over the conversation's later rewards (1 = reward-to-go, 0 = the turn's own)."},
     )
     turn_reward_normalization: str = field(
         default="group",

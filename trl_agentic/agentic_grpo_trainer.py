@@ -43,8 +43,14 @@ from .envs.environment_factory import environment_factory_agent
 from .generation.engine import GenerationEngine
 from .generation.transformers_engine import TransformersEngine
 from .generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
-from .rewards.process import TURN_REWARDS_KEY, combine_turn_rewards, row_token_advantages, turn_advantage_terms
-from .rewards.utils import RewardModelFunc, unscorable_unless_ok
+from .rewards.process import (
+    TURN_REWARDS_KEY,
+    combine_turn_rewards,
+    row_token_advantages,
+    turn_advantage_terms,
+    turn_conversation_ids,
+)
+from .rewards.utils import RewardModelFunc, check_weighted_rewards, unscorable_unless_ok
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
@@ -723,7 +729,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no
         episode of the batch, on any process, has per-turn rewards (or `turn_reward_weight` is 0)."""
         weights = dict(zip(self.reward_func_names, self.reward_weights.tolist(), strict=True))
-        everyone = gather_object([combine_turn_rewards(ep, weights) for ep in episodes])  # groups may span processes
+        # Groups may span processes; rewards flow along each conversation (lineage), never across (issue 40)
+        gathered = gather_object([(combine_turn_rewards(ep, weights), turn_conversation_ids(ep)) for ep in episodes])
+        everyone = [rewards for rewards, _ in gathered]
         if all(rewards is None for rewards in everyone):
             return None
         mode = self._mode()
@@ -733,6 +741,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             discount=self.args.turn_reward_discount,
             normalization=self.args.turn_reward_normalization,
             weight=self.args.turn_reward_weight,
+            conversations=[conversations for _, conversations in gathered],
         )
         rewarded = [r for rewards in everyone if rewards is not None for r in rewards if r is not None]
         self._metrics[mode]["turn_rewards/mean"].append(sum(rewarded) / len(rewarded) if rewarded else math.nan)
@@ -1311,6 +1320,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            group_size = self.num_generations if self._mode() == "train" else self.num_generations_eval
+            check_weighted_rewards(rewards_per_func, self.reward_weights, self.reward_func_names, group_size)
         except Exception as error:
             release_episodes(self.agent, [example["episodes"] for example in inputs])
             # A reward function that raises stops the run, as in TRL: an error in the checker must not pass as a

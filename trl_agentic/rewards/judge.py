@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import random
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -92,10 +93,11 @@ Answer with one JSON object and nothing else:
 {{"explanation": "<one sentence>", "score": <number from 0 to 1>}}"""
 
 
+# Strict: `true` is no score (lax pydantic reads it as 1.0), nor is the string "0.5"; an integer is a number (issue 40)
 class _Score(BaseModel):
-    trajectory_id: int
+    trajectory_id: int = Field(strict=True)
     explanation: str = ""
-    score: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    score: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)
 
 
 class _GroupAnswer(BaseModel):
@@ -104,7 +106,21 @@ class _GroupAnswer(BaseModel):
 
 class _Answer(BaseModel):
     explanation: str = ""
-    score: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    score: float = Field(ge=0.0, le=1.0, allow_inf_nan=False, strict=True)
+
+
+@dataclass
+class _Shown:
+    """What the judge is shown of one episode, and what places it in its group: what relative mode gathers from every
+    process when a group spans them."""
+
+    prompt: Any
+    group_index: int | None
+    scorable: bool
+    lines: list[str]  # its messages, one JSON object each (`_message_lines`)
+    result: list[str]  # its agent's return value (`_result_lines`)
+    reference: dict[str, Any] | None  # the `columns` shown
+    id: str | None
 
 
 @dataclass
@@ -145,18 +161,26 @@ class TrajectoryJudge:
         client: an `openai.OpenAI` client to use instead.
         columns: dataset columns the judge is shown (e.g. a reference answer), as `<reference>`; by default none: the
             checker's private columns never reach the judge unless named here.
-        max_retries: how many times a malformed answer (not JSON, a score missing or outside [0, 1]) or a transient
-            error (timeout, connection, 429, 5xx) is retried before the episodes it covers are unscorable (`None`).
+        max_retries: how many times an answer that is no valid score (not JSON, a score missing, outside [0, 1] or
+            not a number, a response that is no completion) or a failed request (timeout, connection, 429, 5xx, any
+            status but 400, 401 and 404, which raise) is retried before the episodes it covers are unscorable
+            (`None`).
         max_concurrent_requests: requests in flight at once (groups, or episodes in absolute mode).
         request_kwargs: passed to `chat.completions.create` (`temperature`, `max_tokens`, `response_format`, ...).
         cache_path: a JSONL file where scored requests are appended and read back from when the judge is built (a
             resumed run pays nothing for requests it already made); `None`: an in-memory cache only.
         name: the name TRL logs its rewards under (`rewards/<name>/mean`) and its metrics' prefix.
+        timeout: seconds a request may take (the client built from `base_url`).
+        seed: draws the order a relative request shows its group's trajectories in (from the seed and the
+            trajectories: the same group is shown alike again, so the cache holds across a resumed run).
 
     Groups (relative mode): consecutive episodes with the same prompt whose `group_index` keeps rising, as the trainer
     and `trl-agentic eval` lay them out; outside them (no `episodes`), consecutive equal prompts. Only episodes that
     ended `ok` are shown; a group with fewer than two of them is not judged (its episodes are unscorable: a lone
-    trajectory has nothing to be ranked against).
+    trajectory has nothing to be ranked against). When the batch is split across processes (TRL scores each
+    process's slice), the judges of all processes gather it, so that a group spanning processes is ranked whole, in one
+    request (each process sends the requests of every `num_processes`-th group). A request shows its trajectories in an
+    order drawn from `seed` and their content, so that a judge's position bias is noise, not a bias of a slot.
 
     Logged through TRL's `log_metric` at each call: `<name>/requests`, `<name>/retries`, `<name>/unscorable` (share of
     the episodes it was asked to score that got `None`), `<name>/cache_hits`, `<name>/prompt_tokens`,
@@ -189,6 +213,7 @@ class TrajectoryJudge:
         cache_path: str | Path | None = None,
         name: str = "trajectory_judge",
         timeout: float = 120.0,
+        seed: int = 0,
     ):
         if mode not in JUDGE_MODES:
             raise ValueError(f"mode must be one of {JUDGE_MODES}, got {mode!r}.")
@@ -216,37 +241,94 @@ class TrajectoryJudge:
         self.stats = JudgeStats()
         self._cache: dict[str, list[float]] = {}
         self._lock = threading.Lock()
+        self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if self.cache_path is not None and self.cache_path.exists():
-            for line in self.cache_path.read_text().splitlines():
-                if line.strip():
-                    record = json.loads(line)
-                    self._cache[record["key"]] = record["scores"]
+            self._load_cache()
 
     # Reward function
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
+        if self.mode == "relative":
+            from accelerate import PartialState
+            from accelerate.utils import gather_object
+
+            state = PartialState()
+            if state.num_processes > 1:
+                # TRL scores each process's slice of the batch, and a group may span processes: rank it whole
+                kwargs = dict(kwargs, prompts=prompts, completions=completions)
+                return self._call_across_processes(kwargs, state.process_index, state.num_processes, gather_object)
+        shown = self._shown(prompts, completions, kwargs)
+        if self.mode == "relative":
+            units = [unit for group in self._groups(shown) for unit in self._relative_units(shown, group)]
+        else:
+            units = [([i], *self._absolute_request(shown[i])) for i in range(len(shown)) if shown[i].scorable]
+        scores, call = self._judge(units, shown)
+        self._log(kwargs, shown, scores, call)
+        return scores
+
+    def _call_across_processes(
+        self, kwargs: dict[str, Any], process_index: int, num_processes: int, gather
+    ) -> list[float | None]:
+        """Relative mode when the batch is split across processes: every process gathers what the judge is shown of
+        the whole batch (`gather`: accelerate's `gather_object`), judges the groups whose number modulo
+        `num_processes` is its own, and the scores are gathered back; each process returns its slice's."""
+        local = self._shown(kwargs["prompts"], kwargs["completions"], kwargs)
+        everyone = gather([(process_index, item) for item in local])
+        start = sum(1 for rank, _ in everyone if rank < process_index)  # the slices are concatenated in rank order
+        shown = [item for _, item in everyone]
+        mine = [group for number, group in enumerate(self._groups(shown)) if number % num_processes == process_index]
+        scores, call = self._judge([unit for group in mine for unit in self._relative_units(shown, group)], shown)
+        judged = dict(gather([(i, scores[i]) for group in mine for i in group]))
+        local_scores = [judged.get(start + k) for k in range(len(local))]
+        self._log(kwargs, local, local_scores, call)
+        return local_scores
+
+    def _shown(self, prompts: list, completions: list, kwargs: dict[str, Any]) -> list[_Shown]:
         episodes = kwargs.get("episodes")
         references = self._references(kwargs, len(prompts))
-        scorable = [is_scorable(episodes[i] if episodes is not None else None) for i in range(len(prompts))]
-        units = []  # (episode indices, instructions, user message): one request each
-        if self.mode == "relative":
-            for group in episode_groups(prompts, episodes):
-                members = [i for i in group if scorable[i]]
-                if len(members) >= 2:
-                    units.append(
-                        (members, *self._relative_request(members, prompts, completions, episodes, references))
-                    )
-        else:
-            for i in range(len(prompts)):
-                if scorable[i]:
-                    units.append(([i], *self._absolute_request(i, prompts, completions, episodes, references)))
+        shown = []
+        for i in range(len(prompts)):
+            episode = episodes[i] if episodes is not None else None
+            shown.append(
+                _Shown(
+                    prompt=prompts[i],
+                    group_index=episode.group_index if episode is not None else None,
+                    scorable=is_scorable(episode),
+                    lines=_message_lines(_episode_messages(i, prompts, completions, episodes)),
+                    result=_result_lines(i, episodes),
+                    reference=references[i] if references is not None else None,
+                    id=episode.id if episode is not None else None,
+                )
+            )
+        return shown
 
+    @staticmethod
+    def _groups(shown: list[_Shown]) -> list[list[int]]:
+        indexed = all(item.group_index is not None for item in shown)
+        return episode_groups([item.prompt for item in shown], shown if indexed else None)
+
+    def _relative_units(self, shown: list[_Shown], group: list[int]) -> list[tuple[list[int], str, str]]:
+        """The request of one group (none when fewer than two of its episodes can be scored)."""
+        members = [i for i in group if shown[i].scorable]
+        if len(members) < 2:
+            return []
+        presented = self._presentation_order(shown, members)
+        return [(presented, *self._relative_request(shown, presented))]
+
+    def _judge(self, units, shown: list[_Shown]) -> tuple[list[float | None], JudgeStats]:
+        """Send the requests (`(episodes in the order shown, instructions, user message)`), concurrently; the scores
+        of `shown`'s episodes (`None`: not judged, or unscorable)."""
         call = JudgeStats()
-        scores: list[float | None] = [None] * len(prompts)
+        scores: list[float | None] = [None] * len(shown)
         with ThreadPoolExecutor(max_workers=self.max_concurrent_requests, thread_name_prefix="judge") as pool:
             results = list(
-                pool.map(lambda unit: self._scores(len(unit[0]), unit[1], unit[2], episodes, unit[0]), units)
+                pool.map(
+                    lambda unit: self._scores(
+                        len(unit[0]), unit[1], unit[2], [shown[i].id for i in sorted(unit[0]) if shown[i].id]
+                    ),
+                    units,
+                )
             )
         for (members, _, _), (values, stats) in zip(units, results, strict=True):
             call.add(stats)
@@ -255,28 +337,34 @@ class TrajectoryJudge:
                     scores[i] = value
         with self._lock:
             self.stats.add(call)
+        return scores, call
 
+    def _log(self, kwargs: dict[str, Any], shown: list[_Shown], scores: list[float | None], call: JudgeStats) -> None:
         log_metric = kwargs.get("log_metric")
-        if log_metric is not None:
-            asked = sum(scorable)
-            sent = call.requests
-            log_metric(f"{self.__name__}/requests", float(sent))
-            log_metric(f"{self.__name__}/retries", float(call.retries))
-            log_metric(f"{self.__name__}/cache_hits", float(call.cache_hits))
-            log_metric(f"{self.__name__}/prompt_tokens", float(call.prompt_tokens))
-            log_metric(f"{self.__name__}/completion_tokens", float(call.completion_tokens))
-            log_metric(f"{self.__name__}/latency_s", call.latency_s / sent if sent else 0.0)
-            if asked:
-                unscored = sum(1 for i in range(len(prompts)) if scorable[i] and scores[i] is None)
-                log_metric(f"{self.__name__}/unscorable", unscored / asked)
-        return scores
+        if log_metric is None:
+            return
+        asked = sum(item.scorable for item in shown)
+        sent = call.requests
+        log_metric(f"{self.__name__}/requests", float(sent))
+        log_metric(f"{self.__name__}/retries", float(call.retries))
+        log_metric(f"{self.__name__}/cache_hits", float(call.cache_hits))
+        log_metric(f"{self.__name__}/prompt_tokens", float(call.prompt_tokens))
+        log_metric(f"{self.__name__}/completion_tokens", float(call.completion_tokens))
+        log_metric(f"{self.__name__}/latency_s", call.latency_s / sent if sent else 0.0)
+        if asked:
+            unscored = sum(1 for item, score in zip(shown, scores, strict=True) if item.scorable and score is None)
+            log_metric(f"{self.__name__}/unscorable", unscored / asked)
 
     def _references(self, kwargs: dict[str, Any], count: int) -> list[dict[str, Any]] | None:
         if not self.columns:
             return None
         missing = [c for c in self.columns if c not in kwargs]
         if missing:
-            available = sorted(k for k in kwargs if k not in ("episodes", "trainer_state", "log_extra", "log_metric"))
+            available = sorted(
+                k
+                for k in kwargs
+                if k not in ("episodes", "trainer_state", "log_extra", "log_metric", "prompts", "completions")
+            )
             raise ValueError(
                 f"The judge's columns name {missing}, which the reward function does not receive; the dataset "
                 f"columns it receives are {available}. Fix `columns=`."
@@ -285,29 +373,37 @@ class TrajectoryJudge:
 
     # Requests
 
-    def _relative_request(self, members, prompts, completions, episodes, references) -> tuple[str, str]:
-        trajectories = [_message_lines(_episode_messages(i, prompts, completions, episodes)) for i in members]
-        shared = 0  # the messages every trajectory starts with (the task): shown once, as RULER does
-        while all(len(t) > shared for t in trajectories) and len({t[shared] for t in trajectories}) == 1:
-            shared += 1
-        parts = ["<context>", *trajectories[0][:shared], "</context>"]
-        if references is not None:
-            parts += ["<reference>", _data_json(references[members[0]]), "</reference>"]
+    def _presentation_order(self, shown: list[_Shown], members: list[int]) -> list[int]:
+        """`members` in the order the judge is shown them: drawn from `seed` and the trajectories themselves. A judge's
+        position bias is then noise across requests, not a bias of the group's first slot; and the same group is shown
+        alike again (a retry, a resumed run: the cache's key is the request)."""
+        content = json_text([self.seed, [shown[i].lines + shown[i].result for i in members]])
+        order = list(members)
+        random.Random(hashlib.sha256(content.encode()).digest()).shuffle(order)
+        return order
+
+    def _relative_request(self, shown: list[_Shown], members: list[int]) -> tuple[str, str]:
+        trajectories = [shown[i].lines for i in members]
+        common = 0  # the messages every trajectory starts with (the task): shown once, as RULER does
+        while all(len(t) > common for t in trajectories) and len({t[common] for t in trajectories}) == 1:
+            common += 1
+        parts = ["<context>", *trajectories[0][:common], "</context>"]
+        if shown[members[0]].reference is not None:
+            parts += ["<reference>", _data_json(shown[members[0]].reference), "</reference>"]
         for number, (i, lines) in enumerate(zip(members, trajectories, strict=True), start=1):
-            parts += [f'<trajectory id="{number}">', *lines[shared:], *_result_lines(i, episodes), "</trajectory>"]
+            parts += [f'<trajectory id="{number}">', *lines[common:], *shown[i].result, "</trajectory>"]
         system = _RELATIVE_INSTRUCTIONS.format(count=len(members), data=_DATA_NOT_INSTRUCTIONS, rubric=self.rubric)
         return system, "\n".join(parts)
 
-    def _absolute_request(self, i, prompts, completions, episodes, references) -> tuple[str, str]:
+    def _absolute_request(self, item: _Shown) -> tuple[str, str]:
         parts = []
-        if references is not None:
-            parts += ["<reference>", _data_json(references[i]), "</reference>"]
-        lines = _message_lines(_episode_messages(i, prompts, completions, episodes))
-        parts += ['<trajectory id="1">', *lines, *_result_lines(i, episodes), "</trajectory>"]
+        if item.reference is not None:
+            parts += ["<reference>", _data_json(item.reference), "</reference>"]
+        parts += ['<trajectory id="1">', *item.lines, *item.result, "</trajectory>"]
         system = _ABSOLUTE_INSTRUCTIONS.format(data=_DATA_NOT_INSTRUCTIONS, rubric=self.rubric)
         return system, "\n".join(parts)
 
-    def _scores(self, count: int, system: str, user: str, episodes, members) -> tuple[list[float] | None, JudgeStats]:
+    def _scores(self, count: int, system: str, user: str, ids: list[str]) -> tuple[list[float] | None, JudgeStats]:
         """The scores of one request's `count` episodes (from the cache, or asked, retried), or `None`."""
         stats = JudgeStats()
         key = hashlib.sha256(json_text([self.model, self.mode, system, user, self.request_kwargs]).encode()).hexdigest()
@@ -326,9 +422,11 @@ class TrajectoryJudge:
                 response = self.client.chat.completions.create(
                     model=self.model, messages=messages, **self.request_kwargs
                 )
-            except Exception as error:  # noqa: BLE001 - sorted below: transient errors are retried, others raise
+                _count_usage(stats, response)
+                text = _answer_text(response)
+            except Exception as error:  # noqa: BLE001 - a refusal raises; anything else is no score (retried)
                 stats.latency_s += time.monotonic() - started
-                if not _transient(error):
+                if _refused(error):
                     raise RuntimeError(
                         f"The judge endpoint refused the request ({type(error).__name__}: {error}). Check the "
                         "judge's base_url, api_key, model and request_kwargs."
@@ -336,10 +434,6 @@ class TrajectoryJudge:
                 stats.errors.append(f"{type(error).__name__}: {error}"[:300])
                 continue
             stats.latency_s += time.monotonic() - started
-            if response.usage is not None:
-                stats.prompt_tokens += response.usage.prompt_tokens or 0
-                stats.completion_tokens += response.usage.completion_tokens or 0
-            text = (response.choices[0].message.content or "") if response.choices else ""
             try:
                 scores = parse_judge_answer(text, count, self.mode)
                 break
@@ -359,10 +453,33 @@ class TrajectoryJudge:
         with self._lock:
             self._cache[key] = scores
             if self.cache_path is not None:
-                ids = [episodes[i].id for i in members] if episodes is not None else []
                 with self.cache_path.open("a") as f:
                     f.write(json_text({"key": key, "scores": scores, "episodes": ids}) + "\n")
         return list(scores), stats
+
+    def _load_cache(self) -> None:
+        """Read the cache file back. A last line cut mid-way (a crash while appending) is cut off the file, with a
+        warning, so that the next record starts on a line of its own; any other line that is no record is skipped."""
+        data = self.cache_path.read_bytes()
+        complete = data[: data.rfind(b"\n") + 1]
+        if len(complete) < len(data):
+            warnings.warn(
+                f"The judge cache {self.cache_path} ends in a line cut mid-line (a crash while writing it?): removed "
+                f"its {len(data) - len(complete)} bytes; that request will be asked again.",
+                stacklevel=3,
+            )
+            with self.cache_path.open("r+b") as f:
+                f.truncate(len(complete))
+        for number, line in enumerate(complete.decode("utf-8", errors="replace").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                self._cache[record["key"]] = [float(score) for score in record["scores"]]
+            except (ValueError, KeyError, TypeError):
+                warnings.warn(
+                    f"Line {number} of the judge cache {self.cache_path} is not a cache record; skipped.", stacklevel=3
+                )
 
     def close(self) -> None:
         """Close the judge's HTTP client."""
@@ -389,13 +506,7 @@ def parse_judge_answer(text: str, count: int, mode: str = "relative") -> list[fl
     ValueError: The score must be a number from 0 to 1 (score: Input should be less than or equal to 1).
     ```
     """
-    match = re.search(r"\{.*\}", text, re.DOTALL)
-    if match is None:
-        raise ValueError("The answer holds no JSON object.")
-    try:
-        data = json.loads(match.group(0))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"The answer is not valid JSON ({error.msg} at character {error.pos}).") from None
+    data = _first_json_object(text)
     try:
         if mode == "absolute":
             return [_Answer.model_validate(data).score]
@@ -408,6 +519,33 @@ def parse_judge_answer(text: str, count: int, mode: str = "relative") -> list[fl
         raise ValueError(f"There must be exactly one score per trajectory id from 1 to {count}; got ids {ids}.")
     by_id = {score.trajectory_id: score.score for score in answer.scores}
     return [by_id[k] for k in range(1, count + 1)]
+
+
+# How many `{` of an answer are tried as the start of its JSON object: each try is linear in the answer, so the parse
+# stays linear (a backtracking regex took 80-95 s on an answer of 200,000 `{`, issue 40).
+_MAX_OBJECT_STARTS = 8
+
+
+def _first_json_object(text: str) -> Any:
+    """The first JSON object in `text` that parses (text, code fences, stray braces around it are skipped), or a
+    `ValueError` saying why there is none."""
+    decoder = json.JSONDecoder()
+    start, error = text.find("{"), None
+    for _ in range(_MAX_OBJECT_STARTS):
+        if start == -1:
+            break
+        resume = start + 1
+        try:
+            return decoder.raw_decode(text, start)[0]
+        except json.JSONDecodeError as problem:
+            error = error or f"{problem.msg} at character {problem.pos}"
+            resume = max(resume, problem.pos)  # an object inside a broken one is not the answer
+        except RecursionError:  # json's scanner recurses per level: nesting deeper than Python's limit
+            error = error or f"nested too deeply at character {start}"
+        start = text.find("{", resume)
+    if error is None:
+        raise ValueError("The answer holds no JSON object.")
+    raise ValueError(f"The answer is not valid JSON ({error}).")
 
 
 def episode_groups(prompts: Sequence[Any], episodes: Sequence[Any] | None) -> list[list[int]]:
@@ -435,14 +573,42 @@ def episode_groups(prompts: Sequence[Any], episodes: Sequence[Any] | None) -> li
     return groups
 
 
-def _transient(error: Exception) -> bool:
-    """A request error worth retrying: a timeout, a lost connection, 408, 409, 429 or a 5xx."""
+def _refused(error: Exception) -> bool:
+    """A request the endpoint refused for good (400, 401, 404): a configuration error, which raises. Anything else that
+    goes wrong (a timeout, 429, 5xx, 403, a body that is no completion) is retried, then the episodes are unscorable."""
     import openai
 
-    if isinstance(error, openai.APIConnectionError | openai.APITimeoutError):
-        return True
-    status = getattr(error, "status_code", None)
-    return status is not None and (status in (408, 409, 429) or status >= 500)
+    return isinstance(error, openai.APIStatusError) and error.status_code in (400, 401, 404)
+
+
+def _answer_text(response: Any) -> str:
+    """The text of a completion's first choice; a `ValueError` for a response that is no completion with text (an
+    HTML page or an empty body answered with 200, `message: null`, non-string content): the openai client hands
+    those over unchecked, and their attributes raised outside the retry."""
+    from openai.types.chat import ChatCompletion, ChatCompletionMessage
+    from openai.types.chat.chat_completion import Choice
+
+    choices = response.choices if isinstance(response, ChatCompletion) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], Choice):
+        raise ValueError(f"The judge's endpoint answered no completion: {str(response)[:200]!r}.")
+    message = choices[0].message
+    content = message.content if isinstance(message, ChatCompletionMessage) else None
+    if not isinstance(content, str):
+        raise ValueError(f"The judge's answer holds no text: message {str(message)[:200]!r}.")
+    return content
+
+
+def _count_usage(stats: JudgeStats, response: Any) -> None:
+    """Add the tokens a completion reports, when it reports them as integers (a string `usage` is ignored)."""
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletion
+
+    usage = response.usage if isinstance(response, ChatCompletion) else None
+    if isinstance(usage, CompletionUsage):
+        for name in ("prompt_tokens", "completion_tokens"):
+            value = getattr(usage, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(stats, name, getattr(stats, name) + value)
 
 
 def _episode_messages(i: int, prompts, completions, episodes) -> list[dict[str, Any]]:

@@ -12,16 +12,26 @@ it returns one of:
 
 How a token sampled in turn t of episode i gets its advantage (the `turn_reward_*` fields of [`AgenticGRPOConfig`]):
 
-    A[i, t] = A[i] + w * sum_{k >= t} gamma^(k - t) * n(r[i, k])
+    m[i, t] = sum_{k >= t in c(t)} gamma^d(t, k) * n(r[i, k]) / sum_{k >= t in c(t)} gamma^d(t, k)
+    A[i, t] = A[i] + w * m[i, t] / max(1, M)
 
 - `A[i]`: TRL's advantage of the final rewards, normalised in the group exactly as without per-turn rewards;
 - `r[i, k] = sum_f weight_f * r_f[i, k]`: the turn's reward, summed over the functions that rewarded it with their
-  `reward_weights` (`None` when none did; such a turn adds 0 to the sum);
+  `reward_weights` (`None` when none did: such a turn is left out of both sums);
 - `n`: `turn_reward_normalization` over every rewarded turn of the group: `"group"` `(r - mean) / (std + 1e-4)` (the
-  process supervision of DeepSeekMath's GRPO, arXiv:2402.03300 section 4.1.3, with `gamma = 1`), `"mean"` `r - mean`,
-  `"none"` `r`;
-- `gamma`: `turn_reward_discount` (1: the reward-to-go of DeepSeekMath; 0: each turn's own reward only); `w`:
-  `turn_reward_weight`.
+  process supervision of DeepSeekMath's GRPO, arXiv:2402.03300 section 4.1.3), `"mean"` `r - mean`, `"none"` `r`;
+- `c(t)`: turn t's conversation, as lineage labelled it (`trl_agentic.lineage`), and `d(t, k)` how many of its turns
+  lie from t to k: rewards flow along a conversation in its own order, never across (a title call, a sub-agent's turn
+  says nothing of the main line's earlier calls; issue 40);
+- `m[i, t]`: a `gamma`-weighted mean, 0 when no turn of c(t) from t on is rewarded (`gamma = turn_reward_discount`;
+  1: the reward-to-go of DeepSeekMath, as a mean; 0: each turn's own reward);
+- `M`: the largest `|m|` of the group, so no term exceeds `w = turn_reward_weight` (default 0.5).
+
+A mean and a bound, not DeepSeekMath's sum (issue 40): a sum grows with the turns left (+5.96 at the first of 40
+turns, against TRL's advantage of about +-1), which pays the policy for making more calls, and it can sum past
+float32 (NaN parameters). With `w = 0.5` two episodes' terms differ by at most 1, less than the smallest gap TRL's group
+normalization puts between a passed and a failed episode (`2 sqrt((G - 1) / G) >= 1.41`): the per-turn term orders
+calls within an outcome, it cannot outweigh the outcome.
 
 Tokens between turns (tool output, template glue) are not trained and keep `A[i]`. TRL's loss is untouched: from TRL
 1.16 `_compute_loss` takes advantages of shape (B, T) as well as (B,), so the trainer hands it one advantage per
@@ -34,8 +44,8 @@ Example:
 >>> from trl_agentic.trace import Episode, Turn
 >>> def well_formed_calls(prompts, completions, episodes, **kwargs):  # 0.1 per turn without a malformed tool call
 ...     return [[0.0 if turn.malformed_tool_call else 0.1 for turn in episode.turns] for episode in episodes]
->>> turn_advantage_terms([[1.0, 0.0], [0.0, 0.0]], group_size=2, discount=1.0, normalization="none")
-[[1.0, 0.0], [0.0, 0.0]]
+>>> turn_advantage_terms([[1.0, 0.0], [0.0, 0.0]], group_size=2, discount=1.0, normalization="none", weight=1.0)
+[[0.5, 0.0], [0.0, 0.0]]
 ```
 """
 
@@ -45,6 +55,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..lineage import turn_conversations
 from ..rollout.rows import Row, row_token_turns
 from ..trace import Episode, Turn
 
@@ -157,15 +168,34 @@ def combine_turn_rewards(episode: Episode, weights: dict[str, float]) -> list[fl
     return combined
 
 
+def turn_conversation_ids(episode: Episode) -> list[int | None]:
+    """The conversation of each of the episode's turns (`episode.turns`, call order), as lineage labelled it
+    (`trl_agentic.lineage.turn_conversations`); `None` for a cancelled call, which belongs to none.
+
+    Example:
+
+    ```python
+    >>> first = Turn(0, [1, 2], [3], [-0.1], "stop")
+    >>> second = Turn(1, [1, 2, 3, 4], [5], [-0.1], "stop", prompt_source="continued", parent_turn=0)
+    >>> turn_conversation_ids(Episode("e", turns=[first, second]))
+    [0, 0]
+    ```
+    """
+    conversations = turn_conversations(episode.turns)
+    return [conversations[turn.index][0] if turn.index in conversations else None for turn in episode.turns]
+
+
 def turn_advantage_terms(
     turn_rewards: Sequence[Sequence[float | None] | None],
     group_size: int,
     discount: float = 1.0,
     normalization: str = "group",
-    weight: float = 1.0,
+    weight: float = 0.5,
+    conversations: Sequence[Sequence[int | None] | None] | None = None,
 ) -> list[list[float] | None]:
-    """The per-turn term of each episode's advantage: `weight * sum_{k >= t} discount^(k - t) * n(r[k])` for every
-    turn t (see the module docstring), `None` for an episode without per-turn rewards.
+    """The per-turn term of each episode's advantage (see the module docstring), `None` for an episode without
+    per-turn rewards: for turn t, `m[t]`, the `discount`-weighted mean of the normalised rewards of the rewarded turns
+    from t on in t's conversation, then `weight * m[t] / max(1, largest |m| of the group)`.
 
     Args:
         turn_rewards: per episode, its combined per-turn rewards (`combine_turn_rewards`) or `None`; the episodes of a
@@ -173,15 +203,18 @@ def turn_advantage_terms(
         group_size: episodes per group (`num_generations`).
         discount: `gamma` in [0, 1].
         normalization: `"group"`, `"mean"` or `"none"` (over every rewarded turn of the group).
-        weight: `w`.
+        weight: `w`, the largest magnitude a term can have.
+        conversations: per episode, the conversation of each turn (`turn_conversation_ids`; `None`: a call of its
+            own); `None` (for all, or for an episode): its turns are one conversation, in call order.
 
     Example (one group of two episodes, rewards 1 and 0 on the first turn, 0 and 0 on the second; hand-computed: mean
-    0.25, sample std 0.5, so the rewards normalise to 1.5, -0.5, -0.5, -0.5 up to the 1e-4):
+    0.25, sample std 0.5, so the rewards normalise to 1.5, -0.5, -0.5, -0.5 up to the 1e-4; gamma 0.5: the first
+    turn's mean is (1.5 - 0.5 * 0.5) / 1.5 = 0.833, and nothing exceeds 1, so no scaling):
 
     ```python
-    >>> terms = turn_advantage_terms([[1.0, 0.0], [0.0, 0.0]], group_size=2, discount=0.5)
+    >>> terms = turn_advantage_terms([[1.0, 0.0], [0.0, 0.0]], group_size=2, discount=0.5, weight=1.0)
     >>> [[round(x, 3) for x in term] for term in terms]
-    [[1.25, -0.5], [-0.75, -0.5]]
+    [[0.833, -0.5], [-0.5, -0.5]]
     ```
     """
     if normalization not in TURN_REWARD_NORMALIZATIONS:
@@ -195,12 +228,13 @@ def turn_advantage_terms(
         mean = sum(values) / len(values) if values else 0.0
         # TRL's `nanstd` (the sample std, n - 1), and TRL's 1e-4; one rewarded turn: no spread, it normalises to 0
         std = math.sqrt(sum((r - mean) ** 2 for r in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-        for rewards in group:
+        means: list[list[float] | None] = []
+        for offset, rewards in enumerate(group):
             if rewards is None:
-                terms.append(None)
+                means.append(None)
                 continue
             normalised = [
-                0.0
+                None
                 if r is None
                 else (r - mean) / (std + 1e-4)
                 if normalization == "group"
@@ -209,12 +243,36 @@ def turn_advantage_terms(
                 else r
                 for r in rewards
             ]
-            to_go, running = [0.0] * len(normalised), 0.0
-            for turn in reversed(range(len(normalised))):
-                running = normalised[turn] + discount * running
-                to_go[turn] = weight * running
-            terms.append(to_go)
+            labels = conversations[start + offset] if conversations is not None else None
+            means.append(_conversation_means(normalised, labels, discount))
+        # A mean, not DeepSeekMath's sum: a sum grows with the turns left (+5.96 at the first of 40 turns against
+        # TRL's advantage of about +-1), which pays for making more calls (issue 40). Scaled by the group's largest so
+        # that no term exceeds `weight`, whatever the rewards' scale (they may sum past float32).
+        largest = max((abs(m) for ms in means if ms is not None for m in ms), default=0.0)
+        scale = weight / max(1.0, largest)
+        terms += [None if ms is None else [scale * m for m in ms] for ms in means]
     return terms
+
+
+def _conversation_means(
+    normalised: Sequence[float | None], labels: Sequence[int | None] | None, discount: float
+) -> list[float]:
+    """Per turn, the discount-weighted mean of the normalised rewards (`None`: not rewarded, left out) of its
+    conversation's turns from it on; 0 when none of them is rewarded. Rewards never flow across conversations: a
+    title call or a sub-agent's turn says nothing about the main line's earlier calls."""
+    if labels is None:
+        labels = [0] * len(normalised)
+    following: dict[int | None, tuple[float, float]] = {}  # conversation -> (weighted sum, weights) of later turns
+    means = [0.0] * len(normalised)
+    for turn in reversed(range(len(normalised))):
+        label = labels[turn] if labels[turn] is not None else ("alone", turn)
+        total, weights = following.get(label, (0.0, 0.0))
+        total, weights = discount * total, discount * weights
+        if normalised[turn] is not None:
+            total, weights = total + normalised[turn], weights + 1.0
+        following[label] = (total, weights)
+        means[turn] = total / weights if weights > 0 else 0.0
+    return means
 
 
 def row_token_advantages(

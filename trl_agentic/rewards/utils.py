@@ -7,10 +7,11 @@ episode gets no score unless the function scores failures itself.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from trl.trainer.utils import get_callable_name, is_async_callable
 
 from .process import split_turn_rewards
 
@@ -120,6 +121,55 @@ def _check_rewards(name: str, rewards, num_expected: int | None) -> None:
             )
 
 
+def check_weighted_rewards(rewards_per_func, weights, names: Sequence[str], group_size: int) -> None:
+    """Raise a `ValueError` when TRL's float32 arithmetic on the final rewards would overflow: an episode's rewards
+    weighted by `reward_weights` summing past float32, or a group's rewards too far apart for its mean and std.
+
+    Each reward is checked within float32 when its function returns it (`unscorable_unless_ok`); their weighted sum
+    and the group statistics TRL takes of it are not, and an overflow there made the advantages NaN: NaN parameters
+    after training, the loss logged 0, and no error (issue 40).
+
+    Args:
+        rewards_per_func: (B, F) tensor of every process's rewards, NaN for unscorable (TRL's `_calculate_rewards`).
+        weights: (F,) tensor of `reward_weights`.
+        names: the functions' names.
+        group_size: episodes per group.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> check_weighted_rewards(torch.tensor([[3e38, 3e38], [0.0, 0.0]]), torch.ones(2), ["f", "g"], 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: The rewards of episode 0 ({'f': 3e+38, 'g': 3e+38}) weighted by reward_weights [1.0, 1.0] sum to 6e+38, ...
+    ```
+    """
+    import torch
+    from trl.trainer.utils import nanstd
+
+    scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+    weighted = (rewards_per_func.double() * weights.double().to(rewards_per_func.device)).nansum(dim=1)
+    for i in torch.nonzero(scorable & (weighted.abs() > FLOAT32_MAX)).flatten().tolist():
+        # float32 values, shown as the function returned them (3e+38, not 2.9999999e+38)
+        values = {n: None if v != v else float(f"{v:.6g}") for n, v in zip(names, rewards_per_func[i].tolist())}
+        raise ValueError(
+            f"The rewards of episode {i} ({values}) weighted by reward_weights {weights.tolist()} sum to "
+            f"{weighted[i].item():.4g}, beyond float32 (|r| <= {FLOAT32_MAX:.4g}), which TRL's rewards are held in: "
+            "its group's advantages would be NaN. Rescale the reward functions or their reward_weights."
+        )
+    rewards = torch.where(scorable, weighted.float(), torch.nan).view(-1, group_size)
+    counts = (~torch.isnan(rewards)).sum(dim=1)
+    means, stds = torch.nanmean(rewards, dim=1), nanstd(rewards, dim=1)
+    broken = ((counts > 0) & ~torch.isfinite(means)) | ((counts > 1) & ~torch.isfinite(stds))
+    for group in torch.nonzero(broken).flatten().tolist():
+        raise ValueError(
+            f"The weighted rewards of group {group} ({rewards[group].tolist()}) are too far apart for float32: their "
+            "mean or standard deviation, which TRL takes in float32 for the advantages, overflows and the advantages "
+            "would be NaN. Rescale the reward functions or their reward_weights (e.g. clip each reward to [-1e6, 1e6])."
+        )
+
+
 def unscorable_unless_ok(reward_func: Callable) -> Callable:
     """Wrap a reward function so that episodes whose status is not `"ok"` get `None` (unscorable), and so that what it
     returns is checked.
@@ -153,7 +203,9 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         reward_func = RewardModelFunc(reward_func)
     if not callable(reward_func):
         return reward_func
-    name = getattr(reward_func, "__name__", type(reward_func).__name__)
+    # TRL's own name for it (a partial's function, an instance's class): the key of its `reward_weights` for the
+    # per-turn rewards filed under it, and of `rewards/<name>/mean` (issue 40)
+    name = get_callable_name(reward_func)
     masks = not getattr(reward_func, "scores_failed_episodes", False)
 
     def finish(rewards, episodes):
@@ -166,7 +218,7 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
             ]
         return rewards
 
-    if inspect.iscoroutinefunction(reward_func):
+    if is_async_callable(reward_func):  # an `async def __call__` too, which `inspect.iscoroutinefunction` misses
 
         @functools.wraps(reward_func)
         async def wrapped(*args, episodes=None, **kwargs):
@@ -178,6 +230,7 @@ def unscorable_unless_ok(reward_func: Callable) -> Callable:
         def wrapped(*args, episodes=None, **kwargs):
             return finish(reward_func(*args, episodes=episodes, **kwargs), episodes)
 
+    wrapped.__name__ = name  # `functools.wraps` copies none from a partial or an instance
     return wrapped
 
 
