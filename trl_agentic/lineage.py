@@ -61,8 +61,8 @@ from .trace import Episode, Turn
 
 
 CONVERSATION_ROLES = ("main", "side_call", "sub_agent")
-# Shortest tool-call argument taken for a sub-agent's task: shorter strings ("ls", a file name) turn up in unrelated
-# requests, a task handed to a sub-agent is a sentence.
+# Shortest tool-call argument taken for a sub-agent's task: a task handed to a sub-agent is a sentence, while a user
+# message as short as "ls" or "yes" may repeat an unrelated argument.
 MIN_HANDOFF_CHARS = 16
 # Fork reasons (endpoint/sessions.py) of a request that shares a message prefix with an earlier turn: a trace recorded
 # before `Turn.forked_from` existed says which turn only through them (the latest one is taken).
@@ -268,30 +268,30 @@ def _find_answered_spawns(
 ) -> None:
     """Mark as sub-agents the conversations of their own whose first request quotes the task of an earlier call that
     spawned nothing else, and whose last answer comes back as that call's result (the rule after rule 5)."""
-    results: dict[str, str] = {}  # call id -> the text of its result, as the agents sent it back
+    quoting = []  # (conversation, the calls whose task its first request quotes)
+    for conversation in conversations.values():
+        first = by_index[conversation.index]
+        if conversation.spawned_by is None and _is_fresh(first):
+            text = _request_text(first)
+            quoted = [c for c in calls if c.turn < first.index and c.id and any(t in text for t in c.tasks)]
+            if quoted:
+                quoting.append((conversation, quoted))
+    if not quoting:
+        return
+    results: dict[str, str] = {}  # call id -> the text of its result, as the agent sent it back
+    wanted = {c.id for _, quoted in quoting for c in quoted}
     for turn in by_index.values():
         for message in turn.request_messages:
-            if isinstance(message, dict) and message.get("role") == "tool" and message.get("tool_call_id"):
+            if (
+                isinstance(message, dict)
+                and message.get("role") == "tool"
+                and isinstance(message.get("tool_call_id"), str)
+                and message["tool_call_id"] in wanted
+            ):
                 results[message["tool_call_id"]] = _text(message.get("content"))
-    for conversation in conversations.values():
-        if conversation.spawned_by is not None or not _is_fresh(first := by_index[conversation.index]):
-            continue
+    for conversation, quoted in quoting:
         answer = _text(by_index[conversation.turns[-1]].response_message.get("content")).strip()
-        if not answer:
-            continue
-        text = _request_text(first)
-        call = next(
-            (
-                c
-                for c in calls
-                if c.turn < first.index
-                and c.key not in spawned
-                and c.id in results
-                and any(t in text for t in c.tasks)
-                and answer in results[c.id]
-            ),
-            None,
-        )
+        call = next((c for c in quoted if c.key not in spawned and answer and answer in results.get(c.id, "")), None)
         if call is not None:
             spawned.add(call.key)
             conversation.role, conversation.spawned_by = "sub_agent", call.turn
