@@ -31,6 +31,7 @@ MAIN_SYSTEM = "You are a coding agent. Use the tools."
 SUB_SYSTEM = "You are a sub-agent: search the workspace and report."
 SUB_PROMPT = "List every file of the workspace and say which one holds 42."
 SUB_ANSWER = "No file holds 42 yet."
+REMINDER = {"type": "text", "text": "<system-reminder>\nToday's date is 2026-12-05.\n</system-reminder>"}
 SHELL = {
     "type": "function",
     "function": {
@@ -132,8 +133,9 @@ def test_title_call_first_leaves_the_task_conversation_the_main_line(start_serve
 
 def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokenizer):
     """Claude Code's shape over the Messages API: a title request, the task's conversation, and a sub-agent its
-    `agent` tool call hands a task to (its own system prompt and tools). One main row, one side-call row, one
-    sub-agent row, each token-exact; `sub_agents="skip"` drops only the sub-agent."""
+    `agent` tool call hands a task to (its own system prompt and tools; a reminder block before the task, as Claude
+    Code sends). One main row, one side-call row, one sub-agent row, each token-exact; `sub_agents="skip"` drops only
+    the sub-agent."""
     script = [
         "Answer file",  # turn 0: the title
         call_text("agent", {"description": "Look around", "prompt": SUB_PROMPT}),  # turn 1: main
@@ -162,7 +164,12 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
             for block in message.content:
                 if block.type == "tool_use":
                     output = (
-                        run(SUB_SYSTEM, [{"role": "user", "content": block.input["prompt"]}], [SHELL])
+                        # Claude Code's reminder block comes first, the task in a text block of its own
+                        run(
+                            SUB_SYSTEM,
+                            [{"role": "user", "content": [REMINDER, {"type": "text", "text": block.input["prompt"]}]}],
+                            [SHELL],
+                        )
                         if block.name == "agent"
                         else ""
                     )
