@@ -642,6 +642,78 @@ def test_the_main_line_holds_the_task_and_reaches_the_end_whatever_its_length():
         assert {c.index: (c.role, c.turns) for c in find_conversations(turns, task)} == expected, task
 
 
+def test_a_compaction_restart_right_after_a_sub_agent_with_the_main_system_prompt_continues_the_main_line():
+    """opencode's sub-agents keep the main line's system prompt: a compaction restart sent right after one ran (its
+    summary request has a system prompt of its own) shares only the system prompt with the sub-agent's last call, the
+    latest turn it shares a prefix with. It carries none of the sub-agent's task, so it continues the main line, whose
+    system prompt it keeps; the summary request is a side call."""
+    system = {"role": "system", "content": MAIN_SYSTEM}
+    spawn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "task", "arguments": json.dumps({"prompt": SUB_PROMPT})},
+            }
+        ],
+    }
+    history = [system, user(TASK), spawn, {"role": "tool", "tool_call_id": "c0", "content": SUB_ANSWER}]
+    done = {"role": "assistant", "content": "Done."}
+    turns = [
+        turn(0, [1, 2], [3], history[:2], [SHELL, AGENT], answer=spawn),
+        turn(
+            1,
+            [1, 4],
+            [5],
+            [system, user(SUB_PROMPT)],
+            [SHELL],
+            answer=calls({"command": "ls -la"}, name="shell"),
+            forked_from=0,
+            fork_reason="history_rewritten",
+        ),
+        turn(
+            2,
+            [1, 4, 5, 6],
+            [7],
+            [
+                system,
+                user(SUB_PROMPT),
+                calls({"command": "ls -la"}, name="shell"),
+                {"role": "tool", "tool_call_id": "c0", "content": ""},
+            ],
+            [SHELL],
+            answer=report_of(SUB_ANSWER),
+            parent=1,
+        ),
+        turn(
+            3,
+            [8],
+            [9],
+            [{"role": "system", "content": SUMMARY_SYSTEM}, *history[1:], user("Summarize.")],
+            [SHELL, AGENT],
+            answer=report_of("Summary: no file holds 42."),
+        ),
+        turn(
+            4,
+            [1, 10],
+            [11],
+            [system, user("Summary: no file holds 42.")],
+            [SHELL, AGENT],
+            answer=done,
+            forked_from=2,
+            fork_reason="history_rewritten",
+        ),
+    ]
+    found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, TASK)}
+    assert found == {0: ("main", [0, 4], None), 1: ("sub_agent", [1, 2], 0), 3: ("side_call", [3], None)}
+
+
+def report_of(text):
+    return {"role": "assistant", "content": text}
+
+
 def respond_by_role(tokenizer):
     """The scripted model of a harness-like agent, answering by what the prompt is (episodes run concurrently)."""
 

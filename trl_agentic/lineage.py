@@ -25,7 +25,10 @@ line):
 3. A request rendered exactly as an earlier one (the same prompt ids: a second choice of `n > 1`, a retry) belongs to
    that one's conversation.
 4. A request that shares a message prefix with an earlier turn (`Turn.forked_from`: a rewritten history, a compaction
-   restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it.
+   restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it. Unless that
+   is a sub-agent's and the request does not hold the sub-agent's task: then it shares only what the sub-agent
+   shares with its parent (opencode's sub-agents keep the main line's system prompt) and belongs to the latest
+   conversation no tool call spawned with the same system prompt (a compaction restart right after a sub-agent ran).
 5. Anything else starts a conversation of its own (the first call; a title, summary or commit-message request).
 
 Then, when all turns are in: a conversation of its own (rule 5) whose first request quotes such an argument of an
@@ -109,6 +112,8 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
     calls: list[_Call] = []  # every tool call so far that hands over a task-sized string, in call order
     spawned: set[tuple[int, int]] = set()  # (turn, position) of the calls that started a conversation
     rendered: dict[tuple[int, ...], int] = {}  # prompt ids of rendered turns -> the first such turn
+    root_with_system: dict[tuple[str, ...], int] = {}  # system block -> its latest turn in a conversation not spawned
+    task_of: dict[int, tuple[str, ...]] = {}  # sub-agent conversation -> the task strings of the call that spawned it
     previous = None  # the latest delivered turn (for traces without `forked_from`)
     for turn in turns:
         if turn.finish_reason == "cancelled":
@@ -119,10 +124,17 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         elif (call := _spawning_call(turn, calls, spawned)) is not None:
             spawned.add(call.key)  # rule 2
             spawned_by = call.turn
+            task_of[turn.index] = call.tasks
         elif (same := rendered.get(tuple(turn.prompt_ids))) is not None:
             home = conversation_of[same]  # rule 3
         elif turn.forked_from in conversation_of:
             home = conversation_of[turn.forked_from]  # rule 4
+            if home in task_of and not any(t in _request_text(turn) for t in task_of[home]):
+                # A request without the sub-agent's task is no fork of it: it shares only what the sub-agent shares
+                # with its parent (opencode's keep the main line's system prompt), e.g. a compaction restart sent
+                # right after the sub-agent ran. It continues the latest conversation with that system prompt that
+                # no tool call spawned.
+                home = conversation_of.get(root_with_system.get(_system_block(turn)), home)
         elif turn.forked_from is None and turn.fork_reason in _FORK_REASONS and previous is not None:
             home = conversation_of[previous]  # rule 4, in a trace that did not record `forked_from`
         if turn.prompt_source == "rendered":
@@ -134,6 +146,8 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
             )
         conversations[home].turns.append(turn.index)
         conversation_of[turn.index] = home
+        if conversations[home].spawned_by is None:
+            root_with_system[_system_block(turn)] = turn.index
         calls += _task_calls(turn)
         previous = turn.index
 
@@ -201,6 +215,16 @@ def _is_fresh(turn: Turn) -> bool:
     return turn.prompt_source == "rendered" and not any(
         isinstance(m, dict) and m.get("role") == "assistant" for m in turn.request_messages
     )
+
+
+def _system_block(turn: Turn) -> tuple[str, ...]:
+    """The texts of the system (or developer) messages a request starts with."""
+    block = []
+    for message in turn.request_messages:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+            break
+        block.append(_text(message.get("content")))
+    return tuple(block)
 
 
 @dataclass(frozen=True)
