@@ -110,6 +110,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
     conversations: dict[int, Conversation] = {}
     conversation_of: dict[int, int] = {}  # turn index -> conversation index
     calls: list[_Call] = []  # every tool call so far that hands over a task-sized string, in call order
+    calls_by_task: dict[str, list[_Call]] = {}  # the same, by each string they hand over
     spawned: set[tuple[int, int]] = set()  # (turn, position) of the calls that started a conversation
     rendered: dict[tuple[int, ...], int] = {}  # prompt ids of rendered turns -> the first such turn
     root_with_system: dict[tuple[str, ...], int] = {}  # system block -> its latest turn in a conversation not spawned
@@ -121,7 +122,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         home, spawned_by = None, None
         if turn.prompt_source == "continued" and turn.parent_turn in conversation_of:
             home = conversation_of[turn.parent_turn]  # rule 1
-        elif (call := _spawning_call(turn, calls, spawned)) is not None:
+        elif (call := _spawning_call(turn, calls_by_task, spawned)) is not None:
             spawned.add(call.key)  # rule 2
             spawned_by = call.turn
             task_of[turn.index] = call.tasks
@@ -148,7 +149,10 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         conversation_of[turn.index] = home
         if conversations[home].spawned_by is None:
             root_with_system[_system_block(turn)] = turn.index
-        calls += _task_calls(turn)
+        for call in _task_calls(turn):
+            calls.append(call)
+            for task in call.tasks:
+                calls_by_task.setdefault(task, []).append(call)
         previous = turn.index
 
     by_index = {turn.index: turn for turn in turns}
@@ -265,12 +269,12 @@ def _task_calls(turn: Turn) -> list[_Call]:
 def _new_user_texts(turn: Turn) -> set[str]:
     """The texts of the user messages after the request's last assistant message (all of them in a conversation's
     first request): each message's whole text and each of its text parts, stripped."""
-    messages = [m for m in turn.request_messages if isinstance(m, dict)]
-    last = max((k for k, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     texts = set()
-    for message in messages[last + 1 :]:
-        if message.get("role") != "user":
+    for message in reversed(turn.request_messages):  # from the end: O(new messages), not O(history)
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             continue
+        if message["role"] == "assistant":
+            break
         content = message.get("content")
         texts.add(_text(content).strip())
         if isinstance(content, list):
@@ -278,13 +282,13 @@ def _new_user_texts(turn: Turn) -> set[str]:
     return texts
 
 
-def _spawning_call(turn: Turn, calls: list[_Call], spawned: set[tuple[int, int]]) -> _Call | None:
+def _spawning_call(turn: Turn, calls_by_task: dict[str, list[_Call]], spawned: set[tuple[int, int]]) -> _Call | None:
     """The earliest call that has not spawned a conversation yet and whose task is, as a whole, one of the texts of
-    the request's new user messages (rule 2)."""
+    the request's new user messages (rule 2). Looked up by text: a call's cost does not grow with the episode."""
     if turn.prompt_source != "rendered":
         return None
-    texts = _new_user_texts(turn)
-    return next((c for c in calls if c.key not in spawned and any(t in texts for t in c.tasks)), None)
+    found = [c for text in _new_user_texts(turn) for c in calls_by_task.get(text, ()) if c.key not in spawned]
+    return min(found, key=lambda c: c.key, default=None)
 
 
 def _find_answered_spawns(
