@@ -31,10 +31,11 @@ line):
    conversation no tool call spawned with the same system prompt (a compaction restart right after a sub-agent ran).
 5. Anything else starts a conversation of its own (the first call; a title, summary or commit-message request).
 
-Then, when all turns are in: a conversation of its own (rule 5) whose first request quotes such an argument of an
-earlier tool call, and whose last answer comes back as that call's result (the tool message with the call's id holds
-it), was spawned by the call (a harness that wraps the task in text of its own). Quoting alone is not a handoff: a
-commit-message request quotes the file path of an `edit` call, a summary the paths the session touched.
+6. When all turns are in: a conversation of its own (rule 5) whose first request quotes such an argument of an
+   earlier tool call that spawned nothing else, and whose last answer comes back as that call's result (the tool
+   message with the call's id holds it), was spawned by the call (a harness that wraps the task in text of its own).
+   Quoting alone is not a handoff: a commit-message request quotes the file path of an `edit` call, a summary the
+   paths the session touched.
 
 Roles:
 
@@ -45,10 +46,14 @@ Roles:
 - `sub_agent`: a conversation a tool call spawned, at any depth.
 - `side_call`: every other one (title, summary and commit-message requests, ...).
 
-On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33 (by hand), each with its title
-request first and a sub-agent, give one main line with 0 forks, one side call and one sub-agent; Codex 0.171.0's
-`spawn_agent` sub-agents, with and without `fork_context` (tests/test_harness_codex.py), one main line with 0 forks and
-one sub-agent. Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's `client_metadata`).
+On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33
+(tests/test_harness_opencode.py), each with its title request first and a sub-agent, gave one main line with 0 forks,
+one side call and one sub-agent; Codex 0.171.0's `spawn_agent` sub-agents, with and without `fork_context`
+(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. Those runs predate rules 2 and 6 as they stand (issue 40): opencode's and Codex's
+sub-agents get their task as a whole user message (rule 2, asserted by those tests), Claude Code's as a text block
+after its reminder block (rule 2, as its recorded main-line requests carry the task; its `Agent` result also returns
+the sub-agent's answer, rule 6). Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's
+`client_metadata`).
 What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or reworded and whose answer does
 not come back as its call's result (a side call, or a fork of the conversation whose history it carries); a
 compaction restart that keeps neither the system prompt nor any message of its conversation (a side call).
@@ -295,7 +300,7 @@ def _find_answered_spawns(
     conversations: dict[int, Conversation], by_index: dict[int, Turn], calls: list[_Call], spawned: set
 ) -> None:
     """Mark as sub-agents the conversations of their own whose first request quotes the task of an earlier call that
-    spawned nothing else, and whose last answer comes back as that call's result (the rule after rule 5)."""
+    spawned nothing else, and whose last answer comes back as that call's result (rule 6)."""
     quoting = []  # (conversation, the calls whose task its first request quotes)
     for conversation in conversations.values():
         first = by_index[conversation.index]
