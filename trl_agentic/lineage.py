@@ -49,11 +49,11 @@ Roles:
 On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33
 (tests/test_harness_opencode.py), each with its title request first and a sub-agent, gave one main line with 0 forks,
 one side call and one sub-agent; Codex 0.171.0's `spawn_agent` sub-agents, with and without `fork_context`
-(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. Those runs predate rules 2 and 6 as they stand (issue 40): opencode's and Codex's
-sub-agents get their task as a whole user message (rule 2, asserted by those tests), Claude Code's as a text block
-after its reminder block (rule 2, as its recorded main-line requests carry the task; its `Agent` result also returns
-the sub-agent's answer, rule 6). Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's
-`client_metadata`).
+(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. Those runs predate rules 2 and 6 as they
+stand (issue 40): opencode's and Codex's sub-agents get their task as a whole user message (rule 2, asserted by those
+tests); Claude Code's, not checked with the real program since, is expected as a text block after its reminder block,
+the way its recorded requests carry the task (rule 2), and failing that its `Agent` result returns the sub-agent's
+answer (rule 6). Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's `client_metadata`).
 What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or reworded and whose answer does
 not come back as its call's result (a side call, or a fork of the conversation whose history it carries); a
 compaction restart that keeps neither the system prompt nor any message of its conversation (a side call).
