@@ -31,7 +31,8 @@ MAIN_SYSTEM = "You are a coding agent. Use the tools."
 SUB_SYSTEM = "You are a sub-agent: search the workspace and report."
 SUB_PROMPT = "List every file of the workspace and say which one holds 42."
 SUB_ANSWER = "No file holds 42 yet."
-REMINDER = {"type": "text", "text": "<system-reminder>\nToday's date is 2026-12-05.\n</system-reminder>"}
+# What Claude Code 2.1.197 puts before the prompt it hands a sub-agent, in the same string
+REMINDER = "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n</system-reminder>\n\n\n"
 SHELL = {
     "type": "function",
     "function": {
@@ -133,8 +134,8 @@ def test_title_call_first_leaves_the_task_conversation_the_main_line(start_serve
 
 def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokenizer):
     """Claude Code's shape over the Messages API: a title request, the task's conversation, and a sub-agent its
-    `agent` tool call hands a task to (its own system prompt and tools; a reminder block before the task, as Claude
-    Code sends). One main row, one side-call row, one sub-agent row, each token-exact; `sub_agents="skip"` drops only
+    `agent` tool call hands a task to (its own system prompt and tools; a reminder before the task, as Claude Code
+    sends). One main row, one side-call row, one sub-agent row, each token-exact; `sub_agents="skip"` drops only
     the sub-agent."""
     script = [
         "Answer file",  # turn 0: the title
@@ -165,11 +166,7 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
                 if block.type == "tool_use":
                     output = (
                         # Claude Code's reminder block comes first, the task in a text block of its own
-                        run(
-                            SUB_SYSTEM,
-                            [{"role": "user", "content": [REMINDER, {"type": "text", "text": block.input["prompt"]}]}],
-                            [SHELL],
-                        )
+                        run(SUB_SYSTEM, [{"role": "user", "content": REMINDER + block.input["prompt"]}], [SHELL])
                         if block.name == "agent"
                         else ""
                     )
@@ -496,7 +493,7 @@ def test_parallel_sub_agents_with_the_same_task_are_two_conversations(start_serv
     main = [{"role": "system", "content": MAIN_SYSTEM}, user(TASK)]
     spawning = create(main, [SHELL, AGENT])
     assert [json.loads(c.function.arguments) for c in spawning.tool_calls] == [spawn, spawn]
-    subs = [[{"role": "system", "content": SUB_SYSTEM}, user(SUB_PROMPT)] for _ in range(2)]
+    subs = [[{"role": "system", "content": SUB_SYSTEM}, user(REMINDER + SUB_PROMPT)] for _ in range(2)]  # Claude Code's
     for sub in subs:  # both start before either goes on
         sub += answered(create(sub, [SHELL]), "answer.txt")
     assert subs[0][2]["tool_calls"][0]["id"] != subs[1][2]["tool_calls"][0]["id"]

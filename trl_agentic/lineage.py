@@ -14,14 +14,14 @@ line):
 1. A continuation (`prompt_source == "continued"`: its prompt extends its parent's exact ids, the parent found by its
    messages and the tool-call ids of its answer) belongs to its parent's conversation.
 2. A request one of whose user messages after its last assistant message (all of them, in a conversation's first
-   request) is, as a whole or as one of its text parts, a string argument of at least `MIN_HANDOFF_CHARS`
-   characters of an earlier turn's tool call starts a sub-agent conversation, spawned by that turn: the harness
-   handed the call's task to a new conversation (Claude Code's `Agent` prompt after its reminder block, opencode's
-   `task` prompt, Codex's `spawn_agent` message, fresh or after the parent's history with `fork_context`, whether the
-   sub-agent's first request comes before or after its parent's next call). Each call spawns one conversation, the
-   earliest call first: two calls with the same task spawn two sub-agents, however alike their requests. This comes
-   before rules 3 and 4: opencode's and Codex's sub-agents keep the main line's system prompt, and parallel
-   sub-agents send the same request.
+   request) is, as a whole or as one of its text parts (`<system-reminder>` blocks set aside), a string argument of at
+   least `MIN_HANDOFF_CHARS` characters of an earlier turn's tool call starts a sub-agent conversation, spawned by that
+   turn: the harness handed the call's task to a new conversation (Claude Code's `Agent` prompt after its reminder,
+   opencode's `task` prompt, Codex's `spawn_agent` message, fresh or after the parent's history with `fork_context`,
+   whether the sub-agent's first request comes before or after its parent's next call). Each call spawns one
+   conversation, the earliest call first: two calls with the same task spawn two sub-agents, however alike their
+   requests. This comes before rules 3 and 4: opencode's and Codex's sub-agents keep the main line's system prompt, and
+   parallel sub-agents send the same request.
 3. A request rendered exactly as an earlier one (the same prompt ids: a second choice of `n > 1`, a retry) belongs to
    that one's conversation.
 4. A request that shares a message prefix with an earlier turn (`Turn.forked_from`: a rewritten history, a compaction
@@ -47,13 +47,13 @@ Roles:
 - `side_call`: every other one (title, summary and commit-message requests, ...).
 
 On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33
-(tests/test_harness_opencode.py), each with its title request first and a sub-agent, gave one main line with 0 forks,
+(tests/test_harness_opencode.py), each with its title request first and a sub-agent, give one main line with 0 forks,
 one side call and one sub-agent; Codex 0.171.0's `spawn_agent` sub-agents, with and without `fork_context`
-(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. Those runs predate rules 2 and 6 as they
-stand (issue 40): opencode's and Codex's sub-agents get their task as a whole user message (rule 2, asserted by those
-tests); Claude Code's, not checked with the real program since, is expected as a text block after its reminder block,
-the way its recorded requests carry the task (rule 2), and failing that its `Agent` result returns the sub-agent's
-answer (rule 6). Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's `client_metadata`).
+(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. opencode's and Codex's sub-agents get their
+task as a whole user message; Claude Code's as one string, a `<system-reminder>` block then the `Agent` prompt (rule 2,
+re-run with the real program under these rules; rule 6 alone finds it too: its `Agent` result is the sub-agent's answer
+and an `agentId` line). The opencode and Codex runs predate these rules. Nothing here needs a harness's own hints
+(Claude Code's session metadata, Codex's `client_metadata`).
 What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or reworded and whose answer does
 not come back as its call's result (a side call, or a fork of the conversation whose history it carries); a
 compaction restart that keeps neither the system prompt nor any message of its conversation (a side call).
@@ -62,6 +62,7 @@ compaction restart that keeps neither the system prompt nor any message of its c
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ MIN_HANDOFF_CHARS = 16
 # Fork reasons (endpoint/sessions.py) of a request that shares a message prefix with an earlier turn: a trace recorded
 # before `Turn.forked_from` existed says which turn only through them (the latest one is taken).
 _FORK_REASONS = ("history_rewritten", "template_not_append_only", "tools_changed")
+# Context a harness puts in a user message beside the task it hands a sub-agent (Claude Code's reminders): not the task.
+_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 
 
 @dataclass
@@ -273,7 +276,8 @@ def _task_calls(turn: Turn) -> list[_Call]:
 
 def _new_user_texts(turn: Turn) -> set[str]:
     """The texts of the user messages after the request's last assistant message (all of them in a conversation's
-    first request): each message's whole text and each of its text parts, stripped."""
+    first request): each message's whole text and each of its text parts, stripped, each also without its
+    `<system-reminder>` blocks (Claude Code 2.1.197 sends a sub-agent its `Agent` prompt after one, in one string)."""
     texts = set()
     for message in reversed(turn.request_messages):  # from the end: O(new messages), not O(history)
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
@@ -281,9 +285,9 @@ def _new_user_texts(turn: Turn) -> set[str]:
         if message["role"] == "assistant":
             break
         content = message.get("content")
-        texts.add(_text(content).strip())
-        if isinstance(content, list):
-            texts.update(_text([part]).strip() for part in content)
+        found = [_text(content)] + ([_text([part]) for part in content] if isinstance(content, list) else [])
+        texts.update(text.strip() for text in found)
+        texts.update(_REMINDER.sub("", text).strip() for text in found if "<system-reminder>" in text)
     return texts
 
 
