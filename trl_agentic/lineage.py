@@ -49,11 +49,11 @@ Roles:
 On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33
 (tests/test_harness_opencode.py), each with its title request first and a sub-agent, give one main line with 0 forks,
 one side call and one sub-agent; Codex 0.171.0's `spawn_agent` sub-agents, with and without `fork_context`
-(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent. opencode's and Codex's sub-agents get their
-task as a whole user message; Claude Code's as one string, a `<system-reminder>` block then the `Agent` prompt (rule 2,
-re-run with the real program under these rules; rule 6 alone finds it too: its `Agent` result is the sub-agent's answer
-and an `agentId` line). The opencode and Codex runs predate these rules. Nothing here needs a harness's own hints
-(Claude Code's session metadata, Codex's `client_metadata`).
+(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent (all re-run with the real programs under
+these rules). opencode's and Codex's sub-agents get their task as a whole user message; Claude Code's as one string, a
+`<system-reminder>` block then the `Agent` prompt (rule 2; rule 6 alone finds it too: its `Agent` result is the
+sub-agent's answer and an `agentId` line). Nothing here needs a harness's own hints (Claude Code's session metadata,
+Codex's `client_metadata`).
 What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or reworded and whose answer does
 not come back as its call's result (a side call, or a fork of the conversation whose history it carries); a
 compaction restart that keeps neither the system prompt nor any message of its conversation (a side call).
