@@ -6,10 +6,12 @@ when the episode closes, from lineage, never from call order (issue 31: opencode
 first, and that 5-token call became the main line while the real conversation was filed as a side call).
 
 Rules, applied to the turns in the order they were recorded (the same turns always give the same answer). Prefix
-relations (token ids, messages, tool-call ids) come first; the only other relation is a tool call handing its task to
-a new conversation (issue 40: rules that took any quoted tool argument for a handoff, and ranked the main line by
-length, filed compaction restarts and helper requests as sub-agents, and made a compaction's summary request the main
-line):
+relations (token ids, messages, tool-call ids) decide, with one other relation: a tool call handing its task to a new
+conversation, narrowly (a whole user message that is the call's task, one conversation per call), and checked before the
+message-prefix rules only because a sub-agent may share its parent's system prompt or history. Quoting alone and length
+decide nothing, and call order only which conversation reaches the episode's end (issue 40: rules that took any quoted
+tool argument for a handoff, and ranked the main line by length, filed compaction restarts and helper requests as
+sub-agents, and made a compaction's summary request the main line):
 
 1. A continuation (`prompt_source == "continued"`: its prompt extends its parent's exact ids, the parent found by its
    messages and the tool-call ids of its answer) belongs to its parent's conversation.
