@@ -890,8 +890,9 @@ def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer
 
 
 def test_the_runner_hands_the_task_prompt_so_the_task_conversation_wins_over_a_longer_one(start_server, tokenizer):
-    """Without the task, the longest conversation with tools would be the main line; the runner opens each episode with
-    its task's prompt (trainer-side metadata, dropped at close), so the conversation that holds it is the main line."""
+    """Without the task, the conversation with tools (a longer warm-up) would be the main line; the runner opens each
+    episode with its task's prompt (trainer-side metadata, dropped at close), so the conversation that holds it is the
+    main line."""
     import asyncio
 
     from trl_agentic.rollout.agents import CallableAgent
