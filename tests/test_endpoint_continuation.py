@@ -244,3 +244,33 @@ def test_changed_answer_is_a_rewrite_not_a_continuation(start_server, tokenizers
     client.chat.completions.create(model="policy", messages=messages, tools=[TOOL])
     t0, t1 = server.close_episode(session.episode.id).turns
     assert (t1.prompt_source, t1.fork_reason) == ("rendered", "history_rewritten") and t1.drift > 0
+
+
+def test_of_two_alike_turns_the_one_whose_tool_call_ids_come_back_is_continued(start_server, tokenizers):
+    """Two requests alike, answered alike but for the tool-call ids (two sub-agents handed the same task): a call that
+    sends one answer back continues that turn, not the latest alike one (issue 40); an agent that regenerates the ids
+    continues the latest, as before."""
+    tokenizer = tokenizers["qwen2_5"]
+    script = [tool_call_text("qwen2_5", {"expression": "1 + 1"})] * 2 + ["2"] * 3
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode()
+    client = client_for(server, session)
+    request = [{"role": "user", "content": "Add 1 and 1."}]
+    answers = [
+        echo(client.chat.completions.create(model="policy", messages=request, tools=[TOOL]).choices[0].message)
+        for _ in range(2)
+    ]
+    assert answers[0]["tool_calls"][0]["id"] != answers[1]["tool_calls"][0]["id"]
+    regenerated = json.loads(json.dumps(answers[0]))
+    regenerated["tool_calls"][0]["id"] = "call_mine"
+    for answer in (answers[0], answers[1], regenerated):
+        result = {"role": "tool", "tool_call_id": answer["tool_calls"][0]["id"], "content": "2"}
+        client.chat.completions.create(model="policy", messages=[*request, answer, result], tools=[TOOL])
+    turns = server.close_episode(session.episode.id).turns
+    assert [(t.prompt_source, t.parent_turn) for t in turns] == [
+        ("rendered", None),
+        ("rendered", None),
+        ("continued", 0),
+        ("continued", 1),
+        ("continued", 1),
+    ]

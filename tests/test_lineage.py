@@ -31,6 +31,8 @@ MAIN_SYSTEM = "You are a coding agent. Use the tools."
 SUB_SYSTEM = "You are a sub-agent: search the workspace and report."
 SUB_PROMPT = "List every file of the workspace and say which one holds 42."
 SUB_ANSWER = "No file holds 42 yet."
+# What Claude Code 2.1.197 puts before the prompt it hands a sub-agent, in the same string
+REMINDER = "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n</system-reminder>\n\n\n"
 SHELL = {
     "type": "function",
     "function": {
@@ -132,8 +134,9 @@ def test_title_call_first_leaves_the_task_conversation_the_main_line(start_serve
 
 def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokenizer):
     """Claude Code's shape over the Messages API: a title request, the task's conversation, and a sub-agent its
-    `agent` tool call hands a task to (its own system prompt and tools). One main row, one side-call row, one
-    sub-agent row, each token-exact; `sub_agents="skip"` drops only the sub-agent."""
+    `agent` tool call hands a task to (its own system prompt and tools; a reminder before the task, as Claude Code
+    sends). One main row, one side-call row, one sub-agent row, each token-exact; `sub_agents="skip"` drops only
+    the sub-agent."""
     script = [
         "Answer file",  # turn 0: the title
         call_text("agent", {"description": "Look around", "prompt": SUB_PROMPT}),  # turn 1: main
@@ -162,7 +165,8 @@ def test_main_line_sub_agent_and_title_call_are_three_rows(start_server, tokeniz
             for block in message.content:
                 if block.type == "tool_use":
                     output = (
-                        run(SUB_SYSTEM, [{"role": "user", "content": block.input["prompt"]}], [SHELL])
+                        # Claude Code's reminder block comes first, the task in a text block of its own
+                        run(SUB_SYSTEM, [{"role": "user", "content": REMINDER + block.input["prompt"]}], [SHELL])
                         if block.name == "agent"
                         else ""
                     )
@@ -248,9 +252,9 @@ def user(text):
 
 
 def test_rules_on_plain_turns():
-    """Each rule on hand-made turns: a sub-agent is spawned by an open tool call it quotes, a retry joins the request
-    it repeats, a compaction restart joins its conversation, the task's prompt outranks length, a short tool argument
-    spawns nothing."""
+    """Each rule on hand-made turns: a sub-agent is spawned by the tool call whose task is its user message, a retry
+    joins the request it repeats, a compaction restart joins its conversation, the task's prompt outranks length and
+    order, a short tool argument spawns nothing."""
     system = {"role": "system", "content": MAIN_SYSTEM}
 
     def calls(name, arguments):
@@ -275,7 +279,7 @@ def test_rules_on_plain_turns():
             answer={"role": "assistant", "content": "Done."},
             parent=0,
         ),
-        # A compaction restart keeping the system prompt: quotes the sub-agent's task, but that call was answered.
+        # A compaction restart keeping the system prompt: quotes the sub-agent's task, which hands nothing over.
         turn(
             4,
             [1, 10],
@@ -285,11 +289,11 @@ def test_rules_on_plain_turns():
             forked_from=3,
             fork_reason="history_rewritten",
         ),
-        turn(5, [12] * 20, [13], [user("Hi.")], [SHELL]),  # unrelated, and the longest
+        turn(5, [12] * 20, [13], [user("Hi.")], [SHELL]),  # unrelated, the longest, and last
     ]
     found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, [user(TASK)])}
     assert found == {0: ("main", [0, 3, 4], None), 1: ("sub_agent", [1, 2], 0), 5: ("side_call", [5], None)}
-    # Without the task's prompt, the longest conversation with tools is the main line.
+    # Without the task's prompt, the conversation with tools that reaches the episode's end is the main line.
     assert {c.index: c.role for c in find_conversations(turns)} == {0: "side_call", 1: "sub_agent", 5: "main"}
     # Labelled as the endpoint does at close, rows follow: the restart is a fork of the main line.
     for c in find_conversations(turns, TASK):
@@ -307,7 +311,7 @@ def test_rules_on_plain_turns():
         turn(0, [1], [2], [user(TASK)], [SHELL], answer=calls("shell", {"command": "ls"})),
         turn(1, [3], [4], [user("ls the folder, then stop.")], [SHELL]),
     ]
-    assert [(c.role, c.spawned_by) for c in find_conversations(short)] == [("main", None), ("side_call", None)]
+    assert [(c.role, c.spawned_by) for c in find_conversations(short, TASK)] == [("main", None), ("side_call", None)]
 
 
 def test_a_sub_agent_started_after_its_parent_went_on_is_found_by_its_whole_task():
@@ -362,6 +366,349 @@ def test_a_sub_agent_started_after_its_parent_went_on_is_found_by_its_whole_task
         ]
         found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, TASK)}
         assert found == {0: ("main", [0, 1, 4, 5], None), 2: ("sub_agent", [2, 3], 0)}, history
+
+
+SUMMARY_SYSTEM = "You summarize coding sessions so that they can go on from the summary."
+HELPER_SYSTEM = "Write a one-line commit message for the diff."
+FILE_PATH = "/workspace/src/answer_module/answer.txt"  # a tool argument of 30+ characters, quoted by helper requests
+EDIT = {
+    "type": "function",
+    "function": {
+        "name": "edit",
+        "description": "Write a file.",
+        "parameters": {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["file_path", "content"],
+        },
+    },
+}
+
+
+def answered(message, output):
+    """The assistant `message` as the agent sends it back, and the result of its (first) tool call."""
+    return [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": output},
+    ]
+
+
+@pytest.mark.parametrize("summary_system", [SUMMARY_SYSTEM, MAIN_SYSTEM], ids=["own_system", "main_system"])
+def test_a_compaction_restart_continues_the_main_line(start_server, tokenizer, summary_system):
+    """A harness compacts its history: a summary request carrying the whole history and the tools (the longest call,
+    holding the task), then a restart with the system prompt, the tools and the summary, which quotes the `edit`
+    call's file path. The restart and what follows are the main line, whose last answer is the episode's; the summary
+    request is a side call (or, sent with the main system prompt, a continuation of the main line); nothing is a
+    sub-agent, so `sub_agents="skip"` still trains the work after the compaction."""
+    summary = f"Summary: the task is to write 42; I wrote it into {FILE_PATH}, check it."
+    script = [
+        call_text("edit", {"file_path": FILE_PATH, "content": "42"}),
+        summary,
+        call_text("shell", {"command": f"cat {FILE_PATH}"}),
+        "Done: answer.txt holds 42.",
+    ]
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode(metadata={"task_prompt": [user(TASK)]})
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    tools = [SHELL, EDIT]
+    history = [{"role": "system", "content": MAIN_SYSTEM}, user(TASK)]
+    history += answered(
+        client.chat.completions.create(model="policy", messages=history, tools=tools).choices[0].message, ""
+    )
+    compact = [{"role": "system", "content": summary_system}, *history[1:], user("Summarize the session so far.")]
+    said = client.chat.completions.create(model="policy", messages=compact, tools=tools).choices[0].message.content
+    assert said == summary
+    restart = [{"role": "system", "content": MAIN_SYSTEM}, user("This session goes on from a summary:\n" + said)]
+    restart += answered(
+        client.chat.completions.create(model="policy", messages=restart, tools=tools).choices[0].message, "42"
+    )
+    final = client.chat.completions.create(model="policy", messages=restart, tools=tools).choices[0].message
+    assert final.content == "Done: answer.txt holds 42."
+    episode = server.close_episode(session.episode.id)
+
+    turns = episode.turns
+    own = summary_system == SUMMARY_SYSTEM
+    assert [t.prompt_source for t in turns] == ["rendered", "rendered" if own else "continued", "rendered", "continued"]
+    assert [t.role for t in turns] == ["main", "side_call" if own else "main", "main", "main"]
+    assert [t.conversation for t in turns] == [0, 1 if own else 0, 0, 0]
+    assert [t.spawned_by for t in turns] == [None] * 4
+    assert episode.messages == [*turns[3].request_messages, turns[3].response_message]
+    assert episode.messages[-1]["content"] == "Done: answer.txt holds 42."
+    rows = [(r.kind, r.role, r.turns) for r in episode_to_rows(turns).rows]
+    if own:
+        assert rows == [("main", "main", [0]), ("fork", "main", [2, 3]), ("side_call", "side_call", [1])]
+    else:
+        assert rows == [("main", "main", [0, 1]), ("fork", "main", [2, 3])]
+    no_sub_agents = episode_to_rows(turns, sub_agents="skip")
+    assert [(r.kind, r.turns) for r in no_sub_agents.rows] == [(kind, ts) for kind, _, ts in rows]
+    assert no_sub_agents.skipped_turns == []
+
+
+def test_a_helper_call_quoting_a_tool_argument_is_a_side_call(start_server, tokenizer):
+    """A commit-message request while the main line's `edit` call runs quotes that call's 30+ character file path: it
+    is a side call (no tool call handed it its task), not a sub-agent."""
+    script = [call_text("edit", {"file_path": FILE_PATH, "content": "42"}), "Write 42 to answer.txt", "Done."]
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode(metadata={"task_prompt": TASK})
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+    history = [{"role": "system", "content": MAIN_SYSTEM}, user(TASK)]
+    call = client.chat.completions.create(model="policy", messages=history, tools=[EDIT]).choices[0].message
+    helper = [{"role": "system", "content": HELPER_SYSTEM}, user(f"--- a/{FILE_PATH}\n+++ b/{FILE_PATH}\n+42")]
+    assert client.chat.completions.create(model="policy", messages=helper).choices[0].message.content == script[1]
+    history += answered(call, "Edited.")
+    assert client.chat.completions.create(model="policy", messages=history, tools=[EDIT]).choices[
+        0
+    ].message.content == ("Done.")
+    episode = server.close_episode(session.episode.id)
+
+    assert [(t.role, t.conversation, t.spawned_by) for t in episode.turns] == [
+        ("main", 0, None),
+        ("side_call", 1, None),
+        ("main", 0, None),
+    ]
+    assert [(r.kind, r.turns) for r in episode_to_rows(episode.turns).rows] == [("main", [0, 2]), ("side_call", [1])]
+
+
+def test_parallel_sub_agents_with_the_same_task_are_two_conversations(start_server, tokenizer):
+    """Two `agent` calls with the same prompt in one answer run two sub-agents whose first requests are identical, and
+    so are their answers (a tool call each, with its own id): each is a conversation of its own, spawned by the main
+    line's turn, and each continuation continues its own sub-agent's call (the endpoint tells them apart by the
+    tool-call ids), so neither is a fork that `forks="skip"` would drop."""
+    spawn = {"description": "Look around", "prompt": SUB_PROMPT}
+    script = [
+        call_text("agent", spawn) + "\n" + call_text("agent", spawn),  # turn 0: main, two sub-agents
+        call_text("shell", {"command": "ls"}),  # turn 1: the first sub-agent
+        call_text("shell", {"command": "ls"}),  # turn 2: the second, the same request and answer
+        SUB_ANSWER,  # turn 3: the first sub-agent's report
+        SUB_ANSWER,  # turn 4: the second's
+        "Done.",  # turn 5: main
+    ]
+    server = scripted_server(start_server, tokenizer, script)
+    session = server.open_episode(metadata={"task_prompt": TASK})
+    client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0, timeout=30)
+
+    def create(messages, tools):
+        return client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
+
+    main = [{"role": "system", "content": MAIN_SYSTEM}, user(TASK)]
+    spawning = create(main, [SHELL, AGENT])
+    assert [json.loads(c.function.arguments) for c in spawning.tool_calls] == [spawn, spawn]
+    subs = [[{"role": "system", "content": SUB_SYSTEM}, user(REMINDER + SUB_PROMPT)] for _ in range(2)]  # Claude Code's
+    for sub in subs:  # both start before either goes on
+        sub += answered(create(sub, [SHELL]), "answer.txt")
+    assert subs[0][2]["tool_calls"][0]["id"] != subs[1][2]["tool_calls"][0]["id"]
+    reports = [create(sub, [SHELL]).content for sub in subs]
+    main.append(spawning.model_dump(exclude_none=True))
+    main += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(spawning.tool_calls, reports)]
+    assert create(main, [SHELL, AGENT]).content == "Done."
+    episode = server.close_episode(session.episode.id)
+
+    turns = episode.turns
+    assert [(t.prompt_source, t.parent_turn) for t in turns] == [
+        ("rendered", None),
+        ("rendered", None),
+        ("rendered", None),
+        ("continued", 1),
+        ("continued", 2),
+        ("continued", 0),
+    ]
+    assert [t.role for t in turns] == ["main", "sub_agent", "sub_agent", "sub_agent", "sub_agent", "main"]
+    assert [t.conversation for t in turns] == [0, 1, 2, 1, 2, 0]
+    assert [t.spawned_by for t in turns] == [None, 0, 0, 0, 0, None]
+    rows = episode_to_rows(turns, forks="skip")
+    assert [(r.kind, r.conversation, r.turns) for r in rows.rows] == [
+        ("main", 0, [0, 5]),
+        ("sub_agent", 1, [1, 3]),
+        ("sub_agent", 2, [2, 4]),
+    ]
+    assert rows.skipped_turns == []
+
+
+def calls(*arguments, name="agent", ids=None):
+    """An assistant message calling `name` once per arguments dict (ids `c0`, `c1`, ... unless given)."""
+    ids = ids or [f"c{k}" for k in range(len(arguments))]
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": name, "arguments": json.dumps(a)}}
+            for i, a in zip(ids, arguments, strict=True)
+        ],
+    }
+
+
+def test_sub_agents_are_spawned_by_a_call_handing_them_their_task():
+    """On hand-made turns: each spawning call starts one sub-agent (a second call with the same task, a second
+    sub-agent; a retry of a request whose call already started one, that one); the task may be one text part of the
+    first user message (Claude Code puts a reminder before it); a request that only quotes a call's task is that call's
+    sub-agent when its answer comes back as the call's result, and a side call when it does not."""
+    system, sub_system = {"role": "system", "content": MAIN_SYSTEM}, {"role": "system", "content": SUB_SYSTEM}
+    other, third = "Count the lines of every file of the workspace.", "Find the largest file of the workspace."
+    reminder = {"type": "text", "text": "<system-reminder>Today is Monday.</system-reminder>"}
+    report = {"role": "assistant", "content": SUB_ANSWER}
+    largest = "README.md is the largest."
+
+    def result(call_id, content):
+        return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+    m3 = [system, user(TASK), calls({"prompt": SUB_PROMPT}), result("c0", SUB_ANSWER)]
+    m6 = [*m3, calls({"prompt": SUB_PROMPT}, {"prompt": other}, ids=["c1", "c2"]), result("c1", "-"), result("c2", "-")]
+    m9 = [*m6, calls({"prompt": third}, ids=["c3"]), result("c3", largest)]
+    turns = [
+        turn(0, [1, 2], [3], m3[:2], [SHELL, AGENT], answer=m3[2]),
+        turn(1, [4, 5], [6], [sub_system, user(SUB_PROMPT)], [SHELL], answer=report),  # turn 0's call's sub-agent
+        turn(2, [4, 5], [6], [sub_system, user(SUB_PROMPT)], [SHELL], answer=report, forked_from=1),  # its retry
+        turn(3, [1, 2, 3, 7], [8], m3, [SHELL, AGENT], answer=m6[4], parent=0),
+        # The same task again, by turn 3's first call: a second sub-agent, although the request is turn 1's
+        turn(4, [4, 5], [6], [sub_system, user(SUB_PROMPT)], [SHELL], answer=report, forked_from=2),
+        # Turn 3's second call's task, as the second text part of the first user message
+        turn(
+            5,
+            [9],
+            [10],
+            [sub_system, {"role": "user", "content": [reminder, {"type": "text", "text": other}]}],
+            [SHELL],
+            answer=report,
+        ),
+        turn(6, [1, 2, 3, 7, 8, 11], [12], m6, [SHELL, AGENT], answer=m9[-2], parent=3),
+        # Quotes turn 6's task, and its answer comes back as that call's result: its sub-agent
+        turn(
+            7,
+            [13],
+            [14],
+            [sub_system, user(f"The main agent asks: {third} Be brief.")],
+            [SHELL],
+            answer={"role": "assistant", "content": largest},
+        ),
+        # Quotes it too, but its answer comes back nowhere: a side call (a title, a commit message)
+        turn(8, [15], [16], [user(f"A title for: {third}")], None, answer={"role": "assistant", "content": "Sizes"}),
+        turn(
+            9,
+            [1, 2, 3, 7, 8, 11, 12, 17],
+            [18],
+            m9,
+            [SHELL, AGENT],
+            answer={"role": "assistant", "content": "Done."},
+            parent=6,
+        ),
+    ]
+    found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, TASK)}
+    assert found == {
+        0: ("main", [0, 3, 6, 9], None),
+        1: ("sub_agent", [1, 2], 0),
+        4: ("sub_agent", [4], 3),
+        5: ("sub_agent", [5], 3),
+        7: ("sub_agent", [7], 6),
+        8: ("side_call", [8], None),
+    }
+
+
+def test_the_main_line_holds_the_task_and_reaches_the_end_whatever_its_length():
+    """A summary request that carries the whole history (the longest call, with the task and the tools) and a title
+    request recorded last (the task, no tools) are side calls: the main line is the conversation that holds the task
+    and reaches the episode's end, through the compaction restart that keeps its system prompt. Without the task, the
+    same."""
+    system = {"role": "system", "content": MAIN_SYSTEM}
+    shell = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "shell", "arguments": json.dumps({"command": "ls"})}}
+        ],
+    }
+    done = {"role": "assistant", "content": "Done."}
+    history = [system, user(TASK), shell, {"role": "tool", "tool_call_id": "c0", "content": "answer.txt"}]
+    summary = [{"role": "system", "content": SUMMARY_SYSTEM}, *history[1:], user("Summarize the session so far.")]
+    turns = [
+        turn(0, [1, 2], [3], history[:2], [SHELL], answer=shell),
+        turn(1, [4] * 30, [5] * 20, summary, [SHELL], answer={"role": "assistant", "content": "Summary: ls ran."}),
+        turn(
+            2,
+            [1, 6],
+            [7],
+            [system, user("Summary: ls ran.")],
+            [SHELL],
+            answer=done,
+            forked_from=0,
+            fork_reason="history_rewritten",
+        ),
+        turn(3, [8], [9], [user(TASK)], None, answer={"role": "assistant", "content": "Answer file"}),
+    ]
+    expected = {0: ("main", [0, 2]), 1: ("side_call", [1]), 3: ("side_call", [3])}
+    for task in (TASK, None):
+        assert {c.index: (c.role, c.turns) for c in find_conversations(turns, task)} == expected, task
+
+
+def test_a_compaction_restart_right_after_a_sub_agent_with_the_main_system_prompt_continues_the_main_line():
+    """opencode's sub-agents keep the main line's system prompt: a compaction restart sent right after one ran (its
+    summary request has a system prompt of its own) shares only the system prompt with the sub-agent's last call, the
+    latest turn it shares a prefix with. It carries none of the sub-agent's task, so it continues the main line, whose
+    system prompt it keeps; the summary request is a side call."""
+    system = {"role": "system", "content": MAIN_SYSTEM}
+    spawn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c0",
+                "type": "function",
+                "function": {"name": "task", "arguments": json.dumps({"prompt": SUB_PROMPT})},
+            }
+        ],
+    }
+    history = [system, user(TASK), spawn, {"role": "tool", "tool_call_id": "c0", "content": SUB_ANSWER}]
+    done = {"role": "assistant", "content": "Done."}
+    turns = [
+        turn(0, [1, 2], [3], history[:2], [SHELL, AGENT], answer=spawn),
+        turn(
+            1,
+            [1, 4],
+            [5],
+            [system, user(SUB_PROMPT)],
+            [SHELL],
+            answer=calls({"command": "ls -la"}, name="shell"),
+            forked_from=0,
+            fork_reason="history_rewritten",
+        ),
+        turn(
+            2,
+            [1, 4, 5, 6],
+            [7],
+            [
+                system,
+                user(SUB_PROMPT),
+                calls({"command": "ls -la"}, name="shell"),
+                {"role": "tool", "tool_call_id": "c0", "content": ""},
+            ],
+            [SHELL],
+            answer=report_of(SUB_ANSWER),
+            parent=1,
+        ),
+        turn(
+            3,
+            [8],
+            [9],
+            [{"role": "system", "content": SUMMARY_SYSTEM}, *history[1:], user("Summarize.")],
+            [SHELL, AGENT],
+            answer=report_of("Summary: no file holds 42."),
+        ),
+        turn(
+            4,
+            [1, 10],
+            [11],
+            [system, user("Summary: no file holds 42.")],
+            [SHELL, AGENT],
+            answer=done,
+            forked_from=2,
+            fork_reason="history_rewritten",
+        ),
+    ]
+    found = {c.index: (c.role, c.turns, c.spawned_by) for c in find_conversations(turns, TASK)}
+    assert found == {0: ("main", [0, 4], None), 1: ("sub_agent", [1, 2], 0), 3: ("side_call", [3], None)}
+
+
+def report_of(text):
+    return {"role": "assistant", "content": text}
 
 
 def respond_by_role(tokenizer):
@@ -543,8 +890,9 @@ def test_claude_code_with_its_title_call_and_a_sub_agent(start_server, tokenizer
 
 
 def test_the_runner_hands_the_task_prompt_so_the_task_conversation_wins_over_a_longer_one(start_server, tokenizer):
-    """Without the task, the longest conversation with tools would be the main line; the runner opens each episode with
-    its task's prompt (trainer-side metadata, dropped at close), so the conversation that holds it is the main line."""
+    """Without the task, the conversation with tools (a longer warm-up) would be the main line; the runner opens each
+    episode with its task's prompt (trainer-side metadata, dropped at close), so the conversation that holds it is the
+    main line."""
     import asyncio
 
     from trl_agentic.rollout.agents import CallableAgent

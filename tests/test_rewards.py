@@ -71,6 +71,31 @@ def test_cut_off_penalty_scores_ok_episodes_and_agents_that_raised_on_a_cut_off_
         cut_off_penalty([None], [[{"role": "assistant", "content": "4"}]])
 
 
+def test_cut_off_penalty_reads_the_main_lines_last_call():
+    """The main line's last call decides, not the episode's: a title request cut at its token limit after the main
+    line answered is no cut-off answer, and a main line cut off stays cut off whatever side call comes after it."""
+    from trl_agentic.rewards import cut_off_penalty
+    from trl_agentic.trace import Turn
+
+    def call(index, finish_reason, conversation, role):
+        return Turn(index, [1], [2, 3], [-0.1, -0.2], finish_reason, conversation=conversation, role=role)
+
+    answered_then_cut_title = [
+        call(0, "tool_calls", 0, "main"),
+        call(1, "stop", 0, "main"),
+        call(2, "length", 2, "side_call"),
+    ]
+    cut_then_title = [call(0, "tool_calls", 0, "main"), call(1, "length", 0, "main"), call(2, "stop", 2, "side_call")]
+    cut_sub_agent = [call(0, "tool_calls", 0, "main"), call(1, "length", 1, "sub_agent"), call(2, "stop", 0, "main")]
+    episodes = [
+        Episode(id="a", status="ok", turns=answered_then_cut_title),
+        Episode(id="b", status="ok", turns=cut_then_title),
+        Episode(id="c", status="agent_error", turns=cut_then_title),
+        Episode(id="d", status="ok", turns=cut_sub_agent),
+    ]
+    assert cut_off_penalty([None] * 4, [[]] * 4, episodes=episodes) == [0.0, -1.0, -1.0, 0.0]
+
+
 def test_reward_functions_returning_the_wrong_count_or_non_float32_values_are_named():
     """A wrong count used to fail in a bare `zip()`; 1e39 or inf became inf in TRL's float32 rewards and silently
     zeroed the group's advantage (issue 29, N4/N5). NaN stays TRL's "unscorable", as `None`."""

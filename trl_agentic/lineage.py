@@ -5,42 +5,66 @@ prompt + completion (the endpoint's token-in continuation). Which conversation i
 when the episode closes, from lineage, never from call order (issue 31: opencode and Claude Code ask for a title
 first, and that 5-token call became the main line while the real conversation was filed as a side call).
 
-Rules, applied to the turns in the order they were recorded (the same turns always give the same answer):
+Rules, applied to the turns in the order they were recorded (the same turns always give the same answer). Prefix
+relations (token ids, messages, tool-call ids) decide, with one other relation: a tool call handing its task to a new
+conversation, narrowly (a whole user message that is the call's task, one conversation per call), and checked before the
+message-prefix rules only because a sub-agent may share its parent's system prompt or history. Quoting alone and length
+decide nothing, and call order only which conversation reaches the episode's end (issue 40: rules that took any quoted
+tool argument for a handoff, and ranked the main line by length, filed compaction restarts and helper requests as
+sub-agents, and made a compaction's summary request the main line):
 
-1. A continuation (`prompt_source == "continued"`) belongs to its parent's conversation.
-2. A request rendered exactly as an earlier one (the same prompt ids: a second choice of `n > 1`, a retry) belongs to
+1. A continuation (`prompt_source == "continued"`: its prompt extends its parent's exact ids, the parent found by its
+   messages and the tool-call ids of its answer) belongs to its parent's conversation.
+2. A request one of whose user messages after its last assistant message (all of them, in a conversation's first
+   request) is, as a whole or as one of its text parts (`<system-reminder>` blocks set aside), a string argument of at
+   least `MIN_HANDOFF_CHARS` characters of an earlier turn's tool call starts a sub-agent conversation, spawned by that
+   turn: the harness handed the call's task to a new conversation (Claude Code's `Agent` prompt after its reminder,
+   opencode's `task` prompt, Codex's `spawn_agent` message, fresh or after the parent's history with `fork_context`,
+   whether the sub-agent's first request comes before or after its parent's next call). Each call spawns one
+   conversation, the earliest call first: two calls with the same task spawn two sub-agents, however alike their
+   requests. This comes before rules 3 and 4: opencode's and Codex's sub-agents keep the main line's system prompt, and
+   parallel sub-agents send the same request.
+3. A request rendered exactly as an earlier one (the same prompt ids: a second choice of `n > 1`, a retry) belongs to
    that one's conversation.
-3. A fresh request (no assistant message in it: the first call of a conversation) that quotes a string argument of at
-   least `MIN_HANDOFF_CHARS` characters of a tool call of the latest turn of an existing conversation starts a
-   sub-agent conversation, spawned by that turn: the harness handed the call's task (Claude Code's `Agent` prompt,
-   opencode's `task` prompt) to a new conversation. So does a request whose last message is a user message that is,
-   as a whole, such an argument of any earlier turn (spawned by the latest such turn): a sub-agent started in the
-   background, after its parent went on (Codex's `spawn_agent` answers at once, and the sub-agent's first request
-   often comes after the parent's next call; with `fork_context` it also carries the parent's history). Both come before
-   rule 4: opencode's and Codex's sub-agents keep the main line's system prompt.
 4. A request that shares a message prefix with an earlier turn (`Turn.forked_from`: a rewritten history, a compaction
-   restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it.
-5. Anything else starts a conversation of its own (the first call; a title or summary request sharing nothing).
+   restart that keeps the system prompt, changed tools) belongs to that turn's conversation: a fork of it. Unless that
+   is a sub-agent's and the request does not hold the sub-agent's task: then it shares only what the sub-agent
+   shares with its parent (opencode's sub-agents keep the main line's system prompt) and belongs to the latest
+   conversation no tool call spawned with the same system prompt (a compaction restart right after a sub-agent ran).
+5. Anything else starts a conversation of its own (the first call; a title, summary or commit-message request).
+
+6. When all turns are in: a conversation of its own (rule 5) whose first request quotes such an argument of an
+   earlier tool call that spawned nothing else, and whose last answer comes back as that call's result (the tool
+   message with the call's id holds it), was spawned by the call (a harness that wraps the task in text of its own).
+   Quoting alone is not a handoff: a commit-message request quotes the file path of an `edit` call, a summary the
+   paths the session touched.
 
 Roles:
 
 - `main`: among the conversations no tool call spawned, the one that holds the task's prompt (when it is known), then
-  the one with tools, then the longest (most tokens in one call, prompt + completion), then the first.
-- `sub_agent`: a conversation a tool call spawned (rule 3), at any depth.
-- `side_call`: every other one (title and summary requests, ...).
+  the one with tools, then the one that reaches the episode's end (its last call is the latest): a compaction
+  restart continues the main line (rule 4), and a summary request, although it carries the task, the tools and the
+  whole history, ends before the restart.
+- `sub_agent`: a conversation a tool call spawned, at any depth.
+- `side_call`: every other one (title, summary and commit-message requests, ...).
 
-On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33 (by hand), each with its title
-request first and a sub-agent, give one main line with 0 forks, one side call and one sub-agent; Codex 0.171.0's
-`spawn_agent` sub-agents, with and without `fork_context` (tests/test_harness_codex.py), one main line with 0 forks and
-one sub-agent. Nothing here needs a harness's own hints (Claude Code's session metadata, Codex's `client_metadata`).
-What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or rewritten before it reaches the
-sub-agent and started after its parent's conversation went on, counts as a side call (a fork, if it carries the
-parent's history).
+On the real harnesses, Claude Code 2.1.197 (tests/test_lineage.py) and opencode 1.18.33
+(tests/test_harness_opencode.py), each with its title request first and a sub-agent, give one main line with 0 forks,
+one side call and one sub-agent; Codex 0.171.0's `spawn_agent` sub-agents, with and without `fork_context`
+(tests/test_harness_codex.py), one main line with 0 forks and one sub-agent (all re-run with the real programs under
+these rules). opencode's and Codex's sub-agents get their task as a whole user message; Claude Code's as one string, a
+`<system-reminder>` block then the `Agent` prompt (rule 2; rule 6 alone finds it too: its `Agent` result is the
+sub-agent's answer and an `agentId` line). Nothing here needs a harness's own hints (Claude Code's session metadata,
+Codex's `client_metadata`).
+What it does not see: a sub-agent handed a task shorter than `MIN_HANDOFF_CHARS`, or reworded and whose answer does
+not come back as its call's result (a side call, or a fork of the conversation whose history it carries); a
+compaction restart that keeps neither the system prompt nor any message of its conversation (a side call).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,12 +72,14 @@ from .trace import Episode, Turn
 
 
 CONVERSATION_ROLES = ("main", "side_call", "sub_agent")
-# Shortest tool-call argument taken for a sub-agent's task: shorter strings ("ls", a file name) turn up in unrelated
-# requests, a task handed to a sub-agent is a sentence.
+# Shortest tool-call argument taken for a sub-agent's task: a task handed to a sub-agent is a sentence, while a user
+# message as short as "ls" or "yes" may repeat an unrelated argument.
 MIN_HANDOFF_CHARS = 16
 # Fork reasons (endpoint/sessions.py) of a request that shares a message prefix with an earlier turn: a trace recorded
 # before `Turn.forked_from` existed says which turn only through them (the latest one is taken).
 _FORK_REASONS = ("history_rewritten", "template_not_append_only", "tools_changed")
+# Context a harness puts in a user message beside the task it hands a sub-agent (Claude Code's reminders): not the task.
+_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>", re.DOTALL)
 
 
 @dataclass
@@ -93,9 +119,12 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
     """
     conversations: dict[int, Conversation] = {}
     conversation_of: dict[int, int] = {}  # turn index -> conversation index
-    latest_calls: dict[int, tuple[int, list[str]]] = {}  # conversation -> (its latest turn, that turn's handoffs)
-    all_calls: list[tuple[int, list[str]]] = []  # (turn, its handoffs) of every turn so far
+    calls: list[_Call] = []  # every tool call so far that hands over a task-sized string, in call order
+    calls_by_task: dict[str, list[_Call]] = {}  # the same, by each string they hand over
+    spawned: set[tuple[int, int]] = set()  # (turn, position) of the calls that started a conversation
     rendered: dict[tuple[int, ...], int] = {}  # prompt ids of rendered turns -> the first such turn
+    root_with_system: dict[tuple[str, ...], int] = {}  # system block -> its latest turn in a conversation not spawned
+    task_of: dict[int, tuple[str, ...]] = {}  # sub-agent conversation -> the task strings of the call that spawned it
     previous = None  # the latest delivered turn (for traces without `forked_from`)
     for turn in turns:
         if turn.finish_reason == "cancelled":
@@ -103,32 +132,41 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
         home, spawned_by = None, None
         if turn.prompt_source == "continued" and turn.parent_turn in conversation_of:
             home = conversation_of[turn.parent_turn]  # rule 1
+        elif (call := _spawning_call(turn, calls_by_task, spawned)) is not None:
+            spawned.add(call.key)  # rule 2
+            spawned_by = call.turn
+            task_of[turn.index] = call.tasks
         elif (same := rendered.get(tuple(turn.prompt_ids))) is not None:
-            home = conversation_of[same]  # rule 2
-        else:
-            spawned_by = _spawning_turn(turn, latest_calls) if _is_fresh(turn) else None  # rule 3
-            if spawned_by is None:
-                # rule 3: a sub-agent started after its parent went on
-                spawned_by = _background_spawner(turn, all_calls)
-            if spawned_by is None:
-                if turn.forked_from in conversation_of:
-                    home = conversation_of[turn.forked_from]  # rule 4
-                elif turn.forked_from is None and turn.fork_reason in _FORK_REASONS and previous is not None:
-                    home = conversation_of[previous]  # rule 4, in a trace that did not record `forked_from`
+            home = conversation_of[same]  # rule 3
+        elif turn.forked_from in conversation_of:
+            home = conversation_of[turn.forked_from]  # rule 4
+            if home in task_of and not any(t in _request_text(turn) for t in task_of[home]):
+                # A request without the sub-agent's task is no fork of it: it shares only what the sub-agent shares
+                # with its parent (opencode's keep the main line's system prompt), e.g. a compaction restart sent
+                # right after the sub-agent ran. It continues the latest conversation with that system prompt that
+                # no tool call spawned.
+                home = conversation_of.get(root_with_system.get(_system_block(turn)), home)
+        elif turn.forked_from is None and turn.fork_reason in _FORK_REASONS and previous is not None:
+            home = conversation_of[previous]  # rule 4, in a trace that did not record `forked_from`
         if turn.prompt_source == "rendered":
             rendered.setdefault(tuple(turn.prompt_ids), turn.index)
-        if home is None:  # rules 3 and 5
+        if home is None:  # rules 2 and 5
             home = turn.index
             conversations[home] = Conversation(
                 home, "sub_agent" if spawned_by is not None else "side_call", spawned_by=spawned_by
             )
         conversations[home].turns.append(turn.index)
         conversation_of[turn.index] = home
-        latest_calls[home] = (turn.index, _handoffs(turn))
-        all_calls.append(latest_calls[home])
+        if conversations[home].spawned_by is None:
+            root_with_system[_system_block(turn)] = turn.index
+        for call in _task_calls(turn):
+            calls.append(call)
+            for task in call.tasks:
+                calls_by_task.setdefault(task, []).append(call)
         previous = turn.index
 
     by_index = {turn.index: turn for turn in turns}
+    _find_answered_spawns(conversations, by_index, calls, spawned)
     task_text = _task_text(task_prompt)
     roots = [c for c in conversations.values() if c.spawned_by is None]
     if roots:
@@ -137,8 +175,7 @@ def find_conversations(turns: list[Turn], task_prompt: str | list[dict] | None =
             members = [by_index[i] for i in conversation.turns]
             holds_task = bool(task_text) and task_text in _request_text(members[0])
             has_tools = any(turn.request_tools for turn in members)
-            length = max(len(turn.prompt_ids) + len(turn.completion_ids) for turn in members)
-            return holds_task, has_tools, length, -conversation.index
+            return holds_task, has_tools, conversation.turns[-1]  # the last: the one that reaches the end
 
         max(roots, key=rank).role = "main"
     return list(conversations.values())
@@ -194,39 +231,109 @@ def _is_fresh(turn: Turn) -> bool:
     )
 
 
-def _handoffs(turn: Turn) -> list[str]:
-    """The strings a turn's tool calls hand over: each call's top-level string arguments (or its raw input, for a
-    tool whose input is not a JSON object), at least `MIN_HANDOFF_CHARS` long."""
+def _system_block(turn: Turn) -> tuple[str, ...]:
+    """The texts of the system (or developer) messages a request starts with."""
+    block = []
+    for message in turn.request_messages:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
+            break
+        block.append(_text(message.get("content")))
+    return tuple(block)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A tool call that hands over task-sized strings: its turn, its position in the turn's answer, its id."""
+
+    turn: int
+    position: int
+    id: str | None
+    tasks: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.turn, self.position
+
+
+def _task_calls(turn: Turn) -> list[_Call]:
+    """The tool calls of a turn's answer that hand over a task: each call's top-level string arguments (or its raw
+    input, for a tool whose input is not a JSON object), at least `MIN_HANDOFF_CHARS` long, stripped."""
     found = []
-    for call in turn.response_message.get("tool_calls") or []:
-        arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+    for position, call in enumerate(turn.response_message.get("tool_calls") or []):
+        if not isinstance(call, dict):
+            continue
+        arguments = (call.get("function") or {}).get("arguments")
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 pass
         values = arguments.values() if isinstance(arguments, dict) else [arguments]
-        found += [v for v in values if isinstance(v, str) and len(v.strip()) >= MIN_HANDOFF_CHARS]
-    return [v.strip() for v in found]
+        tasks = tuple(v.strip() for v in values if isinstance(v, str) and len(v.strip()) >= MIN_HANDOFF_CHARS)
+        if tasks:
+            call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else None
+            found.append(_Call(turn.index, position, call_id, tasks))
+    return found
 
 
-def _spawning_turn(turn: Turn, latest_calls: dict[int, tuple[int, list[str]]]) -> int | None:
-    """The latest turn, among the conversations' latest turns, one of whose tool calls' arguments `turn` quotes."""
-    text = _request_text(turn)
-    spawners = [index for index, handoffs in latest_calls.values() if any(h in text for h in handoffs)]
-    return max(spawners, default=None)
+def _new_user_texts(turn: Turn) -> set[str]:
+    """The texts of the user messages after the request's last assistant message (all of them in a conversation's
+    first request): each message's whole text and each of its text parts, stripped, each also without its
+    `<system-reminder>` blocks (Claude Code 2.1.197 sends a sub-agent its `Agent` prompt after one, in one string)."""
+    texts = set()
+    for message in reversed(turn.request_messages):  # from the end: O(new messages), not O(history)
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            continue
+        if message["role"] == "assistant":
+            break
+        content = message.get("content")
+        found = [_text(content)] + ([_text([part]) for part in content] if isinstance(content, list) else [])
+        texts.update(text.strip() for text in found)
+        texts.update(_REMINDER.sub("", text).strip() for text in found if "<system-reminder>" in text)
+    return texts
 
 
-def _background_spawner(turn: Turn, calls: list[tuple[int, list[str]]]) -> int | None:
-    """The latest turn one of whose tool calls' arguments is, as a whole, the last message of `turn`'s request (a
-    user message), if any."""
-    last = turn.request_messages[-1] if turn.request_messages else None
-    if not isinstance(last, dict) or last.get("role") != "user":
+def _spawning_call(turn: Turn, calls_by_task: dict[str, list[_Call]], spawned: set[tuple[int, int]]) -> _Call | None:
+    """The earliest call that has not spawned a conversation yet and whose task is, as a whole, one of the texts of
+    the request's new user messages (rule 2). Looked up by text: a call's cost does not grow with the episode."""
+    if turn.prompt_source != "rendered":
         return None
-    text = _text(last.get("content")).strip()
-    if len(text) < MIN_HANDOFF_CHARS:
-        return None
-    return max((index for index, handoffs in calls if text in handoffs), default=None)
+    found = [c for text in _new_user_texts(turn) for c in calls_by_task.get(text, ()) if c.key not in spawned]
+    return min(found, key=lambda c: c.key, default=None)
+
+
+def _find_answered_spawns(
+    conversations: dict[int, Conversation], by_index: dict[int, Turn], calls: list[_Call], spawned: set
+) -> None:
+    """Mark as sub-agents the conversations of their own whose first request quotes the task of an earlier call that
+    spawned nothing else, and whose last answer comes back as that call's result (rule 6)."""
+    quoting = []  # (conversation, the calls whose task its first request quotes)
+    for conversation in conversations.values():
+        first = by_index[conversation.index]
+        if conversation.spawned_by is None and _is_fresh(first):
+            text = _request_text(first)
+            quoted = [c for c in calls if c.turn < first.index and c.id and any(t in text for t in c.tasks)]
+            if quoted:
+                quoting.append((conversation, quoted))
+    if not quoting:
+        return
+    results: dict[str, str] = {}  # call id -> the text of its result, as the agent sent it back
+    wanted = {c.id for _, quoted in quoting for c in quoted}
+    for turn in by_index.values():
+        for message in turn.request_messages:
+            if (
+                isinstance(message, dict)
+                and message.get("role") == "tool"
+                and isinstance(message.get("tool_call_id"), str)
+                and message["tool_call_id"] in wanted
+            ):
+                results[message["tool_call_id"]] = _text(message.get("content"))
+    for conversation, quoted in quoting:
+        answer = _text(by_index[conversation.turns[-1]].response_message.get("content")).strip()
+        call = next((c for c in quoted if c.key not in spawned and answer and answer in results.get(c.id, "")), None)
+        if call is not None:
+            spawned.add(call.key)
+            conversation.role, conversation.spawned_by = "sub_agent", call.turn
 
 
 def _task_text(task_prompt: str | list[dict] | None) -> str:

@@ -93,6 +93,11 @@ def prefix_keys(messages: list[dict], start: bytes = b"") -> list[bytes]:
     return keys
 
 
+def _call_ids(message: dict) -> list[str]:
+    """The ids of an assistant message's tool calls (empty ones dropped)."""
+    return [call["id"] for call in message.get("tool_calls") or () if call.get("id")]
+
+
 def _integral_floats(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
@@ -268,19 +273,32 @@ class EpisodeSession:
 
         Candidates come from the key of an assistant message, scanning back from the end (the new messages come
         first, then the answer they follow): O(new messages) keys, then one comparison of the prefix at C speed.
+        Among candidates with the same history, the one whose answer carries the request's tool-call ids wins (issue
+        40: two sub-agents sent the same request and got the same answer; the keys ignore ids, which agents may
+        regenerate, so the first sub-agent's next call continued the second's turn). Without ids, the latest.
         """
         for k in range(len(messages) - 2, -1, -1):  # k: where the parent's answer would be
             if messages[k]["role"] != "assistant":
                 continue
-            candidates = self._by_answer.get(message_key(messages[k]))
-            for index in reversed(candidates or ()):
+            ids = _call_ids(messages[k])
+            found = None
+            for index in reversed(self._by_answer.get(message_key(messages[k])) or ()):
                 history = self._histories[index]
                 if len(history.messages) != k:
                     continue
                 if messages[:k] == history.messages:
-                    return index, True
-                if [comparable_message(m) for m in messages[:k]] == [comparable_message(m) for m in history.messages]:
-                    return index, False
+                    same = True
+                elif [comparable_message(m) for m in messages[:k]] == [comparable_message(m) for m in history.messages]:
+                    same = False
+                else:
+                    continue
+                if ids and ids == _call_ids(history.answer):
+                    return index, same
+                found = found or (index, same)
+                if not ids:
+                    break  # nothing to tell candidates apart by: the latest
+            if found is not None:
+                return found
         return None, False
 
     def plan_prompt(self, renderer: ChatRenderer, messages: list[dict], tools: list[dict] | None) -> PromptPlan:

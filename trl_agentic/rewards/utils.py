@@ -13,6 +13,8 @@ from typing import Any
 
 from trl.trainer.utils import get_callable_name, is_async_callable
 
+from ..lineage import turn_conversations
+from ..trace import Turn
 from .process import split_turn_rewards
 
 
@@ -294,9 +296,10 @@ class RewardModelFunc:
 
 
 def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[float | None]:
-    """-1.0 for an episode whose last model call was cut at its token limit (`finish_reason == "length"`), else 0.0:
-    DAPO's overlong punishment, in its hard form, for agents. Added to a checker's score, an answer cut off mid-way
-    scores at most 0 and a cut-off failure -1.
+    """-1.0 for an episode whose main line's last model call was cut at its token limit (`finish_reason ==
+    "length"`), else 0.0: DAPO's overlong punishment, in its hard form, for agents. Added to a checker's score, an
+    answer cut off mid-way scores at most 0 and a cut-off failure -1. The main line's last call is the one that gave
+    the answer (`trl_agentic.lineage`): a title or summary request sent after it does not count.
 
     It scores the episodes that ended `ok` and those whose agent raised (`agent_error`) right after a cut-off call,
     and declares `scores_failed_episodes` for it: an agent framework may refuse an answer cut at the limit instead of
@@ -323,17 +326,26 @@ def cut_off_penalty(prompts: list, completions: list, **kwargs: Any) -> list[flo
     """
     if kwargs.get("episodes") is None:
         raise ValueError(
-            "cut_off_penalty reads each episode's last finish reason from the `episodes` column, which "
+            "cut_off_penalty reads the finish reason of each episode's last call from the `episodes` column, which "
             "AgenticGRPOTrainer passes to reward functions; plain TRL does not (use `mask_truncated_completions`)."
         )
     penalties: list[float | None] = []
     for episode in kwargs["episodes"][: len(completions)]:
-        cut = bool(episode.turns) and episode.turns[-1].finish_reason == "length"  # no model call: nothing was cut
+        # The main line's last call gives the answer: a title or summary request after it may be cut, the answer not
+        # (issue 40). No model call: nothing was cut.
+        last = _main_line_last_call(episode.turns)
+        cut = last is not None and last.finish_reason == "length"
         if episode.status == "ok" or (cut and episode.status == "agent_error"):
             penalties.append(-1.0 if cut else 0.0)
         else:
             penalties.append(None)
     return penalties
+
+
+def _main_line_last_call(turns: list[Turn]) -> Turn | None:
+    """The last delivered call of the episode's main line (`trl_agentic.lineage`), `None` without one."""
+    roles = turn_conversations(turns)
+    return next((t for t in reversed(turns) if roles.get(t.index, (None, None))[1] == "main"), None)
 
 
 cut_off_penalty.scores_failed_episodes = True  # an agent that raised on a cut-off answer is scored (see above)
