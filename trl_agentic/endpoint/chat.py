@@ -11,11 +11,12 @@ Per call, only a window of the conversation is rendered (issue #12: rendering th
 episode O(T²)): the head (leading system messages and the first user message: the system block, the tools, the
 "first user message" some templates decorate) plus the tail from the parent's last message on (from its last query
 when the new messages hold more than tool results: Qwen3 drops earlier reasoning, Mistral moves the tools, when a new
-user query arrives; a user message the template takes for a tool turn is no query, issue 40). The parent's window is rendered beside the new one, so the append-only check runs on
-them exactly as on whole renderings. `ChatRenderer(incremental=False)` renders whole conversations (the reference
-path), and a renderer whose template gives a different answer on probe conversations falls back to it. A window is
-also declined when its first user message is not a plain query to the template (Qwen3 takes a user message wrapped in
-`<tool_response>` tags for a tool turn: issue #29), since the probes ran with plain ones.
+user query arrives; a user message the template takes for a tool turn is no query, issue 40). The parent's window is
+rendered beside the new one, so the append-only check runs on them exactly as on whole renderings.
+`ChatRenderer(incremental=False)` renders whole conversations (the reference path), and a renderer whose template
+gives a different answer on probe conversations falls back to it. A window is also declined when its first user
+message is not a plain query to the template (Qwen3 takes a user message wrapped in `<tool_response>` tags for a tool
+turn: issue #29), since the probes ran with plain ones.
 """
 
 from __future__ import annotations
