@@ -356,6 +356,22 @@ def test_windows_equal_whole_renders_when_user_messages_hold_template_tags(templ
     assert windowed.rendered_messages < whole.rendered_messages  # ...and rendered less than whole conversations
 
 
+@pytest.mark.parametrize("template", QWEN3_TEMPLATES, ids=lambda p: p.stem)
+def test_window_reaches_the_last_query_past_tool_response_user_messages(template):
+    # Issue 40: a new query walked the window's tail back to the parent's last user message, here one Qwen3 takes for a
+    # tool turn. The real last query lay before it, outside the window: the window continued, while the whole request
+    # drops the reasoning of the answers between the two queries (the template never renders the continued context).
+    tokenizer = copy.deepcopy(build_tiny_tokenizer("qwen3"))
+    tokenizer.chat_template = template.read_text(encoding="utf-8")
+    full = adversarial_conversation((ADVERSARIAL[3], WRAPPED, "And 7 * 8?"))
+    call, result, answer = full[1], full[2], full[3]
+    query, wrapped, new_query = full[0], full[4], full[10]
+    # Two tool results: the tail's parity then keeps it at the tool-response user message, past the answer before it.
+    conversation = [query, call, result, {**result, "content": "result 0b"}, answer, wrapped, answer, new_query]
+    windowed, _ = assert_windows_equal_whole_renders(tokenizer, [conversation])
+    assert windowed.incremental
+
+
 def byte_tokenizer(template: str) -> PreTrainedTokenizerFast:
     """A tokenizer without merges whose added tokens are the template's tags: enough to compare renderings of any
     template token for token, built in milliseconds."""

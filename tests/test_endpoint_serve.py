@@ -135,20 +135,31 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
         client = openai.OpenAI(base_url=opened["path_base_url"], api_key="EMPTY", max_retries=0, timeout=60)
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hello!"}])
         # The Gemini API takes its key in the query string too: the access log must not print it
+        gemini_body = {"contents": [{"role": "user", "parts": [{"text": "Hello!"}]}]}
         gemini = httpx.post(
-            f"{url}/v1beta/models/policy:generateContent",
-            params={"key": opened["key"]},
-            json={"contents": [{"role": "user", "parts": [{"text": "Hello!"}]}]},
-            timeout=60,
+            f"{url}/v1beta/models/policy:generateContent", params={"key": opened["key"]}, json=gemini_body, timeout=60
         )
         assert gemini.status_code == 200, gemini.text
+        # Percent-encoded, the parameter name and the episode id still authenticate (the server decodes them): the
+        # access log prints them raw, and redacts them all the same (issue 40: `?%6Bey=<key>` was printed as sent).
+        hex_id = opened["id"].removeprefix("ep-")
+        encoded_id = f"%65p-%{ord(hex_id[0]):02X}{hex_id[1:]}"
+        for path, headers in [
+            (f"/v1beta/models/policy:generateContent?%6Bey={opened['key']}", {}),
+            (f"/v1beta/models/policy:generateContent?k%65%79={opened['key']}", {}),
+            (f"/episodes/{encoded_id}/v1beta/models/policy:generateContent", {}),
+        ]:
+            response = httpx.post(f"{url}{path}", json=gemini_body, headers=headers, timeout=60)
+            assert response.status_code == 200, (path, response.text)
         assert httpx.post(f"{url}/admin/episodes/{opened['id']}/close", headers=admin, timeout=10).status_code == 200
         time.sleep(0.5)  # let the access log reach the file
         printed = log.read_text()
         assert "admin token: as given ($TRL_AGENTIC_ADMIN_TOKEN)" in printed
         assert "Authorization: Bearer $TRL_AGENTIC_ADMIN_TOKEN" in printed
-        assert token not in printed and opened["id"] not in printed and opened["key"] not in printed
+        assert token not in printed and hex_id not in printed and hex_id[1:] not in printed
+        assert opened["key"] not in printed
         assert "/episodes/ep-<redacted>/v1/chat/completions" in printed  # the access log is there, redacted
         assert "generateContent?key=<redacted>" in printed
+        assert "generateContent?%6Bey=<redacted>" in printed and "generateContent?k%65%79=<redacted>" in printed
     finally:
         stop_serve(process)

@@ -522,8 +522,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from_producer = self._ready_episodes is not None
         if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
             episodes, self._ready_episodes = self._ready_episodes, None
-            if self.args.rollout_process:  # the child's engine's work since the last batch
-                stats = self._producer.stats
+            # The engine's work since the last step's batch (the producer never stops: taken, copied and reset at once)
+            if self.args.rollout_process:  # the child's engine's
+                stats = self._producer.take_stats()
+            elif stats is not None:
+                stats = self.engine.take_stats()
         else:
             episodes = self._run_rollout(tasks, num_generations, stats)
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
@@ -534,8 +537,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["engine/reused_prompt_tokens"].append(
                 stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0
             )
-            if from_producer:  # the engine's work since the last step's batch (the producer never stops)
-                stats.reset()
         rows_results = [
             episode_to_rows(
                 ep.turns,

@@ -102,8 +102,7 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
         except BaseException as e:  # noqa: BLE001 - the trainer raises it when it takes the batch
             episodes, error = None, repr(e)
         with send_lock:  # the engine's work since the last delivery, added up on the trainer's side
-            stats = dataclasses.replace(engine.stats)
-            engine.stats.reset()
+            stats = engine.take_stats()
             idle, cpu = producer.take_idle_seconds(), time.process_time()
             message = ("result", index, episodes, error, idle, producer.running, stats, cpu)
             _send_episodes(conn.send, message, episodes)
@@ -214,6 +213,14 @@ class ProcessRolloutProducer:
             raise RuntimeError(f"The rollout process failed to start:\n{first[1]}")
         self._listener = threading.Thread(target=self._listen, name="trl-agentic-rollout-listener", daemon=True)
         self._listener.start()
+
+    def take_stats(self) -> EngineStats:
+        """The child's engine's work delivered since the last `take_stats`, counting afresh from now on (one step under
+        the lock the listener adds deliveries under: none is lost between the copy and the reset)."""
+        with self._lock:
+            stats = dataclasses.replace(self.stats)
+            self.stats.reset()
+        return stats
 
     @property
     def pid(self) -> int | None:

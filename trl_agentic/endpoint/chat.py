@@ -9,13 +9,14 @@ token, where tokenization restarts, so the ids equal a slice of the full tokeniz
 
 Per call, only a window of the conversation is rendered (issue #12: rendering the whole history each turn made an
 episode O(T²)): the head (leading system messages and the first user message: the system block, the tools, the
-"first user message" some templates decorate) plus the tail from the parent's last message on (from its last user
-message when the new messages hold more than tool results: Qwen3 drops earlier reasoning, Mistral moves the tools,
-when a new user query arrives). The parent's window is rendered beside the new one, so the append-only check runs on
-them exactly as on whole renderings. `ChatRenderer(incremental=False)` renders whole conversations (the reference
-path), and a renderer whose template gives a different answer on probe conversations falls back to it. A window is
-also declined when its first user message is not a plain query to the template (Qwen3 takes a user message wrapped in
-`<tool_response>` tags for a tool turn: issue #29), since the probes ran with plain ones.
+"first user message" some templates decorate) plus the tail from the parent's last message on (from its last query
+when the new messages hold more than tool results: Qwen3 drops earlier reasoning, Mistral moves the tools, when a new
+user query arrives; a user message the template takes for a tool turn is no query, issue 40). The parent's window is
+rendered beside the new one, so the append-only check runs on them exactly as on whole renderings.
+`ChatRenderer(incremental=False)` renders whole conversations (the reference path), and a renderer whose template
+gives a different answer on probe conversations falls back to it. A window is also declined when its first user
+message is not a plain query to the template (Qwen3 takes a user message wrapped in `<tool_response>` tags for a tool
+turn: issue #29), since the probes ran with plain ones.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,22 +367,24 @@ class ChatRenderer:
         return self.continuation(parent, self.render_text(messages, tools), completion_ids)
 
     @staticmethod
-    def window(messages: list[dict], parent_length: int) -> tuple[int, int] | None:
+    def window(
+        messages: list[dict], parent_length: int, is_query: Callable[[dict], bool] = lambda message: True
+    ) -> tuple[int, int] | None:
         """`(head, start)`: a continued call renders `messages[:head] + messages[start:]` (`None`: no window
         shorter than the conversation).
 
         The head ends after the first user message (templates render the system block and tools around the first
         messages, and Llama 3 puts the tools into the first user message); the tail starts at the parent's last
-        message, or at its last user message when the new messages hold anything but tool results (a new query is
-        where templates re-render earlier turns). The tail keeps each message's index parity, for templates that
-        check that roles alternate.
+        message, or at its last query (a user message `is_query` takes for one) when the new messages hold anything
+        but tool results (a new query is where templates re-render earlier turns: those after the last query). The
+        tail keeps each message's index parity, for templates that check that roles alternate.
         """
         head = next((i + 1 for i, m in enumerate(messages[:parent_length]) if m["role"] == "user"), None)
         if head is None or head >= parent_length:
             return None
         start = parent_length - 1
         if any(m["role"] != "tool" for m in messages[parent_length + 1 :]):
-            while start > head and messages[start]["role"] != "user":
+            while start > head and not (messages[start]["role"] == "user" and is_query(messages[start])):
                 start -= 1
         start = max(start, head)
         if (start - head) % 2:
@@ -389,8 +393,10 @@ class ChatRenderer:
 
     def _exact_window(self, messages: list[dict], parent_length: int) -> tuple[int, int] | None:
         """`window`, unless its head's user message is not a plain query to the template: the probes that found
-        windows exact had plain ones."""
-        window = self.window(messages, parent_length)
+        windows exact had plain ones. A new query walks the tail back to the last plain query, past user messages
+        the template takes for tool turns (issue 40: the tail began at Qwen3's `<tool_response>` user message, the
+        real last query lay before it, and the window continued a context the whole request never renders)."""
+        window = self.window(messages, parent_length, self._is_plain_query)
         if window is None or not self._is_plain_query(messages[window[0] - 1]):
             return None
         return window
@@ -620,7 +626,11 @@ class ChatRenderer:
                 pass
         content = (parsed.get("content") or "") if isinstance(parsed, dict) else None
         reasoning = (parsed.get("reasoning_content") or "") if isinstance(parsed, dict) else None
-        if not isinstance(content, str) or not isinstance(reasoning, str) or (reasoned_only and not reasoning):
+        if (
+            not isinstance(content, str)
+            or not isinstance(reasoning, str)
+            or (reasoned_only and not (reasoning and self._reasoning_opens(completion_ids)))
+        ):
             if text is None:
                 text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
             return {"role": "assistant", "content": text}
@@ -630,6 +640,22 @@ class ChatRenderer:
         if reasoning:
             message["reasoning_content"] = reasoning
         return message
+
+    def _reasoning_opens(self, completion_ids: list[int]) -> bool:
+        """Whether the reply's reasoning opens it (only whitespace before the first reasoning region). Text before
+        `<think>` is no reasoned answer in the template's format: the parser would keep only the text after
+        `</think>`, while a stream has sent the text before `<think>` (issue 40: the agent sent back what streamed, and
+        its next call forked); such a reply is the text as decoded, streamed or not (`streaming.AnswerStream`)."""
+        field = self._text_template.fields.get("reasoning_content")
+        if field is None or field.open_re is None:
+            return True
+        text = self.tokenizer.decode(completion_ids)  # special tokens kept, as the parser reads them
+        opened = field.open_re.search(text)
+        if opened is None:  # the reasoning opened in the prompt (a generation prompt ending in `<think>`)
+            return True
+        before = text[: opened.start()]
+        # A reasoning region closed before it: the reply began inside reasoning (the prompt opened it).
+        return not before.strip() or (field.close_re is not None and field.close_re.search(before) is not None)
 
 
 def _alternatives(tokens) -> re.Pattern:

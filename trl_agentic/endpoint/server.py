@@ -18,21 +18,32 @@ from fastapi import FastAPI
 from .sessions import EpisodeLimits, EpisodeSession, redact_episode_ids
 
 
-# A key in a query string (`?key=...`, as the Gemini API accepts it).
-_QUERY_KEY = re.compile(r"([?&]key=)[^&\s\"']+")
+def _sent(char: str) -> str:
+    """A pattern for `char` as a client may send it in a URL: as is, or percent-encoded (any case of hex digits)."""
+    return f"(?:{re.escape(char)}|%(?i:{ord(char):02x}))"
+
+
+# What the server decodes to a secret, in the raw URL uvicorn's access log prints (issue 40: `?%6Bey=<key>` and
+# `/episodes/%65p-<id>/...` authenticate, and were printed as sent). A key in a query string (`?key=...`, as the Gemini
+# API accepts it), and an episode id (`sessions.redact_episode_ids` catches it as decoded).
+_QUERY_KEY = re.compile(f"([?&]{_sent('k')}{_sent('e')}{_sent('y')}=)" + r"[^&\s\"']+")
+_HEX_DIGIT = "|".join(_sent(c) for c in "0123456789abcdef")
+_EPISODE_ID = re.compile(f"{_sent('e')}{_sent('p')}{_sent('-')}(?:{_HEX_DIGIT}){{32}}")
 
 
 def redact_secrets(text: str) -> str:
-    """`text` with episode ids and query-string keys redacted.
+    """`text` with episode ids and query-string keys redacted, percent-encoded or not.
 
     Example:
 
     ```python
     >>> redact_secrets("POST /v1beta/models/policy:generateContent?alt=sse&key=sk-ep-abc HTTP/1.1")
     'POST /v1beta/models/policy:generateContent?alt=sse&key=<redacted> HTTP/1.1'
+    >>> redact_secrets("POST /v1beta/models/policy:generateContent?%6Bey=sk-ep-abc HTTP/1.1")
+    'POST /v1beta/models/policy:generateContent?%6Bey=<redacted> HTTP/1.1'
     ```
     """
-    return _QUERY_KEY.sub(r"\1<redacted>", redact_episode_ids(text))
+    return _QUERY_KEY.sub(r"\1<redacted>", _EPISODE_ID.sub("ep-<redacted>", redact_episode_ids(text)))
 
 
 class RedactEpisodeIds(logging.Filter):

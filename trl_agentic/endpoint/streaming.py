@@ -16,11 +16,15 @@ answer's content and reasoning, as the wire formats stream them, under three rul
   keeps the reasoning and the text before the call as they streamed, `ChatRenderer.unreadable_message`), and what
   follows a special token the parser keeps and a plain decode drops.
 
-One case cannot add up: text the model writes after a tool call (or after its reasoning) replaces, in the parsed
-message, the text it wrote before it (transformers' parser keeps the last region of a field), and a stream cannot take
-back what it sent. Without tools, Responses and Messages stream the text as decoded until the model reasons, so even
-whitespace before a `<think>` has left by then. Such an answer is counted in `AnswerStream.diverged`; the recorded
-turn is unaffected.
+Without tools, Responses, Messages and Gemini split out the reasoning only of an answer it opens
+(`ChatRenderer.parse`): whitespace waits until text follows it (it may come before a `<think>`, and the parsed content
+drops it), and text before a `<think>` makes the answer the text as decoded: what streamed of it has left, the rest
+waits for `finish` (issue 40: the text after `</think>` was recorded, the text before it streamed, and the agent's
+next call forked).
+
+One case cannot add up: with tools, text the model writes after a tool call (or after its reasoning) replaces, in the
+parsed message, the text it wrote before it (transformers' parser keeps the last region of a field), and a stream
+cannot take back what it sent. Such an answer is counted in `AnswerStream.diverged`; the recorded turn is unaffected.
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ class AnswerStream:
         else:
             for event in self._parser.feed(text):
                 self._route(event)
-        if not self._stopped:
+        if not self._stopped and not self._held:
             self._flush()
 
     def finish(self, message: dict[str, Any], ids: list[int] = ()) -> None:
@@ -176,6 +180,14 @@ class AnswerStream:
         if kind is None:
             return
         region = self._regions[kind]
+        if kind == REASONING and not self._reasoned and not self.strip_content and self._regions[CONTENT].raw.strip():
+            # Text before the reasoning: no reasoned answer in the template's format, the answer is the text as
+            # decoded (`ChatRenderer.parse`, issue 40: the text after `</think>` was recorded, the text before it
+            # streamed). The text before `<think>` has left; the rest waits for `finish`.
+            self._held = True
+            return
+        if event["type"] == "region_open" and region.closed and not region.emitted:
+            region = self._regions[kind] = _Region()  # nothing of the earlier region left: the later one streams
         if kind == REASONING:
             self._reasoned = True
         if event["type"] == "region_chunk" and not region.closed:
@@ -188,6 +200,8 @@ class AnswerStream:
             region = self._regions[kind]
             if kind == CONTENT and self._parser is not None and not (self.strip_content or self._reasoned):
                 safe = region.raw[: len(region.raw) - max(self._hold, _overlap(region.raw, self._eos))]
+                if not safe.strip():  # whitespace alone may come before `<think>`: the parsed content drops it
+                    safe = ""
             elif region.closed:
                 safe = region.raw.strip()
                 if kind == CONTENT and self._eos:

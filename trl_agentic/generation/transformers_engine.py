@@ -39,7 +39,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -289,12 +289,32 @@ class TransformersEngine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         _OptimizerSteps.ensure_hooked()
         self.stats = EngineStats()
+        # Guards `stats`: the worker counts each step under it, `take_stats` copies and resets under it.
+        self._stats_lock = threading.Lock()
         self.batch_sizes: Counter[int] = Counter()  # requests admitted together (size: count)
         self._pending: deque[Request] = deque()
         self._lock = threading.Lock()  # guards _pending and _worker
         self._wakeup = threading.Condition(self._lock)
         self._worker: threading.Thread | None = None
         self._stop_worker = threading.Event()
+
+    def take_stats(self) -> EngineStats:
+        """What the engine did since the last `take_stats` (or since it was built), counting afresh from now on.
+
+        The copy and the reset are one step under the lock the worker counts under: copied and reset apart, a step
+        counted in between was lost, and a count the worker was adding up could come back after the reset (issue 40).
+
+        Example:
+
+        ```python
+        >>> work = engine.take_stats()  # e.g. once per training step, while the engine keeps serving
+        >>> work.requests, work.decode_occupancy
+        ```
+        """
+        with self._stats_lock:
+            stats = replace(self.stats)
+            self.stats.reset()
+        return stats
 
     # Weights
 
@@ -450,7 +470,8 @@ class TransformersEngine:
                     for row in [*rows, *batch.rows]:
                         row.done(error)
                     batch = _Batch()
-                self.stats.busy_s += time.perf_counter() - started
+                with self._stats_lock:
+                    self.stats.busy_s += time.perf_counter() - started
         finally:
             with self._lock:
                 if self._worker is threading.current_thread():
@@ -639,7 +660,8 @@ class TransformersEngine:
         keys = [layer.keys[0].clone() for layer in outputs.cache.layers]
         values = [layer.values[0].clone() for layer in outputs.cache.layers]
         self.prefix_cache.store(list(tokens), keys, values, policy)
-        self.stats.prefilled_tokens += len(tokens) - reused
+        with self._stats_lock:
+            self.stats.prefilled_tokens += len(tokens) - reused
         return True
 
     def _prefill_isolating(self, rows: list[_Row]) -> list[_Batch]:
@@ -687,10 +709,11 @@ class TransformersEngine:
         )
         for row, start in zip(rows, reused):
             row.reused, row.length = start, len(row.prompt)
-        self.stats.requests += len(rows)
-        self.stats.prefix_hits += sum(1 for start in reused if start)
-        self.stats.reused_tokens += sum(reused)
-        self.stats.prefilled_tokens += int(lengths.sum()) - sum(reused)
+        with self._stats_lock:
+            self.stats.requests += len(rows)
+            self.stats.prefix_hits += sum(1 for start in reused if start)
+            self.stats.reused_tokens += sum(reused)
+            self.stats.prefilled_tokens += int(lengths.sum()) - sum(reused)
         batch = _Batch(rows, outputs.cache)
         self._sample(batch, outputs.logits[:, -1, :], sampling)
         self._retire(batch)
@@ -713,9 +736,10 @@ class TransformersEngine:
         )
         for row in batch.rows:
             row.length += 1
-        self.stats.decode_steps += 1
-        self.stats.decoded_rows += len(batch.rows)
-        self.stats.waiting_rows += waiting
+        with self._stats_lock:
+            self.stats.decode_steps += 1
+            self.stats.decoded_rows += len(batch.rows)
+            self.stats.waiting_rows += waiting
         self._sample(batch, outputs.logits[:, -1, :], sampling)
 
     def _sampling_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
