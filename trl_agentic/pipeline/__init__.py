@@ -34,6 +34,8 @@ _EXPORTS = {
     "warm_start_demonstrations": ".data",
     "HeldOutEvaluator": ".held_out",
     "StagedCheck": ".held_out",
+    "PipelinePlan": ".plan",
+    "make_plan": ".plan",
     "run_pipeline": ".run",
     "build_warm_started": ".warm_start",
 }
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from .config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
     from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
     from .held_out import HeldOutEvaluator, StagedCheck
+    from .plan import PipelinePlan, make_plan
     from .run import run_pipeline
     from .warm_start import build_warm_started
 
@@ -64,10 +67,12 @@ __all__ = [
     "CalculatorDemoConfig",
     "HeldOutEvaluator",
     "PipelineConfig",
+    "PipelinePlan",
     "StagedCheck",
     "build_warm_started",
     "check_task",
     "grpo_tasks",
+    "make_plan",
     "run_pipeline",
     "short_form_rows",
     "validation_tasks",
