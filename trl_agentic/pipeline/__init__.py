@@ -37,6 +37,7 @@ _EXPORTS = {
     "PipelinePlan": ".plan",
     "make_plan": ".plan",
     "run_pipeline": ".run",
+    "run_plan": ".run",
     "build_warm_started": ".warm_start",
 }
 
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
     from .held_out import HeldOutEvaluator, StagedCheck
     from .plan import PipelinePlan, make_plan
-    from .run import run_pipeline
+    from .run import run_pipeline, run_plan
     from .warm_start import build_warm_started
 
 
@@ -74,6 +75,7 @@ __all__ = [
     "grpo_tasks",
     "make_plan",
     "run_pipeline",
+    "run_plan",
     "short_form_rows",
     "validation_tasks",
     "warm_start_demonstrations",

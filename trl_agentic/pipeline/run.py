@@ -13,7 +13,7 @@ from typing import Any
 
 from ..tasks import TaskSuite
 from .config import PipelineConfig
-from .plan import make_plan
+from .plan import PipelinePlan, make_plan
 from .printing import info, quiet_libraries
 from .stages import (
     grpo_stage,
@@ -81,7 +81,13 @@ def run_pipeline(
         task_file_source=task_file_source,
         smoke=smoke,
     )
-    config = plan.config
+    return run_plan(plan, threads=threads, title=title)
+
+
+def run_plan(plan: PipelinePlan, *, threads: int = 1, title: str = "trl-agentic pipeline") -> dict[str, Any]:
+    """[`run_pipeline`] on a task already resolved by [`make_plan`] (`trl-agentic demo` resolves it first, to fail
+    before a model is built): the five stages, in order, each a function of `plan`; returns the summary."""
+    config, smoke = plan.config, plan.smoke
     quiet_libraries()
     started = time.monotonic()
 
