@@ -34,7 +34,10 @@ _EXPORTS = {
     "warm_start_demonstrations": ".data",
     "HeldOutEvaluator": ".held_out",
     "StagedCheck": ".held_out",
+    "PipelinePlan": ".plan",
+    "make_plan": ".plan",
     "run_pipeline": ".run",
+    "run_plan": ".run",
     "build_warm_started": ".warm_start",
 }
 
@@ -43,7 +46,8 @@ if TYPE_CHECKING:
     from .config import SMOKE_OVERRIDES, PipelineConfig, with_overrides
     from .data import check_task, grpo_tasks, short_form_rows, validation_tasks, warm_start_demonstrations
     from .held_out import HeldOutEvaluator, StagedCheck
-    from .run import run_pipeline
+    from .plan import PipelinePlan, make_plan
+    from .run import run_pipeline, run_plan
     from .warm_start import build_warm_started
 
 
@@ -64,11 +68,14 @@ __all__ = [
     "CalculatorDemoConfig",
     "HeldOutEvaluator",
     "PipelineConfig",
+    "PipelinePlan",
     "StagedCheck",
     "build_warm_started",
     "check_task",
     "grpo_tasks",
+    "make_plan",
     "run_pipeline",
+    "run_plan",
     "short_form_rows",
     "validation_tasks",
     "warm_start_demonstrations",

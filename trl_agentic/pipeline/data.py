@@ -61,19 +61,26 @@ def check_demonstrations(suite: TaskSuite, demonstrations: Any) -> list[dict[str
 def check_task(suite: TaskSuite, config: PipelineConfig) -> None:
     """Fail fast, before a model is built, when `suite` cannot run through the pipeline: no checker, no or unusable
     demonstrations, or difficulty levels the config names that the suite does not have."""
-    if not suite.reward_funcs:
-        raise ValueError(f"Task {suite.name!r} has no reward_funcs: give its TaskSuite a checker that scores episodes.")
+    check_reward_funcs(suite)
     for levels in (config.levels, config.warm_start_levels, config.warm_start_check_levels):
         level_list(suite, levels)  # a level the suite does not have: named, with those it has
     warm_start_demonstrations(suite, dataclasses.replace(config, num_demonstrations=2))
 
 
-def warm_start_demonstrations(suite: TaskSuite, config: PipelineConfig) -> list[dict[str, Any]]:
+def check_reward_funcs(suite: TaskSuite) -> None:
+    """A `ValueError` when `suite` has no checker to score its episodes."""
+    if not suite.reward_funcs:
+        raise ValueError(f"Task {suite.name!r} has no reward_funcs: give its TaskSuite a checker that scores episodes.")
+
+
+def warm_start_demonstrations(
+    suite: TaskSuite, config: PipelineConfig, *, levels: tuple[float, ...] | None = None
+) -> list[dict[str, Any]]:
     """`num_demonstrations` successful conversations from the suite's reference solver, evenly over the warm-start
-    difficulty levels, shuffled."""
+    difficulty levels (`levels`, when already resolved: `warm_start_levels(suite, config)`), shuffled."""
     if not callable(suite.demonstrations):
         raise ValueError(f"Task {suite.name!r} has no demonstrations for the warm start: {DEMONSTRATIONS_HELP}.")
-    levels = warm_start_levels(suite, config)
+    levels = warm_start_levels(suite, config) if levels is None else levels
     knobs = [suite.difficulty_levels[level] for level in levels] or [{}]
     per_level = -(-config.num_demonstrations // len(knobs))
     demonstrations = []
@@ -105,10 +112,14 @@ def _without_system(demonstration: dict) -> list[dict]:
     return [m for m in demonstration["messages"] if m["role"] != "system"]
 
 
-def validation_tasks(suite: TaskSuite, config: PipelineConfig, demonstrations: list[dict]) -> list[dict]:
-    """The warm start's check tasks: `validation_size` training-split tasks at the check levels that are not among the
-    demonstrations (the eval split stays untouched until the held-out evaluation)."""
-    size, seed, levels = config.validation_size, config.seed, check_levels(suite, config)
+def validation_tasks(
+    suite: TaskSuite, config: PipelineConfig, demonstrations: list[dict], *, levels: tuple[float, ...] | None = None
+) -> list[dict]:
+    """The warm start's check tasks: `validation_size` training-split tasks at the check levels (`levels`, when
+    already resolved: `check_levels(suite, config)`) that are not among the demonstrations (the eval split stays
+    untouched until the held-out evaluation)."""
+    size, seed = config.validation_size, config.seed
+    levels = check_levels(suite, config) if levels is None else levels
     seen = {question_of(d["messages"]) for d in demonstrations}
     if levels:
         dataset = build_difficulty_dataset(suite, split="train", size=size * 4, seed=seed + 10_000, levels=levels)
@@ -120,16 +131,18 @@ def validation_tasks(suite: TaskSuite, config: PipelineConfig, demonstrations: l
     return rows[:size]
 
 
-def grpo_tasks(suite: TaskSuite, config: PipelineConfig, demonstrations: list[dict]):
-    """GRPO's training tasks: `train_size` training-split tasks over the GRPO levels, without the questions the warm
-    start was trained on wherever a level has others (the calculator's 1-digit products are all demonstrated: that
-    level keeps them).
+def grpo_tasks(
+    suite: TaskSuite, config: PipelineConfig, demonstrations: list[dict], *, levels: tuple[float, ...] | None = None
+):
+    """GRPO's training tasks: `train_size` training-split tasks over the GRPO levels (`levels`, when already resolved:
+    `level_list(suite, config.levels)`), without the questions the warm start was trained on wherever a level has
+    others (the calculator's 1-digit products are all demonstrated: that level keeps them).
 
     Drawn with the demonstrations' seed, as they once were, they were the demonstrations: all 642 of seed 0's 2-digit
     GRPO tasks had been trained on in the warm start, so training success measured recall as much as skill, and the
     sampler's "new" tasks were not new to the model.
     """
-    levels = level_list(suite, config.levels)
+    levels = level_list(suite, config.levels) if levels is None else levels
     seed = config.seed + 20_000
     if levels:
         dataset = build_difficulty_dataset(suite, split="train", size=config.train_size, seed=seed, levels=list(levels))

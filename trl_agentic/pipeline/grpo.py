@@ -56,14 +56,16 @@ def make_callbacks(
     return alarms, step_line_callback
 
 
-def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path):
-    """The pipeline's `AgenticGRPOConfig` (its output in `<output_dir>/grpo`)."""
+def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path, *, levels: tuple[float, ...] | None = None):
+    """The pipeline's `AgenticGRPOConfig` (its output in `<output_dir>/grpo`); `levels`: GRPO's difficulty levels when
+    already resolved (`PipelinePlan.levels`; default `level_list(suite, config.levels)`)."""
     from .. import AgenticGRPOConfig
     from ..console import interactive_console
 
     warmup_steps = min(config.warmup_steps, config.steps)
     decay_steps = min(config.decay_steps, config.steps - warmup_steps)  # runs shorter than the schedule (--smoke)
-    adaptive = config.task_sampling == "adaptive" and bool(level_list(suite, config.levels))
+    levels = level_list(suite, config.levels) if levels is None else levels
+    adaptive = config.task_sampling == "adaptive" and bool(levels)
     return AgenticGRPOConfig(
         output_dir=str(Path(output_dir) / "grpo"),
         max_steps=config.steps,
@@ -133,10 +135,12 @@ def train_grpo(
     callbacks,
     reward_funcs: list | None = None,
     args=None,
+    train_dataset=None,
 ) -> Any:
     """Train `model` in place with GRPO on `grpo_tasks` (the warm start's demonstrations left out); returns the
     trainer (closed: its endpoint is down, its `state.log_history` and `alarms` remain). `reward_funcs` and `args`
-    replace `grpo_reward_funcs` and `grpo_config` (a study's variants, e.g. benchmarks/judge_demo.py)."""
+    replace `grpo_reward_funcs` and `grpo_config` (a study's variants, e.g. benchmarks/judge_demo.py);
+    `train_dataset` replaces `grpo_tasks` (the pipeline's, already drawn: `PipelinePlan.grpo_tasks`)."""
     from .. import AgenticGRPOTrainer
 
     alarms_callback, _ = callbacks  # the trainer prints the step lines itself (`trl_agentic.console`)
@@ -145,7 +149,11 @@ def train_grpo(
         agent=suite.agent,
         reward_funcs=reward_funcs if reward_funcs is not None else grpo_reward_funcs(suite, config),
         args=args if args is not None else grpo_config(config, suite, output_dir),
-        train_dataset=grpo_tasks(suite, config, warm_start_demonstrations(suite, config)),
+        train_dataset=(
+            train_dataset
+            if train_dataset is not None
+            else grpo_tasks(suite, config, warm_start_demonstrations(suite, config))
+        ),
         processing_class=tokenizer,
         callbacks=[alarms_callback],
     )

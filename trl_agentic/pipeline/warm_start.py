@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from ..tasks import TaskSuite
-from .config import PipelineConfig, warm_start_key, warm_start_levels
-from .data import short_form_rows, validation_tasks, warm_start_demonstrations
+from .config import PipelineConfig
+from .data import short_form_rows
 from .held_out import HeldOutEvaluator, StagedCheck
+from .plan import PipelinePlan, make_plan
 from .printing import info, progress
 
 
@@ -66,15 +67,19 @@ def build_warm_started(
     0.27
     ```
     """
+    return warm_start_model(make_plan(suite, config, cache_dir=cache_dir, use_cache=use_cache, smoke=smoke))
+
+
+def warm_start_model(plan: PipelinePlan) -> tuple[Any, Any, dict[str, Any]]:
+    """[`build_warm_started`] for a resolved plan: its demonstrations, check tasks, cache key and folder."""
     import torch
 
     from ..tiny_models import build_tiny_model, build_tiny_tokenizer, load_model_and_tokenizer
     from ..warm_start import warm_start
 
-    demonstrations = warm_start_demonstrations(suite, config)
-    tasks = validation_tasks(suite, config, demonstrations)
-    key = warm_start_key(config, suite, demonstrations, tasks)
-    cache_path = (Path(cache_dir).expanduser() if cache_dir else default_cache_root() / "demo") / key
+    config, suite, use_cache, smoke = plan.config, plan.suite, plan.use_cache, plan.smoke
+    demonstrations, tasks, key = plan.demonstrations, plan.validation_tasks, plan.warm_start_key
+    cache_path = (plan.cache_dir or default_cache_root() / "demo") / key
     meta_path = cache_path / "warm_start.json"
     if use_cache and meta_path.is_file():
         model, tokenizer = load_model_and_tokenizer(str(cache_path), dtype=torch.float32)
@@ -110,7 +115,7 @@ def build_warm_started(
             f"{config.max_completion_length}: the model cannot reproduce it "
             + (SMOKE_NOTE if smoke else f"(--set max_completion_length={longest + 16})")
         )
-    levels = warm_start_levels(suite, config)
+    levels = plan.warm_start_levels
     info(
         f"{len(demonstrations)} demonstrations from the training split"
         + (f", {config.describe_levels(levels)}" if levels else "")

@@ -105,31 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--threads {args.threads}: expected 0 (all cores) or a positive thread count")
     config = config_from_args(args)
     # imported once the arguments parsed: `--help` and a bad flag answer without loading torch and TRL (issue 40)
-    from trl_agentic.pipeline.data import check_task
+    from trl_agentic.pipeline.plan import make_plan
     from trl_agentic.pipeline.report import task_file_source as task_file_source_of
-    from trl_agentic.pipeline.run import run_pipeline
+    from trl_agentic.pipeline.run import run_plan
     from trl_agentic.tasks import get_task
 
-    try:  # a task that cannot run fails here, in seconds, with what to provide
+    try:  # a task that cannot run fails here, in seconds, with what to provide: resolving it builds no model
         if isinstance(config, CalculatorDemoConfig):
             suite, task_file_source = config.suite(), config.task_file_source()
         else:  # the user's task: the run's task.py loads it by name
             suite, task_file_source = get_task(args.task), task_file_source_of(args.task)
-        check_task(suite, config)
+        plan = make_plan(
+            suite,
+            config,
+            args.output_dir,
+            cache_dir=args.cache_dir,
+            use_cache=not args.no_cache,
+            task_file_source=task_file_source,
+            smoke=args.smoke,
+        )
     except ValueError as error:
         print(f"trl-agentic demo: {error}", file=sys.stderr)
         return 2
-    run_pipeline(
-        suite,
-        config,
-        args.output_dir,
-        cache_dir=args.cache_dir,
-        use_cache=not args.no_cache,
-        threads=args.threads,
-        task_file_source=task_file_source,
-        title="trl-agentic demo",
-        smoke=args.smoke,
-    )
+    run_plan(plan, threads=args.threads, title="trl-agentic demo")
     return 0
 
 
