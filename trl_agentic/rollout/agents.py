@@ -293,6 +293,9 @@ async def run_process(process: asyncio.subprocess.Process, stdin: bytes | None =
         for task_ in (*readers, *writers):
             task_.cancel()
         await _exited(process)
+        # Its pipes closed now, on this loop: each agent's loop closes when its episode ends, and a transport left to
+        # the garbage collector (it and its protocol hold each other) would close them on a closed loop.
+        process._transport.close()
     return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), bool(held)
 
 
