@@ -37,7 +37,8 @@ class EpisodeContext:
     api_key: str
     model: str
     timeout: float
-    # Shared by the episodes of one rollout (connection reuse); agents must not close it.
+    # The episode's connection pool on its agent's event loop (or one shared by the episodes of a rollout run on one
+    # loop, `run_episodes(http_client=...)`); agents must not close it.
     http_client: httpx.AsyncClient | None = None
 
     @property
