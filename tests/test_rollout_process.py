@@ -148,6 +148,26 @@ def test_a_result_that_does_not_unpickle_in_the_trainer_fails_its_episode_only(t
     assert later.status == "ok" and later.result == "fine"
 
 
+def test_an_agent_that_calls_sys_exit_in_the_child_fails_its_episode_only(tokenizer):
+    # `SystemExit` stopped the child's producer loop, and the trainer waited for the batch for ever (issue 40).
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
+    async def agent(client, task):
+        if task["exit"]:
+            sys.exit(2)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        return "fine"
+
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        producer.submit(0, [{"exit": True}, {"exit": False}], [0, 1], consume_version=0, unit_size=2)
+        episodes, _ = producer.result(0, timeout=120)
+    finally:
+        producer.close()
+    assert [e.status for e in episodes] == ["agent_error", "ok"] and episodes[1].result == "fine"
+    assert episodes[0].error == "the agent raised SystemExit: 2"
+
+
 def test_a_wedged_child_is_killed_by_the_watchdog_and_fails_the_waiting_step(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
