@@ -448,4 +448,7 @@ def test_async_training_goes_on_past_an_agent_that_exits_and_one_that_blocks(tmp
     assert {e["error"] for e in episodes if e["status"] == "agent_error"} == {"the agent raised SystemExit: 1"}
     assert {e["error"] for e in episodes if e["status"] == "timeout"} == {"episode exceeded 5.0s"}
     assert {e["messages"][0]["content"] for e in episodes if e["status"] == "ok"} == {"Add 2 and 3.", "Add 3 and 4."}
+    # The blocked agents were left behind (their threads still blocked), and the log says how many.
+    abandoned = [entry["episodes/abandoned"] for entry in trainer.state.log_history if "episodes/abandoned" in entry]
+    assert abandoned == [0.5, 0.0]
     assert trainer.state.global_step == 2
