@@ -7,6 +7,7 @@ model, agents using the official `openai` client.
 
 import asyncio
 import json
+import sys
 import threading
 import time
 
@@ -407,3 +408,47 @@ def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_ne
         held_out = [s for s, _ in whole.alarms_callback.history["held_out/success"]]
         assert held_out == [0, 2, 4, 5]
         assert [s for s, _ in resumed.alarms_callback.history["held_out/success"]] == held_out
+
+
+@pytest.mark.timeout(300)  # a regression hangs the run: fail it instead
+def test_async_training_goes_on_past_an_agent_that_exits_and_one_that_blocks(tmp_path, tokenizer):
+    # Both used to stop the run (issue 40): `sys.exit()` stopped the producer's loop and `train()` waited for ever; a
+    # blocking call held every episode of the loop past its timeout.
+    release = threading.Event()
+
+    async def unruly_agent(client, task):
+        first = task["prompt"][0]["content"].split()[1]  # "Add <first> and <second>."
+        if first == "0":
+            sys.exit(1)  # a CLI's main()
+        if first == "1":
+            release.wait(60)  # requests.get without a timeout, inside an async def
+        return await tool_agent(client, task)
+
+    trainer = AgenticGRPOTrainer(
+        build_tiny_model(tokenizer),
+        agent=unruly_agent,
+        reward_funcs=length_reward,
+        args=config(
+            tmp_path,
+            async_rollouts=True,
+            max_staleness=1,
+            max_steps=2,
+            per_device_train_batch_size=4,
+            episode_timeout=5,
+        ),
+        train_dataset=dataset(4),
+        processing_class=tokenizer,
+    )
+    try:
+        records = train_and_read_log(trainer, tmp_path)
+    finally:
+        release.set()
+    episodes = [record["episode"] for record in records]
+    assert sorted(e["status"] for e in episodes) == ["agent_error"] * 2 + ["ok"] * 4 + ["timeout"] * 2
+    assert {e["error"] for e in episodes if e["status"] == "agent_error"} == {"the agent raised SystemExit: 1"}
+    assert {e["error"] for e in episodes if e["status"] == "timeout"} == {"episode exceeded 5.0s"}
+    assert {e["messages"][0]["content"] for e in episodes if e["status"] == "ok"} == {"Add 2 and 3.", "Add 3 and 4."}
+    # The blocked agents were left behind (their threads still blocked), and the log says how many.
+    abandoned = [entry["episodes/abandoned"] for entry in trainer.state.log_history if "episodes/abandoned" in entry]
+    assert abandoned == [0.5, 0.0]
+    assert trainer.state.global_step == 2

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,8 @@ from trl_agentic.envs.environment_factory import (
     environment_suite,
 )
 from trl_agentic.evaluation import Evaluator
+from trl_agentic.rollout.agents import resolve_agent
+from trl_agentic.rollout.producer import RolloutProducer
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -777,3 +780,39 @@ def test_reward_functions_never_see_an_episode_without_an_instance():
         prompts=[[], [], []], completions=[[], [], []], answer=[10, 20, 30], episodes=episodes, trainer_state=None
     )
     assert rewards == [13.0, None, 34.0]
+
+
+def test_resets_that_hang_cost_only_their_episodes_and_never_the_batches_after_them(start_server):
+    # A hung sync `reset` held a thread of the producer's default pool (min(32, cpus + 4) threads) for good: once
+    # enough had hung, every later episode of the run waited for a thread and timed out (issue 40).
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: "Done."), tokenizer)
+    release = threading.Event()
+
+    class HangingEnv:
+        def reset(self, hang: bool = False, **row):
+            if hang:
+                release.wait(60)  # a sandbox that never comes up
+
+        def echo(self, text: str) -> str:
+            """Repeat a text.
+
+            Args:
+                text: What to repeat.
+            """
+            return text
+
+    hung = min(32, (os.cpu_count() or 1) + 4)
+    prompt = [{"role": "user", "content": "Go."}]
+    producer = RolloutProducer(server, resolve_agent(EnvironmentAgent(HangingEnv)), max_staleness=1, timeout=1.0)
+    try:
+        producer.submit(0, [{"prompt": prompt, "hang": True}] * hung, [0] * hung, 0, 1)
+        first, _ = producer.result(0, timeout=60)
+        producer.submit(1, [{"prompt": prompt, "hang": False}] * 4, [0] * 4, 0, 1)
+        second, _ = producer.result(1, timeout=60)
+    finally:
+        release.set()
+        producer.close()
+    assert {e.status for e in first} == {"timeout"}
+    assert [e.status for e in second] == ["ok"] * 4, [e.error for e in second]
+    assert [e.result["answer"] for e in second] == ["Done."] * 4

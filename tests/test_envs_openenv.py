@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import textwrap
+import threading
 import time
 
 import httpx
@@ -320,6 +321,36 @@ def test_hooks_decide_the_messages_and_the_actions(endpoint, env_dir, guess):
     assert episode.status == "ok" and episode.result["rewards"] == [-0.25, 1.0]
     users = [m["content"] for m in episode.turns[-1].request_messages if m["role"] == "user"][1:]
     assert users == ["[env] Guess my number from 1 to 8.", "Error: say GUESS <n>", "[env] Lower."]
+
+
+def test_a_hook_that_blocks_times_out_its_own_episode_only(endpoint, env_dir, guess):
+    # Hooks run on the episode's event loop: one that blocked (a slow parser, a network call) held every episode of the
+    # rollout past every timeout (issue 40). Each episode now has a loop of its own; the blocked one times out alone.
+    sys.path.insert(0, env_dir)
+    try:
+        from toy_envs import GuessAction
+    finally:
+        sys.path.remove(env_dir)
+    release = threading.Event()
+
+    def reply_to_action(message):
+        guess_ = int(re.search(r"GUESS (\d+)", message.get("content") or "").group(1))
+        if guess_ == 9:
+            release.wait(60)
+        return GuessAction(guess=guess_)
+
+    agent = from_openenv(guess.server_url, action=GuessAction, action_format="text", reply_to_action=reply_to_action)
+    tasks = [{"prompt": plan_prompt("GUESS 9"), "secret": 9}, {"prompt": plan_prompt("GUESS 6"), "secret": 6}]
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(episodes=run(endpoint, agent, tasks, timeout=4.0)), daemon=True)
+    try:
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "a blocked hook held the rollout past its episode's timeout"
+    finally:
+        release.set()
+    assert [e.status for e in out["episodes"]] == ["timeout", "ok"], [e.error for e in out["episodes"]]
+    assert out["episodes"][1].result["rewards"] == [1.0]
 
 
 def test_an_action_class_validates_locally_with_errors_the_model_reads(endpoint, env_dir, guess):

@@ -14,6 +14,7 @@
 import json
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -466,3 +467,44 @@ def test_trl_agentic_train_by_id_takes_the_rubrics_weights_and_the_rows_columns(
     assert training_args.agent_columns == ["prompt", "question", "answer", "example_id"]
     records = [json.loads(line) for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").open()]
     assert len(records) == 2 and all(r["episode"]["status"] == "ok" for r in records)
+
+
+def test_a_tool_that_blocks_times_out_its_own_episode_only(endpoint):
+    # verifiers calls a sync tool on the episode's event loop: it blocked every episode of the rollout, past every
+    # timeout (issue 40). Each episode now has a loop of its own; the blocked one times out alone.
+    release = threading.Event()
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression.
+        """
+        if expression == "4 * 5":
+            release.wait(60)  # a tool stuck on a network call
+        return str(eval(expression))  # digits and operators only  # noqa: S307
+
+    env = vf.ToolEnv(
+        dataset=QUESTIONS.select(range(2)),
+        system_prompt="Use the calculator.",
+        tools=[calculator],
+        max_turns=4,
+        rubric=vf.Rubric(funcs=[correct_answer], weights=[1.0]),
+    )
+    suite = from_verifiers(env)
+    tasks = [{column: row[column] for column in suite.agent_columns} for row in env.get_dataset().to_list()]
+    out = {}
+    thread = threading.Thread(
+        target=lambda: out.update(
+            episodes=run_rollout(run_episodes(endpoint, resolve_agent(suite.agent), tasks, timeout=5.0))
+        ),
+        daemon=True,
+    )
+    try:
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "a blocked tool held the rollout past its episode's timeout"
+    finally:
+        release.set()
+    assert [e.status for e in out["episodes"]] == ["ok", "timeout"], [e.error for e in out["episodes"]]
+    assert out["episodes"][0].result["stop_condition"] == "no_tools_called"

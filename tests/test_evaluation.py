@@ -1,7 +1,9 @@
 """`trl_agentic/evaluation.py`: one definition of success, the pass@k estimator, scoring, and evaluation runs."""
 
+import dataclasses
 import json
 import math
+import sys
 
 import pytest
 from datasets import Dataset
@@ -361,3 +363,25 @@ def test_evaluator_rejects_bad_arguments(tokenizer):
         Evaluator(model, tokenizer, SUITE, counts_dataset(), num_samples=0)
     with pytest.raises(ValueError, match="dataset is empty"):
         Evaluator(model, tokenizer, SUITE, Dataset.from_list([]))
+
+
+async def cli_agent(client, task):
+    if task["crash"]:
+        sys.exit("usage: agent [-h] TASK")  # a CLI's main() reached from the agent: its own episode, not the eval
+    response = await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=3)
+    return response.choices[0].message.content
+
+
+def test_an_agent_that_calls_sys_exit_costs_only_its_episodes_in_an_evaluation(tokenizer):
+    metrics = evaluate(
+        build_tiny_model(tokenizer),
+        tokenizer,
+        dataclasses.replace(SUITE, agent=cli_agent),
+        counts_dataset(),
+        num_samples=2,
+        max_tokens=3,
+        concurrency=8,
+        seed=0,
+    )
+    assert (metrics["status"]["ok"], metrics["status"]["agent_error"]) == (6, 2)
+    assert [t["statuses"] for t in metrics["per_task"]] == [["ok", "ok"]] * 3 + [["agent_error", "agent_error"]]

@@ -5,7 +5,10 @@ the endpoint on loopback, agents using the official `openai` client, weights han
 """
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +25,19 @@ from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_tokenizer("qwen2_5")
+
+
+class ToolFailure(Exception):
+    """An exception whose `__init__` takes two arguments (a common pattern): it pickles, and unpickling it calls
+    `ToolFailure(message)`, which raises `TypeError`."""
+
+    def __init__(self, tool: str, reason: str):
+        super().__init__(f"{tool}: {reason}")
+
+
+def wedge() -> None:
+    """Hold the interpreter lock for hours: a catastrophic backtracking match, in C, checking no signal."""
+    re.match(r"(a+)+$", "a" * 64 + "!")
 
 
 def scored_logprobs(model, turn) -> list[float]:
@@ -107,6 +123,112 @@ def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
         producer.close()
     assert [e.status for e in episodes] == ["agent_error", "ok"] and episodes[1].result == "fine"
     assert "could not be sent from the rollout process" in episodes[0].error and len(episodes[0].turns) == 1
+
+
+def test_a_result_that_does_not_unpickle_in_the_trainer_fails_its_episode_only(tokenizer):
+    # It pickles in the child and fails only on the trainer's side: the listener thread died of it, and the trainer
+    # waited for the batch for ever (issue 40).
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
+    async def agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        return {"failure": ToolFailure("grep", "no match")} if task["bad"] else "fine"
+
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        producer.submit(0, [{"bad": True}, {"bad": False}], [0, 1], consume_version=0, unit_size=2)
+        episodes, _ = producer.result(0, timeout=120)
+        producer.submit(1, [{"bad": False}], [0], consume_version=0, unit_size=1)  # the producer goes on
+        (later,), _ = producer.result(1, timeout=120)
+    finally:
+        producer.close()
+    assert [e.status for e in episodes] == ["agent_error", "ok"] and episodes[1].result == "fine"
+    assert episodes[0].result is None and len(episodes[0].turns) == 1
+    assert "could not be read in the trainer's process" in episodes[0].error and "TypeError" in episodes[0].error
+    assert later.status == "ok" and later.result == "fine"
+
+
+def test_an_agent_that_calls_sys_exit_in_the_child_fails_its_episode_only(tokenizer):
+    # `SystemExit` stopped the child's producer loop, and the trainer waited for the batch for ever (issue 40).
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
+    async def agent(client, task):
+        if task["exit"]:
+            sys.exit(2)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}])
+        return "fine"
+
+    producer = producer_for(model, tokenizer, agent)
+    try:
+        producer.submit(0, [{"exit": True}, {"exit": False}], [0, 1], consume_version=0, unit_size=2)
+        episodes, _ = producer.result(0, timeout=120)
+    finally:
+        producer.close()
+    assert [e.status for e in episodes] == ["agent_error", "ok"] and episodes[1].result == "fine"
+    assert episodes[0].error == "the agent raised SystemExit: 2"
+
+
+def test_a_wedged_child_is_killed_by_the_watchdog_and_fails_the_waiting_step(tokenizer):
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
+
+    async def agent(client, task):
+        wedge()  # every thread of the child stops: its episode timeout cannot run either
+
+    producer = producer_for(model, tokenizer, agent, watchdog_s=5.0)
+    try:
+        producer.submit(0, [{"q": 1}], [0], consume_version=0, unit_size=1)
+        with pytest.raises(RuntimeError, match="sent nothing, not even its heartbeat, for 5s"):
+            producer.result(0, timeout=120)
+        producer._process.join(10)
+        assert not producer._process.is_alive()
+    finally:
+        producer.close()
+
+
+TRAINER_THAT_DIES = """
+import sys, time
+sys.path[:0] = {path!r}
+from test_rollout_process import producer_for, wedge
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+async def agent(client, task):
+    wedge()
+
+if __name__ == "__main__":
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    producer = producer_for(build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, agent)
+    producer.submit(0, [{{"q": 1}}], [0], consume_version=0, unit_size=1)
+    print(producer.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_THAT_DIES.format(path=[os.path.dirname(__file__), *sys.path]))
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        time.sleep(1.0)  # the child's agent is wedged by now
+        trainer.kill()
+        trainer.wait(30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and alive(child):
+            time.sleep(0.2)
+        assert not alive(child), "the rollout process outlived the trainer"
+    finally:
+        trainer.kill()
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by init, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(tokenizer):

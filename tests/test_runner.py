@@ -6,7 +6,9 @@ instead of hanging it.
 """
 
 import asyncio
+import os
 import random
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 from conftest import ScriptedEngine
 from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.rollout.agents import resolve_agent
+from trl_agentic.rollout.producer import RolloutProducer
 from trl_agentic.rollout.runner import CANCEL_GRACE_S, run_episodes, run_rollout
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -157,3 +160,109 @@ def test_a_seeded_rollout_samples_the_same_tokens_whatever_order_its_calls_arriv
     assert sampled(order=1, seed=8) != first  # the rollout's seed decides what is sampled
     assert first[0] != first[1]  # the two episodes of a group sample differently
     assert first[0][0] != first[0][1]  # and so do the choices of one call
+
+
+# One agent's fault costs one episode (issue 40, item 4): what an `async def` agent does on its own loop.
+
+# More calls than the loop's default thread pool has threads (min(32, cpus + 4)): enough hung ones to fill it.
+DEFAULT_POOL_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
+def test_an_async_agent_that_calls_sys_exit_fails_only_its_episode(server):
+    async def cli_agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        if task["prompt"] == "exit":
+            sys.exit(2)  # a CLI's main() (argparse, click) reached from inside the agent
+        return "done"
+
+    out = {}
+    thread = threading.Thread(
+        target=lambda: out.update(
+            episodes=run_rollout(
+                run_episodes(server, resolve_agent(cli_agent), [{"prompt": "exit"}, {"prompt": "p"}], timeout=10)
+            )
+        ),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert [e.status for e in out["episodes"]] == ["agent_error", "ok"]
+    assert out["episodes"][0].error == "the agent raised SystemExit: 2"
+    assert [len(e.turns) for e in out["episodes"]] == [1, 1] and out["episodes"][1].result == "done"
+
+
+def test_an_async_agent_blocked_in_a_sync_call_times_out_alone(server):
+    release = threading.Event()
+
+    async def blocking_agent(client, task):
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        if task["prompt"] == "block":
+            release.wait(30)  # time.sleep / requests.get / subprocess.run inside an async def: blocks its loop
+            return "too late"
+        await asyncio.sleep(0.5)  # still running when the blocked one starts blocking
+        return "done"
+
+    tasks = [{"prompt": "block"}] + [{"prompt": "p"}] * 3
+    try:
+        out = {}
+        thread = threading.Thread(
+            target=lambda: out.update(
+                episodes=run_rollout(run_episodes(server, resolve_agent(blocking_agent), tasks, timeout=3.0))
+            ),
+            daemon=True,
+        )
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive(), "a blocked async agent held the rollout past its episode's timeout"
+    finally:
+        release.set()
+    episodes = out["episodes"]
+    assert [e.status for e in episodes] == ["timeout", "ok", "ok", "ok"], [e.error for e in episodes]
+    assert episodes[0].error == "episode exceeded 3.0s" and episodes[0].metadata["abandoned"] is True
+    assert [e.result for e in episodes[1:]] == ["done"] * 3
+
+
+def test_hung_thread_calls_of_agents_never_starve_the_episodes_after_them(server):
+    # Under asynchronous rollouts the producer's loop lives for the whole run: hung `asyncio.to_thread` calls (an
+    # environment's sync `reset` or tool) used to hold its default pool for good, and every later episode timed out.
+    release = threading.Event()
+
+    async def agent(client, task):
+        if task["prompt"] == "hang":
+            await asyncio.to_thread(release.wait, 60)
+        answer = await asyncio.to_thread(lambda: "tool result")
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": answer}])
+        return answer
+
+    producer = RolloutProducer(server, resolve_agent(agent), max_staleness=1, max_concurrent=64, timeout=1.0)
+    try:
+        producer.submit(0, [{"prompt": "hang"}] * DEFAULT_POOL_THREADS, [0] * DEFAULT_POOL_THREADS, 0, 1)
+        hung, _ = producer.result(0, timeout=30)
+        producer.submit(1, [{"prompt": "p"}] * 4, [0] * 4, 0, 1)
+        after, _ = producer.result(1, timeout=30)
+    finally:
+        release.set()
+        producer.close()
+    assert {e.status for e in hung} == {"timeout"}
+    assert [e.status for e in after] == ["ok"] * 4, [e.error for e in after]
+    assert [e.result for e in after] == ["tool result"] * 4
+
+
+def test_an_async_agent_that_calls_sys_exit_under_the_producer_fails_only_its_episode(server):
+    async def cli_agent(client, task):
+        if task["prompt"] == "exit":
+            raise SystemExit("usage: agent [-h]")
+        return "done"
+
+    producer = RolloutProducer(server, resolve_agent(cli_agent), max_staleness=1, timeout=10)
+    try:
+        producer.submit(0, [{"prompt": "exit"}, {"prompt": "p"}], [0, 0], 0, 1)
+        episodes, _ = producer.result(0, timeout=30)
+        producer.submit(1, [{"prompt": "p"}], [0], 0, 1)  # the producer goes on
+        (later,), _ = producer.result(1, timeout=30)
+    finally:
+        producer.close()
+    assert [e.status for e in episodes] == ["agent_error", "ok"]
+    assert episodes[0].error == "the agent raised SystemExit: usage: agent [-h]"
+    assert later.status == "ok" and later.result == "done"

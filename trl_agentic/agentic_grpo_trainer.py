@@ -1267,6 +1267,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # Episodes whose agent never called the model: whatever they scored, it says nothing about the policy.
         no_calls = torch.tensor([float(not ep.turns) for ep in episodes], device=device)
         self._metrics[mode]["episodes/no_model_calls"].append(self.accelerator.gather(no_calls).mean().item())
+        # Timed-out agents left behind (blocked in a call, or ignoring their cancellation): each holds a thread until
+        # what blocks it returns (issue 40); a share that stays up is a leak worth a look.
+        abandoned = torch.tensor([float(bool(ep.metadata.get("abandoned"))) for ep in episodes], device=device)
+        self._metrics[mode]["episodes/abandoned"].append(self.accelerator.gather(abandoned).mean().item())
         # Episodes no reward function could score (failed, or every checker returned None): no advantage, no signal.
         unscorable = torch.tensor(
             [

@@ -40,8 +40,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from .endpoint.launch import DEFAULT_BATCH_WAIT_MS, DEFAULT_MAX_BATCH_SIZE, build_engine, launch_endpoint
 from .generation.engine import derive_seed
 from .rewards.utils import unscorable_unless_ok
@@ -470,30 +468,29 @@ class Evaluator:
             disable=not self.progress,
             file=sys.stderr,
         )
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
-        async with httpx.AsyncClient(limits=limits, timeout=self.episode_timeout) as http_client:
 
-            async def one(i: int) -> Episode:
-                async with semaphore:
-                    episode = await run_episode(
-                        self.server,
-                        self.agent,
-                        self.agent_tasks[i],
-                        i // self.num_samples,
-                        i % self.num_samples,
-                        self.episode_timeout,
-                        http_client=http_client,
-                        seed=None if seed is None else derive_seed(seed, i),
-                    )
-                statuses[episode.status] += 1
-                bar.update(1)
-                bar.set_postfix({s: statuses[s] for s in sorted(statuses)}, refresh=False)
-                return episode
+        async def one(i: int) -> Episode:
+            async with semaphore:
+                # No connection pool shared with the others: each agent runs on an event loop (and a thread) of its
+                # own with a pool of its own, so one that blocks or exits holds only its episode (issue 40).
+                episode = await run_episode(
+                    self.server,
+                    self.agent,
+                    self.agent_tasks[i],
+                    i // self.num_samples,
+                    i % self.num_samples,
+                    self.episode_timeout,
+                    seed=None if seed is None else derive_seed(seed, i),
+                )
+            statuses[episode.status] += 1
+            bar.update(1)
+            bar.set_postfix({s: statuses[s] for s in sorted(statuses)}, refresh=False)
+            return episode
 
-            try:
-                return list(await asyncio.gather(*[one(i) for i in range(len(self.tasks))]))
-            finally:
-                bar.close()
+        try:
+            return list(await asyncio.gather(*[one(i) for i in range(len(self.tasks))]))
+        finally:
+            bar.close()
 
     def score(self, episodes: list[Episode]):
         """`score_episodes` with this evaluator's checkers and weights: `(rewards, rewards_per_func, logged)`."""

@@ -13,13 +13,23 @@ acknowledged the previous version, so the child never reads a half-written copy.
 new weights, and each sampled token records its version, as in one process.
 
 The agent crosses to the child pickled with `dill` (closures and lambdas included, by value); the episodes come
-back pickled. An episode whose result cannot be pickled loses only its result (it ends `agent_error`, saying why).
+back pickled, each result on its own. An episode whose result cannot be pickled in the child, or unpickled in the
+trainer (an exception whose `__init__` takes two arguments), loses only its result (it ends `agent_error`, saying
+why).
+
+Neither process waits for the other for ever (issue 40): the child sends a heartbeat every `HEARTBEAT_S`, and a child
+that sends nothing for `watchdog_s` (wedged: an agent holding the interpreter lock in native code) is killed, failing
+the step that waits for it with the reason; the child dies with the trainer (Linux: the kernel kills it when the
+trainer's thread that started it is gone; elsewhere it watches its parent's pid).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +40,10 @@ import torch.multiprocessing as mp
 
 from .generation.transformers_engine import EngineStats
 from .trace import Episode
+
+
+HEARTBEAT_S = 1.0  # how often the child says it is alive
+WATCHDOG_S = 120.0  # how long the trainer hears nothing from the child before it kills it as wedged
 
 
 def ensure_picklable_agent(agent: Any) -> bytes:
@@ -46,8 +60,41 @@ def ensure_picklable_agent(agent: Any) -> bytes:
         ) from e
 
 
+def _results_apart(episodes: list[Episode]) -> list[bytes]:
+    """Each episode's result pickled on its own, taken out of the episode (`_results_back` puts it back): one that
+    does not pickle here fails its episode, not the batch."""
+    results = []
+    for episode in episodes:
+        try:
+            data = pickle.dumps(episode.result)
+        except Exception as e:  # noqa: BLE001 - any pickling failure
+            episode.error = (
+                f"The agent's result ({type(episode.result).__name__}) could not be sent from the rollout process: "
+                f"{e!r}. Return plain data (str, numbers, lists, dicts) from the agent."
+            )
+            episode.status, data = "agent_error", pickle.dumps(None)
+        episode.result = None
+        results.append(data)
+    return results
+
+
+def _results_back(episodes: list[Episode], results: list[bytes]) -> None:
+    """Put each episode's result back (the trainer's side): one that does not unpickle here (an exception class whose
+    `__init__` takes two arguments, a class this process cannot import) fails its episode, not the batch."""
+    for episode, data in zip(episodes, results, strict=True):
+        try:
+            episode.result = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure
+            episode.status, episode.result = "agent_error", None
+            episode.error = (
+                f"The agent's result could not be read in the trainer's process: {e!r}. Return plain data (str, "
+                "numbers, lists, dicts) from the agent."
+            )
+
+
 def _send_episodes(send, message: tuple, episodes: list[Episode] | None) -> None:
-    """Send a batch's episodes; one whose result does not pickle loses its result, not the batch."""
+    """Send a batch's episodes (their results apart, `_results_apart`); one whose metadata does not pickle loses its
+    metadata, not the batch."""
     try:
         send(message)
         return
@@ -56,19 +103,38 @@ def _send_episodes(send, message: tuple, episodes: list[Episode] | None) -> None
             raise
     for episode in episodes:
         try:
-            pickle.dumps(episode.result)
+            pickle.dumps(episode)
         except Exception as e:  # noqa: BLE001 - any pickling failure
-            episode.error = (
-                f"The agent's result ({type(episode.result).__name__}) could not be sent from the rollout process: "
-                f"{e!r}. Return plain data (str, numbers, lists, dicts) from the agent."
-            )
-            episode.status, episode.result = "agent_error", None
+            episode.error = f"The episode's metadata could not be sent from the rollout process: {e!r}."
+            episode.status, episode.metadata = "agent_error", {}
     send(message)
 
 
-def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """End this process when the trainer's ends, even while something holds this one's interpreter lock: the kernel's
+    parent-death signal on Linux, else a thread watching the parent's pid."""
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # it ended before the signal was asked for
+            os._exit(1)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(HEARTBEAT_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="trl-agentic-parent-watch", daemon=True).start()
+
+
+def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: int, parent: int) -> None:
     """The child: build the engine, the endpoint and the producer, then serve the trainer's messages."""
     import dill
+
+    _die_with_parent(parent)
 
     from .endpoint.launch import build_engine, launch_endpoint
     from .rollout.producer import RolloutProducer
@@ -95,6 +161,16 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
         return
     send(("ready",))
 
+    def heartbeat() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                send(("heartbeat",))
+            except (BrokenPipeError, OSError):
+                return
+
+    threading.Thread(target=heartbeat, name="trl-agentic-heartbeat", daemon=True).start()
+
     def deliver(index: int) -> None:
         try:
             episodes, _ = producer.result(index)
@@ -104,7 +180,8 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
         with send_lock:  # the engine's work since the last delivery, added up on the trainer's side
             stats = engine.take_stats()
             idle, cpu = producer.take_idle_seconds(), time.process_time()
-            message = ("result", index, episodes, error, idle, producer.running, stats, cpu)
+            results = _results_apart(episodes) if episodes is not None else None
+            message = ("result", index, episodes, results, error, idle, producer.running, stats, cpu)
             _send_episodes(conn.send, message, episodes)
 
     while True:
@@ -145,6 +222,8 @@ class ProcessRolloutProducer:
         num_threads: torch threads of the child (default: half of this process's, at least 1: the two processes share
             the cores).
         start_timeout: seconds the child may take to start (import, build the engine, listen).
+        watchdog_s: seconds the child may send nothing, not even its heartbeat (every `HEARTBEAT_S`), before it is
+            killed as wedged; the step waiting for it then fails with the reason.
     """
 
     def __init__(
@@ -162,7 +241,11 @@ class ProcessRolloutProducer:
         version: int,
         num_threads: int | None = None,
         start_timeout: float = 300.0,
+        watchdog_s: float = WATCHDOG_S,
     ):
+        if watchdog_s <= HEARTBEAT_S:
+            raise ValueError(f"watchdog_s={watchdog_s} must exceed the child's heartbeat interval ({HEARTBEAT_S}s).")
+        self._watchdog_s = watchdog_s
         payload = pickle.dumps(
             (
                 type(model),
@@ -186,7 +269,10 @@ class ProcessRolloutProducer:
         self._conn, child = context.Pipe()
         threads = num_threads if num_threads is not None else max(1, torch.get_num_threads() // 2)
         self._process = context.Process(
-            target=_serve, args=(child, self._weights, payload, threads), name="trl-agentic-rollout", daemon=True
+            target=_serve,
+            args=(child, self._weights, payload, threads, os.getpid()),
+            name="trl-agentic-rollout",
+            daemon=True,
         )
         self._process.start()
         child.close()
@@ -227,14 +313,27 @@ class ProcessRolloutProducer:
         return self._process.pid
 
     def _listen(self) -> None:
+        failure = None  # why the child is being killed, when this side decides it
         while True:
             try:
+                if not self._conn.poll(self._watchdog_s):
+                    failure = (
+                        f"The rollout process sent nothing, not even its heartbeat, for {self._watchdog_s:.0f}s: it is "
+                        "wedged (an agent holding the interpreter lock in native code, a deadlock) and was killed; its "
+                        "episodes in flight are lost."
+                    )
+                    break
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
+            except Exception as e:  # noqa: BLE001 - a message that does not unpickle here: fail, never hang
+                failure = f"A message from the rollout process could not be read ({e!r}); it was stopped."
+                break
             with self._lock:
                 if message[0] == "result":
-                    _, index, episodes, error, idle, running, stats, self.cpu_seconds = message
+                    _, index, episodes, results, error, idle, running, stats, self.cpu_seconds = message
+                    if episodes is not None:
+                        _results_back(episodes, results)
                     self._results[index] = (episodes, error)
                     for name, value in dataclasses.asdict(stats).items():
                         setattr(self.stats, name, getattr(self.stats, name) + value)
@@ -248,8 +347,10 @@ class ProcessRolloutProducer:
                 self._lock.notify_all()
         with self._lock:
             if not self._closed:
+                if failure is not None:
+                    self._process.kill()
                 self._process.join(timeout=5.0)
-                self._dead = (
+                self._dead = failure or (
                     f"The rollout process exited unexpectedly (exit code {self._process.exitcode}): its episodes in "
                     "flight are lost. Out of memory, or a crash in native code, are the usual causes."
                 )

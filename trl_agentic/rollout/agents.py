@@ -37,7 +37,8 @@ class EpisodeContext:
     api_key: str
     model: str
     timeout: float
-    # Shared by the episodes of one rollout (connection reuse); agents must not close it.
+    # The episode's connection pool on its agent's event loop (or one shared by the episodes of a rollout run on one
+    # loop, `run_episodes(http_client=...)`); agents must not close it.
     http_client: httpx.AsyncClient | None = None
 
     @property
@@ -293,6 +294,9 @@ async def run_process(process: asyncio.subprocess.Process, stdin: bytes | None =
         for task_ in (*readers, *writers):
             task_.cancel()
         await _exited(process)
+        # Its pipes closed now, on this loop: each agent's loop closes when its episode ends, and a transport left to
+        # the garbage collector (it and its protocol hold each other) would close them on a closed loop.
+        process._transport.close()
     return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), bool(held)
 
 

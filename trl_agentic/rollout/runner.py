@@ -4,14 +4,25 @@ An episode's timeout bounds the rollout whatever the agent does (issue #9): the 
 (not while it waits for a concurrency slot); at the deadline the agent is cancelled and given `CANCEL_GRACE_S` to
 end, after which it is abandoned (status `timeout`, `metadata["abandoned"] = True`) rather than awaited: a sync agent's
 thread is left blocked, an async agent that swallows `CancelledError` is never run again once `run_rollout` returns.
+
+Each agent runs on an event loop of its own, in a daemon thread of its own (issue 40): an `async def` agent is still
+code we do not trust, and one blocking call in it (`time.sleep`, `requests.get`, `subprocess.run`) blocked the loop of
+every episode of the rollout, past every timeout; its `sys.exit()` (a CLI's `main()`) stopped that loop, which raised
+`SystemExit` out of a synchronous rollout and silently stopped the asynchronous producer. On a loop of its own, what
+blocks it blocks only its episode, whose deadline the runner keeps from outside; `SystemExit` ends that episode as an
+`agent_error`. The agent's `asyncio.to_thread` calls (an environment's sync `reset` and tools) get a daemon thread each
+instead of the loop's small default pool, which hung calls filled for good under asynchronous rollouts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import ssl
+import threading
 import time
 import traceback
 from collections.abc import Coroutine
@@ -27,6 +38,9 @@ from .agents import AgentCrash, EpisodeAgent, EpisodeContext
 # Seconds a timed-out agent gets to end after it is cancelled (a command agent's process group is killed at once);
 # then it is abandoned, never awaited.
 CANCEL_GRACE_S = 1.0
+
+_abandoned_lock = threading.Lock()
+_abandoned_threads: list[threading.Thread] = []  # agents' threads left behind on a timeout (`abandoned_agent_threads`)
 
 T = TypeVar("T")
 
@@ -81,9 +95,16 @@ async def run_episode(
     context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
-    # A task of its own rather than `asyncio.wait_for`, which waits for the cancelled agent to end, forever if it
-    # swallows the cancellation (and then takes whatever it returns for a result).
-    run = asyncio.ensure_future(agent.run(context, task))
+    # A future of its own rather than `asyncio.wait_for`, which waits for the cancelled agent to end, forever if it
+    # swallows the cancellation (and then takes whatever it returns for a result). On a loop and a thread of its own,
+    # unless it was handed a connection pool shared with the others (bound to this loop).
+    if http_client is None:
+        agent_thread = _AgentThread(agent, context, task)
+        run, cancel = agent_thread.future, agent_thread.cancel
+    else:
+        agent_thread = None
+        run = asyncio.ensure_future(_guarded(agent.run(context, task)))
+        cancel = run.cancel
     try:
         await asyncio.wait({run}, timeout=timeout)
         if run.done():
@@ -92,12 +113,14 @@ async def run_episode(
             result = run.result()
         else:
             status, error = "timeout", f"episode exceeded {timeout:.1f}s"
-            run.cancel()
+            cancel()
             await asyncio.wait({run}, timeout=CANCEL_GRACE_S)
             if run.done():
                 _retrieve(run)
             else:
-                metadata["abandoned"] = True  # it ignored the cancellation: left behind, not awaited
+                metadata["abandoned"] = True  # it ignored the cancellation, or blocks its thread: left behind
+                if agent_thread is not None:
+                    agent_thread.abandon()
     except AgentCrash as crash:
         status, error, metadata = "agent_error", str(crash), crash.metadata
     except Exception as crash:  # noqa: BLE001 - an agent's crash is data, not a trainer failure
@@ -106,6 +129,7 @@ async def run_episode(
         metadata = {"traceback": traceback.format_exc()[-4000:]}
     finally:
         if not run.done():  # the rollout itself is being cancelled
+            cancel()
             run.cancel()
         episode = server.close_episode(session.episode.id, status=status, result=result, error=error)
     episode.metadata.update(metadata)
@@ -134,8 +158,9 @@ async def run_episodes(
 ) -> list[Episode]:
     """Run one episode per entry of `tasks` (a task repeated G times makes a group), at most `max_concurrent` at once.
 
-    Each episode's agent gets an HTTP client (a connection pool) of its own, unless `http_client` is given for all
-    (`benchmarks/rollout_benchmark.py` compares the two). Returns the episodes in the order of `tasks`.
+    Each episode's agent runs on an event loop and a thread of its own with an HTTP client (a connection pool) of its
+    own, unless `http_client` is given for all: the agents then share this loop, and a blocking call in one blocks
+    them all (`benchmarks/rollout_benchmark.py` compares the two). Returns the episodes in the order of `tasks`.
 
     With a `seed`, episode `i` is opened with the seed `derive_seed(seed, i)`, and each of its model calls that brings
     no seed samples from one derived from that and the call's index in the episode: the same tasks and seed sample the
@@ -153,16 +178,10 @@ async def run_episodes(
             # A connection pool per episode, not one for all: httpcore walks every pooled connection (two system calls
             # each) at each request and response, 9% of a CPU demo step's profile with 32 episodes sharing one pool
             # (benchmarks/rollout_benchmark.py: 0.95x the shared pool's time on a zero-cost engine).
-            if http_client is not None:
-                return await run_episode(
-                    server, agent, tasks[i], index, group_indices[i], timeout, model, http_client, episode_seed
-                )
-            # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents'
-            # own traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
-            async with httpx.AsyncClient(timeout=timeout, verify=_ssl_context(), trust_env=False) as own_client:
-                return await run_episode(
-                    server, agent, tasks[i], index, group_indices[i], timeout, model, own_client, episode_seed
-                )
+            # Without a shared pool, each agent builds its own on its own loop (`_AgentThread`).
+            return await run_episode(
+                server, agent, tasks[i], index, group_indices[i], timeout, model, http_client, episode_seed
+            )
 
     return list(await asyncio.gather(*[one(i) for i in range(len(tasks))]))
 
@@ -183,20 +202,140 @@ def run_rollout(coroutine: Coroutine[Any, Any, T], cancel_grace_s: float = CANCE
     """
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
+    loop.set_default_executor(_DAEMON_EXECUTOR)
     try:
         return loop.run_until_complete(coroutine)
     finally:
+        _close_loop(loop, cancel_grace_s)
+
+
+def abandoned_agent_threads() -> int:
+    """How many agents left behind on a timeout (blocked in a call, or ignoring their cancellation) still hold a
+    thread of this process: each keeps its thread until what blocks it returns, and never runs again after that."""
+    with _abandoned_lock:
+        _abandoned_threads[:] = [thread for thread in _abandoned_threads if thread.is_alive()]
+        return len(_abandoned_threads)
+
+
+class _DaemonThreadExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The default executor of an agent's loop (`asyncio.to_thread`, `run_in_executor(None, ...)`): a daemon thread per
+    call. The loop's own pool has min(32, cpus + 4) threads, which hung calls (an environment's `reset` that never
+    returns) filled for good, and its threads are joined at the interpreter's exit, which hung calls then held."""
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def target() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting coroutine
+                future.set_exception(error)
+
+        threading.Thread(target=target, name="trl-agentic-agent-call", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # nothing pooled; a call still running is abandoned with its episode
+
+
+_DAEMON_EXECUTOR = _DaemonThreadExecutor(max_workers=1)  # stateless: shared by the agents' loops
+
+
+async def _guarded(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`coroutine`, with `SystemExit` and `KeyboardInterrupt` raised in it turned into an `AgentCrash`: a task that
+    raises them re-raises them out of its loop, which then stops."""
+    try:
+        return await coroutine
+    except (SystemExit, KeyboardInterrupt) as exit_:
+        raise _as_crash(exit_) from None
+
+
+def _as_crash(exception: BaseException) -> AgentCrash:
+    return AgentCrash(f"the agent raised {type(exception).__name__}: {exception}")
+
+
+class _AgentThread:
+    """One episode's agent, run on an event loop of its own in a daemon thread of its own; `future` (on the caller's
+    loop) gets its result or its exception. `cancel()` cancels it on its loop (it may ignore that, or be blocked)."""
+
+    def __init__(self, agent: EpisodeAgent, context: EpisodeContext, task: dict[str, Any]):
+        self._caller = asyncio.get_running_loop()
+        self.future: asyncio.Future = self._caller.create_future()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelled = False
+        self._thread = threading.Thread(
+            target=self._run, args=(agent, context, task), name="trl-agentic-agent", daemon=True
+        )
+        self._thread.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._task is not None:
+                with contextlib.suppress(RuntimeError):  # its loop is closed: it has ended already
+                    self._loop.call_soon_threadsafe(self._task.cancel)
+
+    def abandon(self) -> None:
+        with _abandoned_lock:
+            _abandoned_threads.append(self._thread)
+
+    def _run(self, agent: EpisodeAgent, context: EpisodeContext, task: dict[str, Any]) -> None:
+        async def main() -> Any:
+            # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents' own
+            # traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
+            async with httpx.AsyncClient(timeout=context.timeout, verify=_ssl_context(), trust_env=False) as client:
+                return await agent.run(dataclasses.replace(context, http_client=client), task)
+
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.set_default_executor(_DAEMON_EXECUTOR)
+        result, error, cancelled = None, None, False
         try:
-            leftover = asyncio.all_tasks(loop)
-            for task in leftover:
-                task.cancel()
+            with self._lock:
+                self._loop, self._task = loop, loop.create_task(_guarded(main()))
+                if self._cancelled:
+                    self._task.cancel()
+            result = loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception as exception:  # noqa: BLE001 - handed to the episode
+            error = exception
+        except BaseException as exception:  # noqa: BLE001 - `SystemExit` from a task the agent started
+            error = _as_crash(exception)
+        finally:
+            _close_loop(loop, CANCEL_GRACE_S)
+        with contextlib.suppress(RuntimeError):  # the rollout's loop is gone: nobody is waiting any more
+            self._caller.call_soon_threadsafe(self._settle, result, error, cancelled)
+
+    def _settle(self, result: Any, error: BaseException | None, cancelled: bool) -> None:
+        if self.future.done():
+            return
+        if cancelled:
+            self.future.cancel()
+        elif error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop, cancel_grace_s: float) -> None:
+    """Close `loop` without `asyncio.run`'s unbounded waits: the tasks still running are cancelled and given
+    `cancel_grace_s`, then left behind with the loop, which never runs again; its executor is not joined."""
+    try:
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        with contextlib.suppress(Exception, SystemExit):  # an agent's leftovers may raise anything as they end
             if leftover:
                 loop.run_until_complete(asyncio.wait(leftover, timeout=cancel_grace_s))
-            with contextlib.suppress(asyncio.TimeoutError):
-                loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), cancel_grace_s))
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+            loop.run_until_complete(asyncio.wait_for(loop.shutdown_asyncgens(), cancel_grace_s))
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def _retrieve(task: asyncio.Future) -> None:
