@@ -2,8 +2,9 @@
 token recorded.
 
 `launch.py` builds it (engine + renderer + settings + server) for the trainer, `trl-agentic eval`, the demo and
-`trl-agentic serve`; `app.py` holds the routes, `service.py` the format-neutral model call, and
-`chat_completions.py`, `responses.py`, `anthropic_messages.py` one adapter per wire format.
+`trl-agentic serve`; `app.py` builds the app (`create_app`, error shapes), `routes.py` holds one router per wire
+format over `admission.py` (who may call), `service.py` the format-neutral model call, and `chat_completions.py`,
+`responses.py`, `anthropic_messages.py`, `gemini.py` one adapter per wire format.
 """
 
 # The `model` agents send (`client.chat.completions.create(model="policy", ...)`); any other name is answered 404.
