@@ -57,6 +57,8 @@ def test_import_resolution_on_a_known_module():
         ("rewards", "trl_agentic.tasks"),  # tasks' checkers use rewards.utils: no loop back
         ("rewards", "trl_agentic.agentic_grpo_trainer"),
         ("tasks", "trl_agentic.agentic_grpo_trainer"),
+        ("rollout", "trl_agentic.tasks"),  # rollout/tool_loop.py is below both the tasks' agents and the envs' ones
+        ("rollout", "trl_agentic.envs"),
     ],
 )
 def test_lower_layers_do_not_import_upper_ones(folder, forbidden):
@@ -65,6 +67,34 @@ def test_lower_layers_do_not_import_upper_ones(folder, forbidden):
 
 def test_trace_imports_nothing_of_the_package():
     assert {n for n in imported_modules(PACKAGE / "trace.py") if n.startswith("trl_agentic")} == set()
+
+
+def test_the_tool_loop_imports_nothing_of_the_package():
+    names = imported_modules(PACKAGE / "rollout" / "tool_loop.py")
+    assert {n for n in names if n.startswith("trl_agentic")} == set()
+
+
+def model_calls(path: Path) -> int:
+    """How many `....chat.completions.create(...)` calls `path` makes."""
+    return sum(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "create"
+        and isinstance(node.func.value, ast.Attribute)
+        and node.func.value.attr == "completions"
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_one_tool_loop_for_every_agent():
+    """`ToolAgent` and the environment agents write hooks of `rollout/tool_loop.py`'s `ToolLoop`, never a loop of their
+    own: none of them calls the model itself."""
+    agents = ["tasks/agent_loop.py", "envs/mcp.py", "envs/environment_factory.py", "envs/openenv.py"]
+    for agent in agents:
+        assert "trl_agentic.rollout.tool_loop.ToolLoop" in imported_modules(PACKAGE / agent), agent
+    callers = {str(p.relative_to(PACKAGE)) for p in [*modules_in("tasks"), *modules_in("envs")] if model_calls(p)}
+    assert callers == set()
+    assert model_calls(PACKAGE / "rollout" / "tool_loop.py") == 1
 
 
 def test_scripts_do_not_import_scripts():

@@ -2,9 +2,9 @@
 
 An environment written for `trl.GRPOTrainer(environment_factory=...)` (TRL 1.16) trains unchanged under
 [`AgenticGRPOTrainer`]: `AgenticGRPOTrainer(..., environment_factory=MyEnv)` builds an [`EnvironmentAgent`] that
-plays TRL's tool loop as an ordinary agent, through the official `openai` client against the episode's endpoint (so
-forks, side calls, alarms, the viewer and asynchronous rollouts apply as to any agent), plus the reward sources TRL
-derives from the environment. The contract, as TRL implements it in `GRPOTrainer.__init__`,
+plays TRL's tool loop as an ordinary agent (the package's one tool loop, `rollout/tool_loop.py`, with TRL's rules as
+its hooks), through the official `openai` client against the episode's endpoint (so forks, side calls, alarms, the
+viewer and asynchronous rollouts apply as to any agent), plus the reward sources TRL derives from the environment. The contract, as TRL implements it in `GRPOTrainer.__init__`,
 `_generate_and_score_completions` and `_tool_call_loop`:
 
 - The factory is a zero-argument callable returning an instance (a class, a `functools.partial`); or a dict
@@ -64,6 +64,7 @@ from transformers.utils import get_json_schema
 
 from ..endpoint import SERVED_MODEL_NAME
 from ..rollout.agents import AgentCrash
+from ..rollout.tool_loop import ToolLoop
 
 
 # A zero-argument callable returning an environment instance: public methods = tools, `reset(**row)` -> str | None,
@@ -239,40 +240,16 @@ class EnvironmentAgent:
         if tools:  # TRL renders `tools or None`: no tool boilerplate for an environment without tools
             request["tools"] = tools
 
-        tool_calls = tool_failures = 0
-        iteration = 0
-        first_prompt = None  # tokens of the first prompt: TRL's completion budget counts everything after it
-        cut_at_budget = False
-        while True:
-            response = await client.chat.completions.create(messages=messages, **request)
-            message = response.choices[0].message
-            messages.append(message.model_dump(exclude_unset=True))
-            if not message.tool_calls or (
-                self.max_tool_calling_iterations is not None and iteration >= self.max_tool_calling_iterations
-            ):
-                break
-            results, failures = await run_tool_calls(methods, message.tool_calls)
-            tool_calls += len(message.tool_calls)
-            tool_failures += failures
-            iteration += 1
-            remaining = self._remaining_budget(response, results, first_prompt)
-            if remaining is not None:
-                first_prompt = first_prompt if first_prompt is not None else response.usage.prompt_tokens
-                if remaining <= 0:
-                    # TRL drops tool results that would overflow `max_completion_length` and ends the rollout (the
-                    # tools ran: their side effects stay).
-                    cut_at_budget = True
-                    break
-                request["max_tokens"] = remaining  # TRL cuts the next reply to what is left of the budget
-            messages += results
+        hooks = _EnvironmentTools(self, methods, request)
+        end = await hooks.run(client, messages)  # the one tool loop (`rollout/tool_loop.py`)
 
         result = EnvironmentResult(
             environment_name=name,
-            answer=message.content or "",
-            tool_calls=tool_calls,
-            tool_failures=tool_failures,
+            answer=end.text,
+            tool_calls=hooks.tool_calls,
+            tool_failures=hooks.tool_failures,
             observation=observation if isinstance(observation, str | None) else str(observation),
-            cut_at_budget=cut_at_budget,
+            cut_at_budget=hooks.cut_at_budget,
         )
         result.environment = environment
         return result
@@ -333,6 +310,43 @@ class EnvironmentAgent:
                 "defines a `get_reward` method."
             )
         return funcs
+
+
+class _EnvironmentTools(ToolLoop):
+    """The tool loop's hooks for an `environment_factory` instance, as TRL's `_tool_call_loop`: its methods are the
+    tools (`run_tool_calls`); the episode ends when the model answers without tool calls, after
+    `max_tool_calling_iterations` rounds of tool calls, or when tool results would overflow TRL's completion budget
+    (they are dropped, `cut_at_budget`)."""
+
+    def __init__(self, agent: EnvironmentAgent, methods: Mapping[str, Callable], request: dict[str, Any]):
+        self.agent, self.methods, self._request = agent, methods, request
+        self.tool_calls = self.tool_failures = 0
+        self.iteration = 0
+        self.first_prompt = None  # tokens of the first prompt: TRL's completion budget counts everything after it
+        self.cut_at_budget = False
+
+    def request(self) -> dict[str, Any]:
+        return self._request
+
+    def is_final(self, message: Any) -> bool:
+        limit = self.agent.max_tool_calling_iterations
+        return not message.tool_calls or (limit is not None and self.iteration >= limit)
+
+    async def env_response(self, message: Any, response: Any) -> list[dict[str, Any]] | None:
+        results, failures = await run_tool_calls(self.methods, message.tool_calls)
+        self.tool_calls += len(message.tool_calls)
+        self.tool_failures += failures
+        self.iteration += 1
+        remaining = self.agent._remaining_budget(response, results, self.first_prompt)
+        if remaining is not None:
+            self.first_prompt = self.first_prompt if self.first_prompt is not None else response.usage.prompt_tokens
+            if remaining <= 0:
+                # TRL drops tool results that would overflow `max_completion_length` and ends the rollout (the
+                # tools ran: their side effects stay).
+                self.cut_at_budget = True
+                return None
+            self._request["max_tokens"] = remaining  # TRL cuts the next reply to what is left of the budget
+        return results
 
 
 async def _call(function: Callable, kwargs: Mapping[str, Any]) -> Any:

@@ -8,7 +8,8 @@ For each episode [`MCPAgent`]:
    with its server's name, `kv__get`);
 3. chats through the episode's OpenAI client (Chat Completions), calls the tools the model asks for and answers each
    call with a tool message (a tool's error, a bad argument or an unknown tool is text the model reads), until the
-   model answers without tool calls or `max_turns` model calls were made;
+   model answers without tool calls or `max_turns` model calls were made (the package's one tool loop,
+   `rollout/tool_loop.py`, with the hooks of `_MCPTools`);
 4. closes the servers it started for the episode: a stdio server's stdin is closed and its process group killed if it
    does not exit (the SDK's shutdown: SIGTERM after 2 s, SIGKILL after 2 s more), at the episode's end or its timeout.
 
@@ -51,6 +52,7 @@ from typing import Any
 
 from ..endpoint import SERVED_MODEL_NAME
 from ..rollout.agents import AgentCrash, EpisodeContext, command_environment
+from ..rollout.tool_loop import ToolLoop
 
 
 # A server as `MCPAgent(servers={name: spec})` takes it:
@@ -646,23 +648,9 @@ class MCPAgent:
                     function["description"] = tool.description
                 schemas.append({"type": "function", "function": function})
 
-        messages = self._prompt(task)
-        log: list[dict[str, Any]] = []
-        text, turns = "", 0
-        for turns in range(1, self.max_turns + 1):
-            kwargs = {"tools": schemas} if schemas else {}
-            response = await client.chat.completions.create(model=model, messages=messages, **kwargs)
-            message = response.choices[0].message
-            # Sent back exactly as returned, as `tasks/agent_loop.py` does (ids, tool_calls, `content: null`).
-            messages.append(message.model_dump(exclude_unset=True))
-            text = message.content or ""
-            if not message.tool_calls:
-                return {"text": text, "tool_calls": log, "turns": turns, "finish": "answered"}
-            for call in message.tool_calls:
-                entry = await self._call(call, routes, mcp_loop)
-                log.append(entry)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": entry["content"]})
-        return {"text": text, "tool_calls": log, "turns": turns, "finish": "max_turns"}
+        hooks = _MCPTools(self, routes, schemas, mcp_loop, model)
+        end = await hooks.run(client, self._prompt(task))  # the one tool loop (`rollout/tool_loop.py`)
+        return {"text": end.text, "tool_calls": hooks.log, "turns": end.turns, "finish": end.finish}
 
     def _prompt(self, task: dict[str, Any]) -> list[dict[str, Any]]:
         if self.prompt_column not in task:
@@ -732,6 +720,35 @@ class MCPAgent:
         if result.structured_content is not None:
             entry["structured_content"] = result.structured_content
         return entry
+
+
+class _MCPTools(ToolLoop):
+    """The tool loop's hooks for MCP sessions: the servers' tools offered (when there are any), each call routed to its
+    server in call order and logged; the episode ends when the model answers without tool calls or after
+    `max_turns` model calls."""
+
+    def __init__(
+        self,
+        agent: MCPAgent,
+        routes: dict[str, tuple[_Connection, str]],
+        schemas: list[dict[str, Any]],
+        mcp_loop: _MCPLoop,
+        model: str,
+    ):
+        self.agent, self.routes, self.schemas, self.mcp_loop, self.model = agent, routes, schemas, mcp_loop, model
+        self.max_turns = agent.max_turns
+        self.log: list[dict[str, Any]] = []
+
+    def request(self) -> dict[str, Any]:
+        return {"model": self.model, **({"tools": self.schemas} if self.schemas else {})}
+
+    async def env_response(self, message: Any, response: Any) -> list[dict[str, Any]]:
+        answer = []
+        for call in message.tool_calls:
+            entry = await self.agent._call(call, self.routes, self.mcp_loop)
+            self.log.append(entry)
+            answer.append({"role": "tool", "tool_call_id": call.id, "content": entry["content"]})
+        return answer
 
 
 async def _close_all(connections: Sequence[_Connection]) -> None:

@@ -10,7 +10,8 @@ the agent [`from_openenv`] returns:
    the observation after the task's `prompt` as a user message;
 3. asks the policy what to do through the episode's OpenAI client (Chat Completions), turns the reply into the
    environment's action, steps the environment and puts the observation in the conversation, until the environment
-   says `done`, the model stops acting, or `max_turns` model calls were made;
+   says `done`, the model stops acting, or `max_turns` model calls were made (the package's one tool loop,
+   `rollout/tool_loop.py`, with the hooks of `_OpenEnvTurns`);
 4. closes the session (and the server, when it started one for this episode).
 
 How a reply becomes an action, and an observation a message (`action_format`, default from the action's JSON
@@ -81,6 +82,7 @@ import openai
 
 from ..endpoint import SERVED_MODEL_NAME
 from ..rollout.agents import AgentCrash, EpisodeContext, command_environment, run_in_daemon_thread
+from ..rollout.tool_loop import ToolLoop
 
 
 ACTION_FORMATS = ("text", "tool")
@@ -380,16 +382,8 @@ class OpenEnvAgent:
             record["observations"].append(_as_dict(result.observation))
             messages.append(self._user_message(result.observation))
             record["done"] = bool(result.done)
-            while not record["done"] and record["turns"] < self.max_turns:
-                response = await policy.chat.completions.create(
-                    model=self.model, messages=messages, **({"tools": protocol.tools} if protocol.tools else {})
-                )
-                record["turns"] += 1
-                reply = response.choices[0].message
-                # Sent back exactly as returned, as agents that append `response.choices[0].message` do.
-                messages.append(reply.model_dump(exclude_unset=True))
-                if not await self._act(env, url, protocol, messages, reply, record):
-                    break
+            end = await _OpenEnvTurns(self, env, url, protocol, record).run(policy, messages)  # the one tool loop
+            record["turns"] = end.turns
             if record["done"]:
                 record["finish"] = "done"
         finally:
@@ -403,7 +397,8 @@ class OpenEnvAgent:
     async def _act(
         self, env, url: str, protocol: _Protocol, messages: list[dict[str, Any]], reply, record: dict[str, Any]
     ) -> bool:
-        """Turn one reply into an action and step the environment; answer the model. False: the episode ends."""
+        """Turn one reply into an action and step the environment; answer the model (appended to `messages`, the
+        loop's answer to this reply). False: the episode ends."""
         message = reply.model_dump(exclude_none=True)
         calls = list(reply.tool_calls or []) if protocol.format == "tool" else []
         try:
@@ -526,6 +521,31 @@ class OpenEnvAgent:
             schema, self._action_format, self._tool_name, custom_reply=self.reply_to_action is not None
         )
         return self._protocol
+
+
+class _OpenEnvTurns(ToolLoop):
+    """The tool loop's hooks for an OpenEnv client: each reply becomes an action that steps the environment
+    (`OpenEnvAgent._act`), its observation the answer; the episode ends when the environment says `done`, the model
+    stops acting, or after `max_turns` model calls (`record["finish"]` says which)."""
+
+    def __init__(self, agent: OpenEnvAgent, env: Any, url: str, protocol: _Protocol, record: dict[str, Any]):
+        self.agent, self.env, self.url, self.protocol, self.record = agent, env, url, protocol, record
+        self.max_turns = agent.max_turns
+
+    def request(self) -> dict[str, Any]:
+        return {"model": self.agent.model, **({"tools": self.protocol.tools} if self.protocol.tools else {})}
+
+    def is_completed(self) -> bool:
+        return self.record["done"]
+
+    def is_final(self, message: Any) -> bool:
+        return False  # a reply without a tool call is an action too (text format); `_act` decides
+
+    async def env_response(self, message: Any, response: Any) -> list[dict[str, Any]] | None:
+        answer: list[dict[str, Any]] = []
+        if not await self.agent._act(self.env, self.url, self.protocol, answer, message, self.record):
+            return None
+        return answer
 
 
 def _protocol_from_schema(

@@ -1,4 +1,5 @@
-"""The reference agents' tool loop: call the model, run the tool calls it makes, repeat until it answers.
+"""The reference agents' tool loop over Python functions: call the model, run the tool calls it makes, repeat until
+it answers (the package's one loop, `rollout/tool_loop.py`, with `FunctionTools`' hooks).
 
 This is what a typical OpenAI-API agent does, written out plainly so the bundled tasks exercise the endpoint the same
 way third-party agents do: the assistant message is sent back as returned (with its `tool_calls`), each call gets a
@@ -14,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..endpoint import SERVED_MODEL_NAME
+from ..rollout.tool_loop import ToolLoop
 
 
 # A tool: keyword arguments from the model's JSON, returns the text of the tool message (or, an async function, an
@@ -66,6 +68,47 @@ def call_tool(tools: Mapping[str, ToolFunction], name: str, arguments: str | dic
     return result if inspect.isawaitable(result) else str(result)  # an async tool's result: awaited by the loop
 
 
+class FunctionTools(ToolLoop):
+    """The tool loop's hooks for tools that are Python functions: each call runs through `call_tool`, answered by a
+    `{"role": "tool", "tool_call_id": ..., "content": ...}` message; the episode ends when the model answers without
+    tool calls or after `max_rounds` model calls.
+
+    Args:
+        tools: tool name -> Python function (see `call_tool`).
+        tool_schemas: the OpenAI tool schemas sent with every request.
+        model: the model name sent with every request.
+        max_rounds: most model calls.
+    """
+
+    def __init__(
+        self,
+        tools: Mapping[str, ToolFunction],
+        tool_schemas: list[dict[str, Any]],
+        *,
+        model: str = SERVED_MODEL_NAME,
+        max_rounds: int = 6,
+    ):
+        self.tools, self.tool_schemas, self.model, self.max_turns = tools, tool_schemas, model, max_rounds
+
+    def request(self) -> dict[str, Any]:
+        return {"model": self.model, "tools": self.tool_schemas}
+
+    async def env_response(self, message: Any, response: Any) -> list[dict[str, Any]]:
+        answer = []
+        for tool_call in message.tool_calls:
+            if tool_call.type != "function":
+                content = f"Error: unsupported tool call type {tool_call.type!r}; call one of the provided functions."
+            else:
+                content = call_tool(self.tools, tool_call.function.name, tool_call.function.arguments)
+                if inspect.isawaitable(content):
+                    try:
+                        content = str(await content)
+                    except Exception as error:  # noqa: BLE001 - as for a sync tool: text the model reads
+                        content = f"Error: {error}"
+            answer.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
+        return answer
+
+
 async def run_tool_loop(
     client: Any,
     messages: list[dict[str, Any]],
@@ -75,7 +118,8 @@ async def run_tool_loop(
     model: str = SERVED_MODEL_NAME,
     max_rounds: int = 6,
 ) -> str:
-    """Chat with tools until the model answers without tool calls or `max_rounds` model calls were made.
+    """Chat with tools until the model answers without tool calls or `max_rounds` model calls were made: the one tool
+    loop (`rollout/tool_loop.py`) with `FunctionTools`' hooks.
 
     `messages` is extended in place with every assistant and tool message. Errors of the *client* (endpoint refused
     the call, episode limit reached) propagate: they end the episode and the runner records them.
@@ -98,28 +142,8 @@ async def run_tool_loop(
     >>> text = await run_tool_loop(client, messages, tools={"calculator": calculator}, tool_schemas=CALCULATOR_TOOLS)
     ```
     """
-    text = ""
-    for _ in range(max_rounds):
-        response = await client.chat.completions.create(model=model, messages=messages, tools=tool_schemas)
-        message = response.choices[0].message
-        # Send the message back exactly as returned: the fields the server sent (ids, tool_calls, `content: null`,
-        # extra fields) and nothing else, as agents do that append `response.choices[0].message` to their history.
-        messages.append(message.model_dump(exclude_unset=True))
-        text = message.content or ""
-        if not message.tool_calls:
-            return text
-        for tool_call in message.tool_calls:
-            if tool_call.type != "function":
-                content = f"Error: unsupported tool call type {tool_call.type!r}; call one of the provided functions."
-            else:
-                content = call_tool(tools, tool_call.function.name, tool_call.function.arguments)
-                if inspect.isawaitable(content):
-                    try:
-                        content = str(await content)
-                    except Exception as error:  # noqa: BLE001 - as for a sync tool: text the model reads
-                        content = f"Error: {error}"
-            messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
-    return text
+    hooks = FunctionTools(tools, tool_schemas, model=model, max_rounds=max_rounds)
+    return (await hooks.run(client, messages)).text
 
 
 class ToolAgent:

@@ -29,6 +29,7 @@ from typing import Any
 import datasets
 
 from ..endpoint import SERVED_MODEL_NAME
+from ..rollout.tool_loop import ToolLoop
 from . import TaskSuite
 from .calculator import calculator_correct
 from .splits import sample_split
@@ -95,21 +96,39 @@ async def latency_agent(client: Any, task: dict[str, Any], *, tool_latency: floa
     'The sum is 13.'
     ```
     """
-    model = task.get("model") or SERVED_MODEL_NAME
+    hooks = _ProbeHarness(task.get("model") or SERVED_MODEL_NAME, list(task["readings"]), tool_latency)
     messages = list(task["prompt"])  # a new list: the dataset row must not grow
-    for reading in task["readings"]:
-        response = await client.chat.completions.create(model=model, messages=messages, tools=LATENCY_TOOLS)
-        message = response.choices[0].message
-        messages.append(message.model_dump(exclude_unset=True))
-        await asyncio.sleep(tool_latency)  # the tool runs: a test suite, a build, a web call
+    return (await hooks.run(client, messages)).text  # the one tool loop (`rollout/tool_loop.py`)
+
+
+class _ProbeHarness(ToolLoop):
+    """The tool loop's hooks for the latency harness: the probe answers every reply (after `tool_latency` seconds),
+    whether it called the tool or not; the reply after the last reading ends the episode."""
+
+    def __init__(self, model: str, readings: list[int], tool_latency: float):
+        self.model, self.readings, self.tool_latency = model, readings, tool_latency
+        self.given = 0  # readings shown to the model so far
+
+    def request(self) -> dict[str, Any]:
+        return {"model": self.model, "tools": LATENCY_TOOLS}
+
+    def is_final(self, message: Any) -> bool:
+        return self.given == len(self.readings)
+
+    async def env_response(self, message: Any, response: Any) -> list[dict[str, Any]]:
+        reading = self.readings[self.given]
+        self.given += 1
+        await asyncio.sleep(self.tool_latency)  # the tool runs: a test suite, a build, a web call
         if message.tool_calls:
-            for position, tool_call in enumerate(message.tool_calls):
-                content = str(reading) if position == 0 else "Error: the probe runs once per turn."
-                messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": content})
-        else:
-            messages.append({"role": "user", "content": f"The probe ran: reading {reading}."})
-    response = await client.chat.completions.create(model=model, messages=messages, tools=LATENCY_TOOLS)
-    return response.choices[0].message.content or ""
+            return [
+                {
+                    "role": "tool",
+                    "tool_call_id": tool_call.id,
+                    "content": str(reading) if position == 0 else "Error: the probe runs once per turn.",
+                }
+                for position, tool_call in enumerate(message.tool_calls)
+            ]
+        return [{"role": "user", "content": f"The probe ran: reading {reading}."}]
 
 
 def latency_demonstrations(n: int, seed: int = 0, *, min_calls: int = 2, max_calls: int = 4) -> list[dict[str, Any]]:
