@@ -61,7 +61,12 @@ def test_import_resolution_on_a_known_module():
     ],
 )
 def test_lower_layers_do_not_import_upper_ones(folder, forbidden):
-    assert imports_of(folder, forbidden) == {}
+    def excepted(path: str, name: str) -> bool:  # an EXCEPTIONS pair: `name` is the module allowed or in it
+        module = "trl_agentic." + path.removesuffix(".py").replace("/", ".")
+        return any(module == m and (name == t or name.startswith(t + ".")) for m, t in EXCEPTIONS)
+
+    found = {path: [n for n in hits if not excepted(path, n)] for path, hits in imports_of(folder, forbidden).items()}
+    assert {path: hits for path, hits in found.items() if hits} == {}
 
 
 def test_trace_imports_nothing_of_the_package():
@@ -121,7 +126,7 @@ LAYERS = [
     {"rewards"},  # checkers' helpers, the judge, per-turn rewards over rows
     {"tasks"},  # suites: dataset + agent + checker; other systems' specs through `imports.TASK_SOURCES`
     {"envs", "evaluation", "task_sampling", "shared_prefix", "plots", "warm_start", "agentic_grpo_config"},
-    {"alarms", "recipes", "rollout_process"},
+    {"alarms", "recipes"},
     {"agentic_grpo_trainer", "viewer", "jobs"},
     {"pipeline"},  # warm start -> held-out eval -> GRPO (the trainer) -> report
     {"scripts", "bundled", "cli"},

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .generation.transformers_engine import EngineStats
-from .trace import Episode
+from ..generation.transformers_engine import EngineStats
+from ..trace import Episode
 
 
 def ensure_picklable_agent(agent: Any) -> bytes:
@@ -70,8 +70,8 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
     """The child: build the engine, the endpoint and the producer, then serve the trainer's messages."""
     import dill
 
-    from .endpoint.launch import build_engine, launch_endpoint
-    from .rollout.producer import RolloutProducer
+    from ..endpoint.launch import build_engine, launch_endpoint
+    from .producer import RolloutProducer
 
     torch.set_num_threads(num_threads)
     send_lock = threading.Lock()
