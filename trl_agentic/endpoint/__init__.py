@@ -1,9 +1,9 @@
-"""The endpoint agents talk to (Chat Completions, Responses, Anthropic Messages): one episode per key, every sampled
-token recorded.
+"""The endpoint agents talk to (Chat Completions, Responses, Anthropic Messages, Gemini): one episode per key, every
+sampled token recorded.
 
 `launch.py` builds it (engine + renderer + settings + server) for the trainer, `trl-agentic eval`, the demo and
 `trl-agentic serve`; `app.py` holds the routes, `service.py` the format-neutral model call, and
-`chat_completions.py`, `responses.py`, `anthropic_messages.py` one adapter per wire format.
+`chat_completions.py`, `responses.py`, `anthropic_messages.py`, `gemini.py` one adapter per wire format.
 """
 
 # The `model` agents send (`client.chat.completions.create(model="policy", ...)`); any other name is answered 404.
