@@ -227,7 +227,9 @@ def test_the_import_graph_has_no_cycle_between_folders():
 def test_every_folder_and_module_has_a_layer():
     placed = set().union(*LAYERS)
     assert sum(len(layer) for layer in LAYERS) == len(placed), "a unit in two layers"
-    assert {unit_of(m) for m in package_modules()} == placed
+    units = {unit_of(m) for m in package_modules()}
+    assert not units - placed, f"{sorted(units - placed)}: put each in LAYERS, in the lowest layer above all it imports"
+    assert not placed - units, f"{sorted(placed - units)}: in LAYERS, but no such module or folder"
 
 
 def test_no_import_goes_up_a_layer_or_across_to_a_peer():

@@ -1,4 +1,5 @@
-"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes), or `"file.py:attr"`."""
+"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes), or `"file.py:attr"`;
+and `TASK_SOURCES`, the task specs other systems' adapters register (`"verifiers:<env-id>"`)."""
 
 from __future__ import annotations
 
