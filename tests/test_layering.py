@@ -59,10 +59,16 @@ def test_import_resolution_on_a_known_module():
         ("tasks", "trl_agentic.agentic_grpo_trainer"),
         ("rollout", "trl_agentic.tasks"),  # rollout/tool_loop.py is below both the tasks' agents and the envs' ones
         ("rollout", "trl_agentic.envs"),
+        ("tasks", "trl_agentic.envs"),  # envs adapt other systems into tasks; `get_task` finds them by TASK_SOURCES
     ],
 )
 def test_lower_layers_do_not_import_upper_ones(folder, forbidden):
-    assert imports_of(folder, forbidden) == {}
+    def excepted(path: str, name: str) -> bool:  # an EXCEPTIONS pair: `name` is the module allowed or in it
+        module = "trl_agentic." + path.removesuffix(".py").replace("/", ".")
+        return any(module == m and (name == t or name.startswith(t + ".")) for m, t in EXCEPTIONS)
+
+    found = {path: [n for n in hits if not excepted(path, n)] for path, hits in imports_of(folder, forbidden).items()}
+    assert {path: hits for path, hits in found.items() if hits} == {}
 
 
 def test_trace_imports_nothing_of_the_package():
@@ -133,3 +139,138 @@ def test_wire_formats_are_adapters_over_the_service():
         names = endpoint_modules(PACKAGE / "endpoint" / f"{adapter}.py")
         assert "service" in names and not names & ({"app", *adapters} - {adapter}), adapter
     assert not endpoint_modules(PACKAGE / "endpoint" / "service.py") & {"app", *adapters}
+
+
+# --- the whole graph ----------------------------------------------------------------------------------------------
+# Issue 41: the package's import graph has no cycle and no arrow from a lower layer up to a higher one. Every import
+# counts, function-local and `TYPE_CHECKING` ones included: a lazy import defers the arrow, it does not remove it
+# (tasks importing envs inside `get_task` while envs imports tasks at the top was a circle all the same).
+
+# The layers, lowest first, by top-level module or folder of `trl_agentic/` ("__init__": the package's own facade).
+# A unit imports units of the layers below its own only: never one of a higher layer, never a peer of its own layer.
+# A new module or folder takes its place here (the test below names any that has none).
+LAYERS = [
+    {"imports", "quiet", "trace", "tiny_models"},  # import nothing of the package
+    {"console", "lineage", "generation"},  # generation: the engines; lineage: calls -> conversations over trace
+    {"endpoint", "rollout"},  # peers over generation and trace: the runner talks to an EpisodeServer protocol
+    {"rewards"},  # checkers' helpers, the judge, per-turn rewards over rows
+    {"tasks"},  # suites: dataset + agent + checker; other systems' specs through `imports.TASK_SOURCES`
+    {"envs", "evaluation", "task_sampling", "shared_prefix", "plots", "warm_start", "agentic_grpo_config"},
+    {"alarms", "recipes"},
+    {"agentic_grpo_trainer", "viewer", "jobs"},
+    {"pipeline"},  # warm start -> held-out eval -> GRPO (the trainer) -> report
+    {"scripts", "bundled", "cli"},
+    {"__init__"},
+]
+# (importing module, imported module) pairs allowed across a peer or upward, each with its reason. Keep it short.
+EXCEPTIONS = {
+    # The rollout process's child (`_serve`, function-local) builds the endpoint its producer talks to: the one
+    # module of rollout/ that starts an endpoint, and only through `endpoint.launch`; nothing in rollout/ imports it.
+    ("trl_agentic.rollout.process", "trl_agentic.endpoint.launch")
+}
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def facade_exports() -> dict[str, str]:
+    """`trl_agentic.Name` -> the module `trl_agentic/__init__.py` loads it from on first use (its `_EXPORTS`)."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["_EXPORTS"]:
+            return {f"trl_agentic.{k}": f"trl_agentic{v}" for k, v in ast.literal_eval(node.value).items()}
+    raise AssertionError("trl_agentic/__init__.py has no _EXPORTS")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (`from .x import Name` -> `x`; `from . import x` -> the package and
+    `x`), itself left out."""
+    modules = package_modules()
+    facade = facade_exports()
+
+    def module_of(name: str) -> str | None:
+        if name == "trl_agentic.__version__":
+            return None  # a constant of the package, no arrow
+        name = facade.get(name, name)  # `from trl_agentic import AgenticGRPOTrainer`: the module that defines it
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        # `from trl_agentic import X` counts as an import of X's module, not of the facade (which imports everything)
+        targets = {module_of(n) for n in imported_modules(path) if n.startswith("trl_agentic.")}
+        graph[module] = targets - {None, module}
+    return graph
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_import_graph_has_no_cycle_between_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_import_graph_has_no_cycle_between_folders():
+    units: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        units.setdefault(unit_of(module), set()).update(unit_of(t) for t in targets if unit_of(t) != unit_of(module))
+    cycle = find_cycle(units)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_every_folder_and_module_has_a_layer():
+    placed = set().union(*LAYERS)
+    assert sum(len(layer) for layer in LAYERS) == len(placed), "a unit in two layers"
+    units = {unit_of(m) for m in package_modules()}
+    assert not units - placed, f"{sorted(units - placed)}: put each in LAYERS, in the lowest layer above all it imports"
+    assert not placed - units, f"{sorted(placed - units)}: in LAYERS, but no such module or folder"
+
+
+def test_no_import_goes_up_a_layer_or_across_to_a_peer():
+    layer = {unit: index for index, units in enumerate(LAYERS) for unit in units}
+    wrong = sorted(
+        f"{module} -> {target} ({unit_of(module)} is layer {layer[unit_of(module)]}, "
+        f"{unit_of(target)} layer {layer[unit_of(target)]})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if unit_of(target) != unit_of(module)
+        and layer[unit_of(target)] >= layer[unit_of(module)]
+        and (module, target) not in EXCEPTIONS
+    )
+    assert wrong == [], "\n".join(wrong)

@@ -18,7 +18,7 @@ import torch
 from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent, train_and_read_log
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.rollout.agents import resolve_agent
-from trl_agentic.rollout_process import ProcessRolloutProducer
+from trl_agentic.rollout.process import ProcessRolloutProducer
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 

@@ -6,6 +6,7 @@ the loop logic is tested without an endpoint; the endpoint's own tests cover the
 
 import asyncio
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -14,7 +15,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from trl_agentic.recipes import get_reward_func
-from trl_agentic.tasks import BUNDLED_TASKS, TaskSuite, get_task
+from trl_agentic.tasks import BUNDLED_TASKS, TaskSuite, get_task, register_task_source
 from trl_agentic.tasks.agent_loop import call_tool
 from trl_agentic.tasks.calculator import (
     build_calculator_dataset,
@@ -118,6 +119,21 @@ def test_get_task_unknown_name_lists_bundled_names():
         get_task("trl_agentic.tasks.calculator:NOPE")
     with pytest.raises(ValueError, match="not a TaskSuite"):
         get_task("trl_agentic.tasks.calculator:calculator")  # a function, not a suite
+
+
+def make_named_calculator(task_id: str) -> TaskSuite:  # a task source's loader: `get_task("test-source:<id>")`
+    return dataclasses.replace(get_task("calculator"), name=task_id)
+
+
+def test_get_task_resolves_a_registered_task_source(monkeypatch):
+    # Environment adapters register their prefix (issue 41): tasks/ finds "verifiers:<env-id>" without importing envs/.
+    from trl_agentic.imports import TASK_SOURCES
+
+    assert TASK_SOURCES["verifiers"] == "trl_agentic.envs.verifiers:load_verifiers_suite"  # what envs/ registered
+    monkeypatch.setitem(TASK_SOURCES, "test-source", f"{__name__}:make_named_calculator")
+    assert get_task("test-source:my-calculator").name == "my-calculator"
+    with pytest.raises(ValueError, match="plain name"):
+        register_task_source("pkg.module", "pkg.module:load")
 
 
 def test_get_task_from_a_python_file(tmp_path):

@@ -210,7 +210,7 @@ def test_async_rollouts_log_the_share_of_rows_and_tokens_the_correction_masks(tm
 def test_the_held_out_evaluation_samples_as_training_does(tmp_path, tokenizer):
     """The held-out evaluator (`held_out_eval_steps`) serves the policy with the training run's sampling, TRL's
     `min_p`, `repetition_penalty` and `generation_kwargs` included (issue 40)."""
-    from trl_agentic.alarms.held_out import TrainerHeldOutEvaluator
+    from trl_agentic.alarms.attach import TrainerHeldOutEvaluator
 
     args = config(tmp_path, min_p=0.05, repetition_penalty=1.3, generation_kwargs={"temperature": 0.8})
     trainer = AgenticGRPOTrainer(

@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 import importlib
 from typing import TYPE_CHECKING
 
+from . import envs  # noqa: F401 - registers the environment adapters' task specs ("verifiers:<env-id>") for get_task
 from .quiet import quiet_known_warnings
 
 

@@ -54,10 +54,10 @@ from .rewards.utils import RewardModelFunc, check_weighted_rewards, unscorable_u
 from .rollout.agents import resolve_agent
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import importance_sampling_ratio, micro_batch_scale, row_advantage_scales
+from .rollout.process import ProcessRolloutProducer, ensure_picklable_agent
 from .rollout.producer import RolloutProducer
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
-from .rollout_process import ProcessRolloutProducer, ensure_picklable_agent
 from .shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length, shared_prefix_logps
 from .task_sampling import AdaptiveTaskSampler, TaskSlots, group_split_rate
 from .tiny_models import load_model_and_tokenizer

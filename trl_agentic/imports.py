@@ -1,4 +1,5 @@
-"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes), or `"file.py:attr"`."""
+"""Resolve `"pkg.module:attr"` import paths (tasks, agents, reward functions named in recipes), or `"file.py:attr"`;
+and `TASK_SOURCES`, the task specs other systems' adapters register (`"verifiers:<env-id>"`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ TASK_HELP = (
     "Task: a bundled name ('calculator', 'files', 'latency'), an import path 'pkg.module:TASK', a file "
     "'path/to/task.py:TASK' (it may import modules next to it), or 'verifiers:<env-id>'."
 )
+
+# Task specs that name a task of another system by its id (`"verifiers:<env-id>"`, later `"bfcl:..."`): prefix ->
+# `"pkg.module:loader"`, `loader(id) -> TaskSuite`, imported on first use. The environment adapters add theirs
+# (`trl_agentic/envs/__init__.py`), so `tasks.get_task` resolves them without importing `envs` (issue 41: no circle).
+TASK_SOURCES: dict[str, str] = {}
+
+
+def register_task_source(prefix: str, loader: str) -> None:
+    """Let `get_task("<prefix>:<id>")` return `loader(id)`, where `loader` is the import path `"pkg.module:function"`
+    of a function that builds the [`TaskSuite`] (imported on the first such task, so its extra is needed only then).
+
+    Example:
+
+    ```python
+    >>> register_task_source("verifiers", "trl_agentic.envs.verifiers:load_verifiers_suite")
+    >>> get_task("verifiers:vf-gsm8k")  # load_verifiers_suite("vf-gsm8k")
+    ```
+    """
+    if not prefix or ":" in prefix or "." in prefix:
+        raise ValueError(f"A task source prefix is a plain name like 'verifiers', got {prefix!r}.")
+    TASK_SOURCES[prefix] = loader
 
 
 def import_object(path: str) -> Any:

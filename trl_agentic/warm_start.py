@@ -3,6 +3,9 @@
 GRPO amplifies successes the model can already produce; a random tiny model produces none. The demonstrations are
 rendered with the same chat template (and the same tool schemas) the agent will send through the endpoint, and the
 loss covers the assistant tokens only.
+
+These are the SFT steps, for any model; the CPU pipeline's warm-start stage around them (a tiny model built,
+warm-started in two phases until it sometimes succeeds, cached) is `trl_agentic.pipeline.warm_started_model`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ with [`trl_agentic.evaluation.Evaluator`] and logs `held_out/success` (successes
 
 One module per concern: `definitions` (the names, [`AlarmSettings`], [`Alarm`], [`TrainingAlarm`]), `detectors` (the
 pure functions below), `checks` ([`check_alarms`]: a logged history through every detector), `histories` (a history
-from a finished run's `log_history` or episode log), `callback` ([`AlarmsCallback`]) and `held_out` (the trainer's
-held-out evaluation and [`attach_alarms`]). Import from `trl_agentic.alarms`.
+from a finished run's `log_history` or episode log), `callback` ([`AlarmsCallback`]) and `attach` ([`attach_alarms`]
+and the trainer's held-out evaluation it attaches). Import from `trl_agentic.alarms`.
 
 Example (offline, on the log history of a finished run):
 
@@ -39,6 +39,7 @@ Example (offline, on the log history of a finished run):
 ```
 """
 
+from .attach import TrainerHeldOutEvaluator, attach_alarms
 from .callback import AlarmsCallback, HeldOutEvaluator
 from .checks import check_alarms, derived_series
 from .definitions import ALARM_NAMES, Alarm, AlarmSettings, History, Series, TrainingAlarm
@@ -51,7 +52,6 @@ from .detectors import (
     spike,
     unscorable_spike,
 )
-from .held_out import TrainerHeldOutEvaluator, attach_alarms
 from .histories import episode_reward, history_from_episode_records, history_from_log_history
 
 

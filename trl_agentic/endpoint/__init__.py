@@ -1,5 +1,5 @@
-"""The endpoint agents talk to (Chat Completions, Responses, Anthropic Messages): one episode per key, every sampled
-token recorded.
+"""The endpoint agents talk to (Chat Completions, Responses, Anthropic Messages, Gemini): one episode per key, every
+sampled token recorded.
 
 `launch.py` builds it (engine + renderer + settings + server) for the trainer, `trl-agentic eval`, the demo and
 `trl-agentic serve`; `app.py` builds the app (`create_app`, error shapes), `routes.py` holds one router per wire

@@ -60,7 +60,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import ANTHROPIC_MESSAGES, APIError, Choice, Completion, CompletionService, Conversation, Delta
+from .service import ANTHROPIC_MESSAGES, APIError, Choice, Completion, CompletionService, Delta, ModelCall
 from .sessions import EpisodeSession
 
 
@@ -127,7 +127,7 @@ async def serve_messages(service: CompletionService, session: EpisodeSession, ra
     service.check_model(req.model)
     tools = chat_tools(req.tools)
     tool_choice, forced = _tool_choice(req.tool_choice, tools)
-    conversation = Conversation(
+    conversation = ModelCall(
         messages=chat_messages(req.system, req.messages),
         tools=tools,
         tool_choice=tool_choice,

@@ -547,7 +547,7 @@ class ChatRenderer:
 
         A completion whose tool calls cannot be read (e.g. broken JSON) is returned as text (`unreadable_message`),
         never an error. With `split_reasoning`, a thinking model's reasoning becomes `reasoning_content` even when no
-        tools are parsed (the Responses and Anthropic formats return it as an item / block of its own).
+        tools are parsed (the Responses, Anthropic and Gemini formats return it as an item / block / part of its own).
         """
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         if not (parse_tools and tools and self.can_parse_tools):

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from ..generation.engine import GenerationOutput
 from .protocol import ChatCompletionRequest, FunctionCall, Message, TextPart, ToolCall, error_body, template_message
-from .service import CHAT_COMPLETIONS, APIError, Completion, CompletionService, Conversation, Delta
+from .service import CHAT_COMPLETIONS, APIError, Completion, CompletionService, Delta, ModelCall
 from .sessions import EpisodeSession
 
 
@@ -46,7 +46,7 @@ async def serve_chat_completions(service: CompletionService, session: EpisodeSes
     """Answer one Chat Completions request body `raw` in `session` (a dict, or a streaming response)."""
     req, messages, normalized = _validate(service, session, service.parse_json(raw))
     service.check_model(req.model)
-    conversation = Conversation(
+    conversation = ModelCall(
         messages=messages,
         template_messages=normalized,
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,

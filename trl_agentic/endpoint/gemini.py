@@ -46,7 +46,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import GEMINI, APIError, Choice, Completion, CompletionService, Conversation, Delta
+from .service import GEMINI, APIError, Choice, Completion, CompletionService, Delta, ModelCall
 from .sessions import EpisodeSession
 
 
@@ -176,7 +176,7 @@ async def serve(service: CompletionService, session: EpisodeSession, target: str
         "stream": stream,
         **req.model_dump(exclude_unset=True, exclude_none=True, exclude={"contents", "systemInstruction", "tools"}),
     }
-    conversation = Conversation(
+    conversation = ModelCall(
         messages=chat_messages(req.systemInstruction, req.contents),
         tools=tools,
         tool_choice=tool_choice,

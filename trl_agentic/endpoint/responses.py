@@ -50,7 +50,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .service import RESPONSES, APIError, Choice, Completion, CompletionService, Conversation, Delta
+from .service import RESPONSES, APIError, Choice, Completion, CompletionService, Delta, ModelCall
 from .sessions import EpisodeSession
 
 
@@ -117,7 +117,7 @@ async def serve_responses(service: CompletionService, session: EpisodeSession, r
     requested = req.model_dump(exclude_none=True, exclude={"input", "tools", "instructions"})
     if tools.dropped:
         requested["dropped_tools"] = tools.dropped
-    conversation = Conversation(
+    conversation = ModelCall(
         messages=messages,
         tools=tools.chat,
         tool_choice=tool_choice,

@@ -1,8 +1,8 @@
-"""The format-neutral model call: a `Conversation` in, recorded turns and the assistant messages out.
+"""The format-neutral model call: a `ModelCall` in, recorded turns and the assistant messages out.
 
-Every wire format (`chat_completions.py`, `responses.py`, `anthropic_messages.py`) converts its request into a
-`Conversation` (OpenAI chat messages + function tools + sampling, the lingua franca of chat templates) and shapes the
-`Completion` it gets back into its own response or event stream. Everything that decides tokens happens here, once:
+Every wire format (`chat_completions.py`, `responses.py`, `anthropic_messages.py`, `gemini.py`) converts its request
+into a `ModelCall` (OpenAI chat messages + function tools + sampling, the lingua franca of chat templates) and shapes
+the `Completion` it gets back into its own response or event stream. Everything that decides tokens happens here, once:
 episode limits, prompt planning (token-in continuation or a recorded fork, `sessions.py`), `tool_choice` forcing,
 sampling with the trainer's overrides, stop strings, parsing the reply, and recording the turn with the wire format
 it came in. A format is an adapter, never a second copy of the pipeline (DESIGN.md), so token-exact continuation,
@@ -12,7 +12,7 @@ Example:
 
 ```python
 >>> service = CompletionService(engine, renderer, EndpointSettings())
->>> conversation = Conversation(messages=[{"role": "user", "content": "Hi"}], wire_format="chat_completions")
+>>> conversation = ModelCall(messages=[{"role": "user", "content": "Hi"}], wire_format="chat_completions")
 >>> completion = await service.complete(session, conversation, request)
 >>> completion.choices[0].message
 {'role': 'assistant', 'content': 'Hello!'}
@@ -130,7 +130,7 @@ class APIError(Exception):
 
 
 @dataclass
-class Conversation:
+class ModelCall:
     """One model call in no particular wire format: what every adapter turns its request into.
 
     Args:
@@ -190,7 +190,7 @@ class PreparedCall:
     """A model call with everything decided but the sampling (`CompletionService.prepare`)."""
 
     session: EpisodeSession
-    conversation: Conversation
+    conversation: ModelCall
     messages: list[dict[str, Any]]  # normalized for the template
     plan: PromptPlan
     forced: list[int]  # the tool-call opening `tool_choice` forces (prompt tokens)
@@ -311,7 +311,7 @@ class CompletionService:
 
         return await asyncio.to_thread(count) if size > OFFLOAD_BYTES else count()
 
-    async def complete(self, session: EpisodeSession, conversation: Conversation, request: Request) -> Completion:
+    async def complete(self, session: EpisodeSession, conversation: ModelCall, request: Request) -> Completion:
         """Sample `conversation.n` answers to `conversation` in `session` and record them as turns.
 
         Raises `APIError` for what the request did (limits, context overflow, a template that rejects it, a client
@@ -335,14 +335,14 @@ class CompletionService:
         task.add_done_callback(lambda done: done.cancelled() or done.exception())  # a consumer gone: nobody to tell
         return _relay(task, queue, gone)
 
-    async def prepare(self, session: EpisodeSession, conversation: Conversation) -> PreparedCall:
+    async def prepare(self, session: EpisodeSession, conversation: ModelCall) -> PreparedCall:
         """Admit the call (`EpisodeSession.admit`: the episode's limits, counting calls in flight), then decide
         everything before sampling: the prompt (continued or rendered), `tool_choice` forcing, the sampling
         parameters. Raises `APIError` for what the request did (limits, context overflow, a template that rejects
         it): a streamed call raises it before its response starts.
 
         The returned call holds its admission until `run` (or `stream`) finishes it: hand it to one of them at once.
-        A large request (`Conversation.size` past `OFFLOAD_BYTES`) is planned in a worker thread, after its admission:
+        A large request (`ModelCall.size` past `OFFLOAD_BYTES`) is planned in a worker thread, after its admission:
         the episode's limits count it from the start, and the other calls of the episode see it in flight.
         """
         n = conversation.n
@@ -364,7 +364,7 @@ class CompletionService:
         session.shrink(held - call.reserved)
         return call
 
-    def _plan(self, session: EpisodeSession, conversation: Conversation, budget: int | None) -> PreparedCall:
+    def _plan(self, session: EpisodeSession, conversation: ModelCall, budget: int | None) -> PreparedCall:
         engine, renderer, settings = self.engine, self.renderer, self.settings
         n = conversation.n
         messages = conversation.template_messages

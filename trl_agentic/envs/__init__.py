@@ -9,6 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..imports import register_task_source
+
+
+# The task specs these adapters resolve, for `get_task` (tasks/ never imports envs/): `"verifiers:<env-id>"`.
+register_task_source("verifiers", "trl_agentic.envs.verifiers:load_verifiers_suite")
 
 # Public name -> the module of this package that defines it.
 _EXPORTS = {

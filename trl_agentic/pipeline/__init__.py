@@ -38,7 +38,7 @@ _EXPORTS = {
     "make_plan": ".plan",
     "run_pipeline": ".run",
     "run_plan": ".run",
-    "build_warm_started": ".warm_start",
+    "build_warm_started": ".warm_started_model",
 }
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from .held_out import HeldOutEvaluator, StagedCheck
     from .plan import PipelinePlan, make_plan
     from .run import run_pipeline, run_plan
-    from .warm_start import build_warm_started
+    from .warm_started_model import build_warm_started
 
 
 def __getattr__(name: str):

@@ -24,7 +24,7 @@ from .report import (
     save_trained_model,
     split_rate_summary,
 )
-from .warm_start import warm_start_model
+from .warm_started_model import warm_start_model
 
 
 TOTAL_STAGES = 5

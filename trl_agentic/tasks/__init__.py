@@ -17,13 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
 
-from ..imports import import_object
+from ..imports import TASK_SOURCES, import_object, register_task_source
 
 
 @dataclass
@@ -130,6 +131,7 @@ def get_task(name: str) -> TaskSuite:
 
     Args:
         name: a bundled name, or the import path of a module-level [`TaskSuite`], e.g. `"my_tasks:SQL_SUITE"`, or
+            `"<source>:<id>"` for a source an environment adapter registered (`register_task_source`), e.g.
             `"verifiers:<env-id>"` (`trl_agentic.envs.verifiers.load_verifiers_suite`).
             For other difficulty settings of a bundled task, point at your own suite, e.g. one built with
             `trl_agentic.tasks.calculator.make_calculator_suite(digits=3)`.
@@ -143,10 +145,10 @@ def get_task(name: str) -> TaskSuite:
     'calculator'
     ```
     """
-    if name.startswith("verifiers:"):  # an installed verifiers environment, by id (needs the `verifiers` extra)
-        from ..envs.verifiers import load_verifiers_suite
-
-        return load_verifiers_suite(name.removeprefix("verifiers:"))
+    prefix, _, task_id = name.partition(":")
+    if prefix in TASK_SOURCES:  # another system's task by id, e.g. an installed verifiers environment (its extra)
+        module, _, loader = TASK_SOURCES[prefix].partition(":")
+        return getattr(importlib.import_module(module), loader)(task_id)
     path = BUNDLED_TASKS.get(name, name)
     if ":" not in path:
         raise ValueError(
@@ -162,4 +164,4 @@ def get_task(name: str) -> TaskSuite:
     return suite
 
 
-__all__ = ["BUNDLED_TASKS", "TaskSuite", "build_difficulty_dataset", "get_task"]
+__all__ = ["BUNDLED_TASKS", "TaskSuite", "build_difficulty_dataset", "get_task", "register_task_source"]

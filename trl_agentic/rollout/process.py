@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from .generation.transformers_engine import EngineStats
-from .trace import Episode
+from ..generation.transformers_engine import EngineStats
+from ..trace import Episode
 
 
 HEARTBEAT_S = 1.0  # how often the child says it is alive
@@ -136,8 +136,8 @@ def _serve(conn, weights: dict[str, torch.Tensor], payload: bytes, num_threads: 
 
     _die_with_parent(parent)
 
-    from .endpoint.launch import build_engine, launch_endpoint
-    from .rollout.producer import RolloutProducer
+    from ..endpoint.launch import build_engine, launch_endpoint
+    from .producer import RolloutProducer
 
     torch.set_num_threads(num_threads)
     send_lock = threading.Lock()
