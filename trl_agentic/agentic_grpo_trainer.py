@@ -45,7 +45,7 @@ from .generation.transformers_engine import TransformersEngine
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
 from .rewards.utils import check_weighted_rewards, reward_model_funcs, unscorable_unless_ok
 from .rollout.agents import resolve_agent
-from .rollout.batch import (  # split_rows, importance_sampling_masked_counts: also importable from here, as before
+from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_masked_counts: importable here too
     append_rows,
     importance_sampling_masked_counts,
     log_importance_sampling_masked,
@@ -67,8 +67,6 @@ from .task_sampling import TaskSlots, adaptive_sampler, observe_tasks
 from .tiny_models import load_model_and_tokenizer
 from .trace import Episode
 
-
-__all__ = ["AgenticGRPOTrainer", "importance_sampling_masked_counts", "rollout_seed", "split_rows"]
 
 logger = logging.get_logger(__name__)
 
@@ -253,7 +251,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 seed_for=self._batch_seed,
             )
         self._ready_episodes: list[Episode] | None = None  # the batch being scored, from the producer
-        self._batch_versions: list[int] | None = None  # start version of each of its episodes
         if args.async_rollouts and not args.use_vllm:
             # The episodes of a batch were sampled by up to `max_staleness` earlier versions: TRL's importance-sampling
             # correction (behaviour -> the policy at the consuming step), which TRL applies when vLLM samples.
