@@ -155,8 +155,17 @@ LAYERS = [
     {"endpoint", "rollout"},  # peers over generation and trace: the runner talks to an EpisodeServer protocol
     {"rewards"},  # checkers' helpers, the judge, per-turn rewards over rows
     {"tasks"},  # suites: dataset + agent + checker; other systems' specs through `imports.TASK_SOURCES`
-    {"envs", "evaluation", "task_sampling", "shared_prefix", "plots", "warm_start", "agentic_grpo_config"},
-    {"alarms", "recipes"},
+    {
+        "envs",
+        "evaluation",
+        "task_sampling",
+        "shared_prefix",
+        "plots",
+        "warm_start",
+        "agentic_grpo_config",
+        "episode_log",
+    },
+    {"alarms", "recipes", "checkpoint_state"},  # checkpoint_state: the trainer's state, the episode log's included
     {"agentic_grpo_trainer", "viewer", "jobs"},
     {"pipeline"},  # warm start -> held-out eval -> GRPO (the trainer) -> report
     {"scripts", "bundled", "cli"},

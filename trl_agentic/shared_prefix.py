@@ -11,6 +11,9 @@ left-padded layout.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from transformers import DynamicCache
 
@@ -107,3 +110,52 @@ def shared_prefix_logps(
     if compute_entropy:
         entropies = scored.entropy.gather(1, index).masked_fill(~inside, 0.0)
     return logps, entropies
+
+
+def shared_prefix_applies(
+    unwrapped_model, *, enabled: bool, compute_aux_loss: bool, model_inputs: dict, distributed: bool
+) -> bool:
+    """Whether rows may be scored with their shared prefix computed once: asked for (`enabled`), text-only (no
+    `model_inputs`), not MoE (no aux loss), and a plain model on one process (`distributed`: a DDP, DeepSpeed or FSDP
+    wrapper expects one forward per backward; checkpointed layers drop the key/value states the rest attends to)."""
+    if not enabled or compute_aux_loss:
+        return False
+    if any(value is not None for value in model_inputs.values()):
+        return False
+    if distributed:
+        return False
+    # `is_activation_checkpointing` from transformers 5 (the old name warns on every call), else the old name
+    checkpointing = getattr(unwrapped_model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(unwrapped_model, "is_gradient_checkpointing", False)
+    return not checkpointing
+
+
+def chunked_shared_prefix_logps(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None,
+    compute_entropy: bool,
+    score_chunk: Callable,
+    autocast: Callable = contextlib.nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TRL's per-token logps (and entropies) of rows in chunks of `batch_size`, each chunk's common prefix computed
+    once when it is at least `MIN_SHARED_PREFIX` long, else `score_chunk(ids, mask)` (TRL's own scoring)."""
+    batch_size = batch_size or input_ids.size(0)
+    all_logps, all_entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+        prefix_length = shared_prefix_length(ids, mask, logits_to_keep)
+        with autocast():
+            if prefix_length < MIN_SHARED_PREFIX:
+                logps, entropies = score_chunk(ids, mask)
+            else:
+                logps, entropies = shared_prefix_logps(
+                    model, ids, mask, logits_to_keep, prefix_length, compute_entropy=compute_entropy
+                )
+        all_logps.append(logps)
+        all_entropies.append(entropies)
+    entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+    return torch.cat(all_logps, dim=0), entropies

@@ -55,11 +55,13 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import Sampler
+
+from .trace import json_text
 
 
 # How many groups' worth of weight the formula's split probability has in a bucket's split rate (and a bucket's rate
@@ -466,3 +468,108 @@ class TaskSlots(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.sampler)
+
+
+def observe_tasks(
+    inputs: list[dict],
+    episodes: list,
+    *,
+    mode: str,
+    weights: list[float],
+    agent_columns: Sequence[str],
+    difficulty_column: str | None,
+    group_size: int,
+    seen: set[str],
+    targets: tuple,
+    metrics: dict[str, list],
+    sampler: AdaptiveTaskSampler | None = None,
+    gather: Callable[[list], list] = lambda local: local,
+) -> None:
+    """Log the `sampling/*` metrics of a batch (`metrics`, TRL's `_metrics[mode]`) and feed the adaptive `sampler`
+    (every rank sees every result through `gather`, so every rank's sampler draws the same next tasks). `seen`: the
+    tasks drawn so far in the run (as JSON), which a training batch adds to; `targets`: the target difficulties."""
+    column = difficulty_column
+    local = []
+    for example, episode in zip(inputs, episodes, strict=True):
+        scores = list((episode.metadata.get("rewards") or {}).values())
+        scored = [w * v for w, v in zip(weights, scores, strict=False) if v is not None]
+        keep = {c: example.get(c) for c in (*agent_columns, column) if c and c in example}
+        local.append((keep, sum(scored) if scored else None, len(episode.turns), episode.num_malformed_tool_calls))
+    gathered = gather(local)
+    rows, rewards = [g[0] for g in gathered], [g[1] for g in gathered]
+    keys = [json_text(row) for row in rows]
+    # Tasks not drawn before in this run: to the policy what held-out tasks are (a revisited task may have been
+    # learned by heart; on the demo, late in training, 0.56 success on revisits against 0.43 on first visits).
+    seen_before = seen if mode == "train" else set()
+    unseen = [key not in seen_before for key in keys]
+    metrics["sampling/split_rate"].append(group_split_rate(rewards, group_size))
+    if mode == "train" and unseen:  # share of groups whose task this run had drawn before
+        firsts = unseen[::group_size]
+        metrics["sampling/revisit_share"].append(1.0 - sum(firsts) / len(firsts))
+    if column and rows and column in rows[0]:
+        levels = [row[column] for row in rows]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in levels):
+            metrics["sampling/difficulty_mean"].append(sum(levels) / len(levels))
+            threshold = sampler.success_threshold if sampler is not None else 1.0
+            for level in sorted(set(levels)):
+                outcomes = [
+                    float(r >= threshold)
+                    for lv, r in zip(levels, rewards, strict=True)
+                    if lv == level and r is not None
+                ]
+                metrics[f"sampling/share/{level:g}"].append(levels.count(level) / len(levels))
+                # What `malformed_tool_calls` compares at the same mix of difficulties: model calls at this level
+                # in the step (a count), its groups, and the share of the calls with a malformed tool call.
+                calls = sum(g[2] for lv, g in zip(levels, gathered, strict=True) if lv == level)
+                metrics[f"sampling/model_calls/{level:g}"].append(float(calls))
+                metrics[f"sampling/groups/{level:g}"].append(levels.count(level) / group_size)
+                # ... and what `unscorable_episodes` compares: the level's episodes and the share left unscored.
+                metrics[f"sampling/episodes/{level:g}"].append(float(levels.count(level)))
+                metrics[f"sampling/unscorable/{level:g}"].append(
+                    sum(r is None for lv, r in zip(levels, rewards, strict=True) if lv == level) / levels.count(level)
+                )
+                if calls:
+                    malformed = sum(g[3] for lv, g in zip(levels, gathered, strict=True) if lv == level)
+                    metrics[f"sampling/malformed_rate/{level:g}"].append(malformed / calls)
+                if outcomes:
+                    metrics[f"sampling/success/{level:g}"].append(sum(outcomes) / len(outcomes))
+                    if level in targets:  # what the reward_hacking alarm holds to held-out
+                        metrics["sampling/target_success"].append(sum(outcomes) / len(outcomes))
+                        fresh = [
+                            float(r >= threshold)
+                            for lv, r, new in zip(levels, rewards, unseen, strict=True)
+                            if lv == level and r is not None and new
+                        ]
+                        if fresh:
+                            metrics["sampling/target_success_unseen"].append(sum(fresh) / len(fresh))
+    if mode == "train":
+        seen.update(keys)
+    if sampler is not None and mode == "train":
+        sampler.observe(rows, rewards)
+        for level, value in sampler.estimates().items():
+            metrics[f"sampling/estimate/{level:g}"].append(value)
+        for level, value in sampler.split_rates().items():
+            metrics[f"sampling/split_estimate/{level:g}"].append(value)
+
+
+def adaptive_sampler(dataset, args, num_generations: int, num_iterations: int) -> AdaptiveTaskSampler:
+    """The `AdaptiveTaskSampler` of a run (`AgenticGRPOConfig(task_sampling="adaptive")`): keyed by the agent's and the
+    difficulty columns, one batch per generation, repeated as TRL's `RepeatSampler` repeats its slots."""
+    columns = list(args.agent_columns)
+    if args.difficulty_column and args.difficulty_column not in columns:
+        columns.append(args.difficulty_column)
+    return AdaptiveTaskSampler(
+        dataset,
+        num_generations=num_generations,
+        tasks_per_batch=args.generation_batch_size // num_generations,
+        repeat_count=num_iterations * args.steps_per_generation,
+        difficulty_column=args.difficulty_column,
+        target_difficulty=args.target_difficulty,
+        target_min_share=args.target_min_share,
+        target_affinity=args.target_affinity,
+        explore=args.sampling_explore,
+        memory=args.sampling_memory,
+        revisit=args.sampling_revisit,
+        key_columns=columns,
+        seed=args.seed,
+    )

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 
 from ..generation.engine import GenerationEngine
 from ..generation.transformers_engine import TransformersEngine
+from ..generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
 from . import SERVED_MODEL_NAME
 from .app import EndpointSettings, SamplingOverrides, create_app
 from .chat import ChatRenderer
@@ -85,6 +86,31 @@ def build_engine(
         inference_copy=inference_copy,
         seed=seed,
         watch_weights=watch_weights,
+    )
+
+
+def default_engine(args, model, tokenizer, vllm_generation=None) -> GenerationEngine:
+    """The trainer's engine for an `AgenticGRPOConfig` (`args`): vLLM in server mode (TRL's `VLLMGeneration` keeps the
+    server's weights in sync), vLLM colocated (`vllm_generation`: TRL's), else the embedded engine over `model` (the
+    unwrapped policy) with an inference copy of its weights."""
+    context = args.vllm_max_model_length or model.config.max_position_embeddings
+    if args.use_vllm and args.vllm_mode == "server":
+        # TRL's VLLMGeneration keeps the server's weights in sync (sync_weights before each rollout phase).
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        return VLLMServerEngine(base_url, max_context_length=context)
+    if args.use_vllm:
+        return VLLMColocateEngine(
+            vllm_generation.llm, max_context_length=context, batch_wait_s=args.generation_batch_wait_ms / 1000
+        )
+    return build_engine(
+        model,
+        tokenizer,
+        max_batch_size=args.max_generation_batch_size,
+        batch_wait_ms=args.generation_batch_wait_ms,
+        max_context_length=context,
+        inference_copy=True,  # the module trains while abandoned calls may still decode (issue 29, M1)
+        watch_weights=False,  # synced in each `_rollout_episodes`: no read of every weight per idle call
+        seed=args.seed,
     )
 
 

@@ -52,7 +52,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..lineage import turn_conversations
@@ -301,3 +301,58 @@ def row_token_advantages(
             [scale * (advantage + (terms[position[t]] if terms is not None and t >= 0 else 0.0)) for t in owners]
         )
     return per_row
+
+
+def episode_token_advantages(
+    episodes: Sequence[Episode],
+    rows: Sequence[Sequence[Row]],
+    advantages: Sequence[float],
+    terms: Sequence[Sequence[float] | None],
+    scales: Sequence[Sequence[float]],
+) -> list[list[list[float]]]:
+    """`row_token_advantages` of each episode of a batch (its `rows`, its `advantages`, its per-turn `terms`); an
+    episode without model calls gets its advantage on its placeholder row."""
+    return [
+        row_token_advantages(episode_rows, ep.turns, advantages[i], terms[i], scales[i])
+        or [[advantages[i]]]  # the placeholder row of an episode without model calls
+        for i, (ep, episode_rows) in enumerate(zip(episodes, rows, strict=True))
+    ]
+
+
+def batch_turn_advantage_terms(
+    episodes: Sequence[Episode],
+    weights: dict[str, float],
+    group_size: int,
+    *,
+    discount: float,
+    normalization: str,
+    weight: float,
+    metrics: dict[str, list],
+    process_index: int = 0,
+    gather: Callable[[list], list] = lambda local: local,
+) -> list[list[float] | None] | None:
+    """The per-turn term of each of this process's episodes' advantages (`turn_advantage_terms` over the groups of
+    every process, `gather`), or `None` when no episode of the batch, on any process, has per-turn rewards (or
+    `weight` is 0). Logs `turn_rewards/*` in `metrics` and each episode's terms in its metadata."""
+    # Groups may span processes; rewards flow along each conversation (lineage), never across (issue 40)
+    gathered = gather([(combine_turn_rewards(ep, weights), turn_conversation_ids(ep)) for ep in episodes])
+    everyone = [rewards for rewards, _ in gathered]
+    if all(rewards is None for rewards in everyone):
+        return None
+    terms = turn_advantage_terms(
+        everyone,
+        group_size,
+        discount=discount,
+        normalization=normalization,
+        weight=weight,
+        conversations=[conversations for _, conversations in gathered],
+    )
+    rewarded = [r for rewards in everyone if rewards is not None for r in rewards if r is not None]
+    metrics["turn_rewards/mean"].append(sum(rewarded) / len(rewarded) if rewarded else math.nan)
+    metrics["turn_rewards/rewarded_turns"].append(float(len(rewarded)))
+    start = process_index * len(episodes)
+    local = terms[start : start + len(episodes)]
+    for episode, term in zip(episodes, local, strict=True):
+        if term is not None:
+            episode.metadata["turn_advantages"] = term  # in the episode log, beside the episode's advantage
+    return local if weight != 0 else None

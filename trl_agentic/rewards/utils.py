@@ -349,3 +349,27 @@ def _main_line_last_call(turns: list[Turn]) -> Turn | None:
 
 
 cut_off_penalty.scores_failed_episodes = True  # an agent that raised on a cut-off answer is scored (see above)
+
+
+def reward_model_funcs(reward_funcs, reward_processing_classes=None) -> list:
+    """TRL's `reward_funcs` and `reward_processing_classes`: entry i of the second tokenizes for reward model i (a
+    model id or an `nn.Module`, which becomes a [`RewardModelFunc`]), `None` for plain functions and for reward models
+    whose tokenizer loads from their path."""
+    import torch
+
+    if not isinstance(reward_funcs, list):
+        reward_funcs = [reward_funcs]
+    if reward_processing_classes is None:
+        reward_processing_classes = [None] * len(reward_funcs)
+    elif not isinstance(reward_processing_classes, list):
+        reward_processing_classes = [reward_processing_classes]
+    if len(reward_processing_classes) != len(reward_funcs):
+        raise ValueError(
+            f"The number of reward processing classes ({len(reward_processing_classes)}) must match the "
+            f"number of reward functions ({len(reward_funcs)}): give `None` for the functions that are not "
+            "reward models."
+        )
+    return [
+        RewardModelFunc(f, tokenizer=tok) if isinstance(f, str | torch.nn.Module) else f
+        for f, tok in zip(reward_funcs, reward_processing_classes, strict=True)
+    ]
