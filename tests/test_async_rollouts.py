@@ -178,6 +178,7 @@ def test_rows_carry_each_sampled_tokens_version_and_their_oldest():
 # The trainer
 
 
+@pytest.mark.slow
 def test_async_training_trains_every_token_within_the_bound_from_groups_started_together(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
@@ -372,6 +373,7 @@ def resumable(output_dir, tokenizer, sampling, callbacks=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["uniform", "adaptive"])
 def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(
     tmp_path, tokenizer, sampling

@@ -402,6 +402,7 @@ def test_evaluator_and_trl_agentic_eval_by_environment_id(tmp_path, tokenizer, e
             )
 
 
+@pytest.mark.slow
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path, example_on_path):
     import verifiers_env
 

@@ -46,6 +46,7 @@ def producer_for(model, tokenizer, agent, **overrides):
     return ProcessRolloutProducer(model, tokenizer, resolve_agent(agent), **{**kwargs, **overrides})
 
 
+@pytest.mark.slow
 def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
     suffix = " Be brief."  # a closure: crosses to the child by value (dill)
@@ -92,6 +93,7 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         assert episode.turns[0].logprobs == pytest.approx(scored_logprobs(model, episode.turns[0]), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
@@ -109,6 +111,7 @@ def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
     assert "could not be sent from the rollout process" in episodes[0].error and len(episodes[0].turns) == 1
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
@@ -127,6 +130,7 @@ def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(token
         producer.close()
 
 
+@pytest.mark.slow
 def test_training_in_a_rollout_process_keeps_every_trained_token_within_the_bound(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
