@@ -226,6 +226,7 @@ def test_async_training_trains_every_token_within_the_bound_from_groups_started_
     ]
 
 
+@pytest.mark.slow
 def test_max_staleness_0_never_runs_ahead_and_the_correction_is_then_the_identity(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),

@@ -446,6 +446,7 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
 # --- Training, the HarborSpec, evaluation, configuration errors ---
 
 
+@pytest.mark.slow
 def test_two_training_steps_log_get_reward_under_the_class_name(tmp_path, tiny_policy):
     path, tokenizer = tiny_policy
     model = build_tiny_model(tokenizer)

@@ -484,6 +484,7 @@ def test_config_errors_say_how_to_fix():
 # --- training and evaluation ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_tokens(tmp_path, tokenizer, guess):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

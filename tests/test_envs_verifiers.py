@@ -304,6 +304,7 @@ def test_an_agent_not_given_every_column_fails_its_episodes_saying_how_to_fix(en
 # --- training and evaluation ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_training_steps_log_each_rubric_function(tmp_path, tokenizer):
     suite = from_verifiers(tool_env())
     model = build_tiny_model(tokenizer)
