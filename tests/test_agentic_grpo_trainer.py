@@ -219,6 +219,7 @@ def test_single_turn_parity_with_vanilla_grpo(tmp_path, tokenizer):
     assert ours["advantages"].abs().sum() > 0  # the rewards did split
 
 
+@pytest.mark.slow
 def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     calls = {"n": 0}
@@ -381,6 +382,7 @@ def test_episode_key_cannot_reach_admin_routes(tmp_path, tokenizer):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_sync_and_command_agents(tmp_path, tokenizer):
     script = tmp_path / "agent.py"
     script.write_text(
@@ -712,6 +714,7 @@ def recorded_logprobs(record):
     return [lp for t in record["episode"]["turns"] for lp in t["logprobs"]]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_the_run_that_was_never_interrupted(tmp_path, tokenizer):
     """Stopped after step 4 (last checkpoint: step 3) and resumed in the same output_dir, a run logs, samples, alarms
     and trains exactly as the run that was never stopped. It used to log step 4's episodes twice (the log is appended
@@ -762,6 +765,7 @@ def test_a_resumed_run_is_the_run_that_was_never_interrupted(tmp_path, tokenizer
         assert torch.equal(p, q), name
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_the_trainers_state_resumes_with_a_warning(tmp_path, tokenizer, caplog):
     """A checkpoint saved before trl-agentic kept its state in checkpoints (no trl_agentic_state_*.json) still resumes:
     TRL's state and the weights are restored, the trainer's own state starts afresh, and a warning says so."""
@@ -796,6 +800,7 @@ def test_a_checkpoint_of_another_process_count_is_refused_with_how_to_resume(tmp
         trainer.close()
 
 
+@pytest.mark.slow
 def test_resuming_into_a_dir_with_another_runs_episode_log_leaves_that_log_whole(tmp_path, tokenizer, caplog):
     """The log is cut back on resume only when it is the log the checkpoint counted (its start unchanged): resumed
     from another run's checkpoint into a folder holding a longer log of its own, the resumed run cut that log at the

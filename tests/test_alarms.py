@@ -530,6 +530,7 @@ def tasks(start, n):
     )
 
 
+@pytest.mark.slow
 def test_gameable_reward_raises_reward_hacking_against_held_out_success(tmp_path):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     args = AgenticGRPOConfig(

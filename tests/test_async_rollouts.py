@@ -179,6 +179,7 @@ def test_rows_carry_each_sampled_tokens_version_and_their_oldest():
 # The trainer
 
 
+@pytest.mark.slow
 def test_async_training_trains_every_token_within_the_bound_from_groups_started_together(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
@@ -226,6 +227,7 @@ def test_async_training_trains_every_token_within_the_bound_from_groups_started_
     ]
 
 
+@pytest.mark.slow
 def test_max_staleness_0_never_runs_ahead_and_the_correction_is_then_the_identity(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
@@ -373,6 +375,7 @@ def resumable(output_dir, tokenizer, sampling, callbacks=None):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", ["uniform", "adaptive"])
 def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_never_stopped(
     tmp_path, tokenizer, sampling
@@ -410,6 +413,7 @@ def test_a_resumed_async_run_trains_each_batch_once_with_the_tasks_of_the_run_ne
         assert [s for s, _ in resumed.alarms_callback.history["held_out/success"]] == held_out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # a regression hangs the run: fail it instead
 def test_async_training_goes_on_past_an_agent_that_exits_and_one_that_blocks(tmp_path, tokenizer):
     # Both used to stop the run (issue 40): `sys.exit()` stopped the producer's loop and `train()` waited for ever; a

@@ -43,6 +43,7 @@ def test_the_unit_converters_reference_solver_is_right_and_its_splits_are_apart(
         }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_unit_converter_trains_through_the_demo_command(tmp_path):
     """The command docs/pipeline.md gives, at toy sizes: every stage runs, the task's checker is the reward, and the

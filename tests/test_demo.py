@@ -19,6 +19,7 @@ import pytest
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_demo_smoke_runs_end_to_end(tmp_path, capsys):
     output_dir, cache_dir = tmp_path / "out", tmp_path / "cache"

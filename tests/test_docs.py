@@ -337,6 +337,7 @@ def readme_example() -> str:
     return body
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_readme_example_trains_as_written_on_cpu(tmp_path):
     script = tmp_path / "train_my_agent.py"
@@ -353,6 +354,7 @@ def test_the_readme_example_trains_as_written_on_cpu(tmp_path):
     assert all(episode["turns"] for episode in episodes)
 
 
+@pytest.mark.slow
 def test_your_own_task_page_evaluates_as_written(tmp_path):
     # docs/your_task.md: the `my_task.py` it shows, run with the `trl-agentic eval` line it shows, from its folder.
     page = read(DOCS / "your_task.md")
@@ -374,6 +376,7 @@ def test_your_own_task_page_evaluates_as_written(tmp_path):
     assert summary["episodes"] == 4 * 2 and summary["status"]["agent_error"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_your_own_task_page_runs_the_cpu_pipeline_as_written(tmp_path):
     # Issue 40: the page's TaskSuite had no demonstrations, so `trl-agentic demo --task` stopped at once; its --smoke

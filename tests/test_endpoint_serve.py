@@ -70,6 +70,7 @@ def stop_serve(process) -> None:
         process.wait()
 
 
+@pytest.mark.slow
 def test_serve_process(tmp_path):
     log = tmp_path / "serve.log"
     process, url = start_serve(log, "--max-tokens", "8", "--log-level", "warning")
@@ -108,6 +109,7 @@ def test_serve_process(tmp_path):
     assert process.returncode is not None
 
 
+@pytest.mark.slow
 def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path):
     """A token the user chose is not printed; episode ids (the secret of the path route) are not in the access log;
     `--max-open-episodes` answers 429 beyond the cap (issue #9)."""

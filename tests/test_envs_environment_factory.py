@@ -449,6 +449,7 @@ def test_dict_form_reset_text_tool_errors_and_iteration_limit_match_trl(tmp_path
 # --- Training, the HarborSpec, evaluation, configuration errors ---
 
 
+@pytest.mark.slow
 def test_two_training_steps_log_get_reward_under_the_class_name(tmp_path, tiny_policy):
     path, tokenizer = tiny_policy
     model = build_tiny_model(tokenizer)
@@ -651,6 +652,7 @@ def test_configuration_errors_say_how_to_fix_them(tmp_path, tiny_policy):
     assert [m.__name__ for m in environment_methods(AdderEnv())] == ["add", "slow_add"]
 
 
+@pytest.mark.slow
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "envs" / "environment_factory.py"
     done = subprocess.run(
@@ -724,6 +726,7 @@ def test_a_crashing_reset_costs_only_its_episode(tmp_path, tiny_policy):
     ] * 2  # ... which are unscorable there
 
 
+@pytest.mark.slow
 def test_asynchronous_rollouts_run_environments_too(tmp_path, tiny_policy):
     path, tokenizer = tiny_policy
     trainer = AgenticGRPOTrainer(

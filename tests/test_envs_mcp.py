@@ -231,6 +231,7 @@ def test_tools_are_offered_called_and_their_results_and_errors_read_by_the_model
     assert [t.prompt_source for t in episode.turns] == ["rendered"] + ["continued"] * 6
 
 
+@pytest.mark.slow
 def test_fresh_servers_per_episode_share_no_state_and_are_gone_when_it_ends(endpoint, kv_server):
     agent = MCPAgent(servers={"kv": kv_server})
     # Four episodes at once: each stores its key, then counts and reads its server's pid.
@@ -334,6 +335,7 @@ def test_a_tool_call_past_its_timeout_is_an_error_the_model_reads(endpoint, kv_s
     assert log[0]["is_error"] and "timed out" in log[0]["content"] and log[1]["content"] == "0"
 
 
+@pytest.mark.slow
 def test_an_episode_timeout_kills_its_stdio_server(endpoint, kv_server):
     agent = MCPAgent(servers={"kv": kv_server})
     started = time.monotonic()
@@ -441,6 +443,7 @@ def brevity_reward(prompts, completions, episodes, **kwargs):
     return [1.0 / len(e.result["text"]) for e in episodes]
 
 
+@pytest.mark.slow
 def test_two_training_steps_on_exactly_the_sampled_tokens(tmp_path, tokenizer, kv_server):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -486,6 +489,7 @@ def test_two_training_steps_on_exactly_the_sampled_tokens(tmp_path, tokenizer, k
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "envs", "mcp_agent.py")
 
 
+@pytest.mark.slow
 def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):
     from trl_agentic.scripts.eval import main
 
@@ -541,6 +545,7 @@ def test_the_example_suite_runs_in_the_evaluator_with_its_servers_tools(tokenize
     assert all(r in (0.0, 1.0) for r in rewards)  # a random tiny model: scored, whatever it said
 
 
+@pytest.mark.slow
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     done = subprocess.run(
         [

@@ -366,6 +366,7 @@ def test_an_action_class_validates_locally_with_errors_the_model_reads(endpoint,
     assert error.startswith("Error: invalid action (guess: Input should be a valid integer")
 
 
+@pytest.mark.slow
 def test_per_episode_servers_are_fresh_and_gone_after_the_episode(endpoint, env_dir):
     agent = from_openenv("toy_envs:app", app_dir=env_dir, per_episode=True)
     episodes = run(endpoint, agent, [{"prompt": plan_prompt({"guess": 1}), "secret": 1}] * 2)
@@ -377,6 +378,7 @@ def test_per_episode_servers_are_fresh_and_gone_after_the_episode(endpoint, env_
             httpx.get(f"{url}/health", timeout=2.0, trust_env=False)
 
 
+@pytest.mark.slow
 def test_a_shared_local_server_serves_every_episode_with_a_minimal_environment_and_stops_on_close(
     endpoint, env_dir, monkeypatch
 ):
@@ -400,6 +402,7 @@ def test_a_shared_local_server_serves_every_episode_with_a_minimal_environment_a
     assert not {n for n in names if "OPENAI" in n or "TRL_AGENTIC" in n}  # nor the episode's key
 
 
+@pytest.mark.slow
 def test_a_session_refused_for_capacity_fails_its_episode_saying_how_to_serve_more(endpoint, env_dir):
     agent = from_openenv("toy_envs:single_app", app_dir=env_dir)  # one session at a time
     try:
@@ -512,6 +515,7 @@ def test_config_errors_say_how_to_fix():
 # --- training and evaluation ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_tokens(tmp_path, tokenizer, guess):
     model = build_tiny_model(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -563,6 +567,7 @@ def test_two_training_steps_on_the_environments_reward_and_exactly_the_sampled_t
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "envs", "openenv_env.py")
 
 
+@pytest.mark.slow
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
     main = import_object(f"{EXAMPLE}:main")
     main(
@@ -587,6 +592,7 @@ def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path):
         assert result["observations"][0]["feedback"] == "I have a number from 1 to 20. Your guess?"
 
 
+@pytest.mark.slow
 def test_the_example_suite_evaluates_with_trl_agentic_eval(tmp_path):
     from trl_agentic.scripts.eval import main
 

@@ -305,6 +305,7 @@ def test_an_agent_not_given_every_column_fails_its_episodes_saying_how_to_fix(en
 # --- training and evaluation ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_training_steps_log_each_rubric_function(tmp_path, tokenizer):
     suite = from_verifiers(tool_env())
     model = build_tiny_model(tokenizer)
@@ -403,6 +404,7 @@ def test_evaluator_and_trl_agentic_eval_by_environment_id(tmp_path, tokenizer, e
             )
 
 
+@pytest.mark.slow
 def test_the_example_trains_two_steps_on_a_tiny_model(tmp_path, example_on_path):
     import verifiers_env
 

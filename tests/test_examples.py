@@ -61,6 +61,7 @@ def test_each_harness_example_names_its_preset(example):
     assert f'train(Harness("{preset}"))' in (EXAMPLES / "harnesses" / f"{example}.py").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("example", list(HARNESS_EXAMPLES))
 def test_each_harness_example_trains_a_step_on_a_tiny_model(example, tmp_path):
@@ -130,6 +131,7 @@ def example_agent(name: str):
     return importlib.import_module(name).agent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("example", list(AGENT_EXAMPLES))
 def test_each_agent_example_trains_two_steps_on_a_tiny_model(example, tmp_path):
     """The file runs as written: two steps, every episode logged with its rewards and the rows trained. A random tiny
@@ -201,6 +203,7 @@ def test_each_agent_example_calls_its_tool_and_answers(example, start_server):
     assert calculator_correct([task["prompt"]], [completion], [task["answer"]], episodes=[episode]) == [1.0]
 
 
+@pytest.mark.slow
 def test_the_agents_sdk_example_learns_from_an_answer_cut_at_the_token_limit(tmp_path):
     """The Agents SDK raises `ModelBehaviorError` on the Responses API's `status: "incomplete"` (an answer cut at
     `max_completion_length`), so the episode ends `agent_error`. With `cut_off_penalty` it is scored -1 against its

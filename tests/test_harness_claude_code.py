@@ -235,6 +235,7 @@ def claude_code_binary() -> str | None:
     return os.environ.get("TRL_AGENTIC_CLAUDE_CODE_BIN") or shutil.which("claude")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     claude_code_binary() is None,
     reason=(

@@ -254,6 +254,7 @@ def run_codex_exec(server, tmp_path):
     return episode
 
 
+@pytest.mark.slow
 @needs_codex
 @pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
 def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokenizers, tmp_path, family):
@@ -286,6 +287,7 @@ def test_codex_exec_creates_answer_txt_through_the_endpoint(start_server, tokeni
 HANDOFF = "Create a file answer.txt containing 42 in the working directory."
 
 
+@pytest.mark.slow
 @needs_codex
 @pytest.mark.parametrize("fork_context", [False, True], ids=["fresh", "fork_context"])
 def test_codex_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, fork_context):

@@ -35,11 +35,14 @@ def gemini_cli_binary() -> str | None:
     return os.environ.get("TRL_AGENTIC_GEMINI_CLI_BIN") or shutil.which("gemini")
 
 
-pytestmark = pytest.mark.skipif(
-    gemini_cli_binary() is None,
-    reason="Gemini CLI not found: set TRL_AGENTIC_GEMINI_CLI_BIN or put `gemini` on PATH "
-    "(npm install --prefix <dir> @google/gemini-cli)",
-)
+pytestmark = [
+    pytest.mark.slow,  # the real program, end to end
+    pytest.mark.skipif(
+        gemini_cli_binary() is None,
+        reason="Gemini CLI not found: set TRL_AGENTIC_GEMINI_CLI_BIN or put `gemini` on PATH "
+        "(npm install --prefix <dir> @google/gemini-cli)",
+    ),
+]
 
 
 def shell_tool_model(tokenizer, think: bool = False):

@@ -212,6 +212,7 @@ def opencode_model(tokenizer, tool: str, reasoning: str | None = None):
     return respond
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "tool"), [("qwen2_5", "bash"), ("qwen3", "write")])
 def test_opencode_completes_a_task_through_its_preset(start_server, tokenizers, tmp_path, monkeypatch, family, tool):
     """`opencode run` with its defaults (title request on, its sub-agent `task` tool offered): it runs the scripted
@@ -259,6 +260,7 @@ def test_opencode_completes_a_task_through_its_preset(start_server, tokenizers, 
 HANDOFF = "Create a file answer.txt containing 42 in the working directory."
 
 
+@pytest.mark.slow
 def test_opencode_sub_agent_is_a_row_of_its_own(start_server, tokenizers, tmp_path, monkeypatch):
     """opencode's `task` tool hands a prompt to its `general` sub-agent, which runs in a conversation of its own (its
     own system prompt and 7 tools): the scripted sub-agent runs `bash` and reports, the main line answers. One main

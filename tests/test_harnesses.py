@@ -101,6 +101,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
     assert list(fake_preset.glob("trl-agentic-fake-*")) == []
 
 
+@pytest.mark.slow
 def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "no"), tokenizer)
     harness = Harness("fake", binary=sys.executable)
@@ -133,6 +134,7 @@ def harness_or_skip(name):
     return harness
 
 
+@pytest.mark.slow
 def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
     harness = harness_or_skip("mini-swe-agent")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -170,6 +172,7 @@ def test_a_recipe_names_a_harness_by_its_preset():
         agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
 
 
+@pytest.mark.slow
 def test_claude_code_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
     harness = harness_or_skip("claude-code")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -192,6 +195,7 @@ def test_claude_code_completes_a_task_through_its_preset(tokenizer, start_server
     assert list(tmp_path.glob("trl-agentic-claude-code-*")) == []
 
 
+@pytest.mark.slow
 def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
     harness = harness_or_skip("codex")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -213,6 +217,7 @@ def test_codex_completes_a_task_through_its_preset(tokenizer, start_server, tmp_
     assert list(tmp_path.glob("trl-agentic-codex-*")) == []
 
 
+@pytest.mark.slow
 def test_gemini_cli_completes_a_task_through_its_preset(tokenizer, start_server, tmp_path, monkeypatch):
     harness = harness_or_skip("gemini-cli")
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

@@ -363,6 +363,7 @@ def test_bundled_files_equal_the_repository_files():
         ).read_bytes(), f"trl_agentic/bundled/accelerate_configs/{name} differs from recipes/accelerate_configs/{name}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_submit_dry_run_from_an_installed_wheel(tmp_path):
     # Build the wheel from a copy of the sources (the checkout stays untouched), install it on its own, and submit
@@ -443,6 +444,7 @@ def user_dir(tmp_path, monkeypatch, recipe_text):
     return work
 
 
+@pytest.mark.slow
 def test_a_local_task_file_travels_with_its_siblings_and_the_job_imports_it(tmp_path, monkeypatch, capsys):
     user_dir(tmp_path, monkeypatch, "task: my_task.py:TASK\n")
     submission = dry_run(capsys, "--config", "recipe.yaml", "--hub-model-id", "o/m")

@@ -504,6 +504,7 @@ def test_trajectories_are_shown_in_a_seeded_random_order(judge_server):
     assert orders[0] == orders[1] != orders[2]  # the same seed, the same orders
 
 
+@pytest.mark.slow
 def test_two_processes_rank_a_group_split_between_them_whole(judge_server, tmp_path):
     """The same, with two real gloo processes (torch.distributed.run): accelerate's `gather_object` under
     `TrajectoryJudge.__call__`."""

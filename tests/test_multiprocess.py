@@ -10,6 +10,9 @@ import pytest
 import torch
 
 
+pytestmark = pytest.mark.slow  # two processes train end to end (the full suite runs it; `-m "not slow"` skips it)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

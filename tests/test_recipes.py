@@ -198,6 +198,7 @@ def test_agent_and_agent_command_are_exclusive():
         )
 
 
+@pytest.mark.slow
 def test_train_cpu_recipe_end_to_end(tmp_path):
     # `trl-agentic train` on the CPU recipe, as a user runs it; the flags after the recipe are overrides.
     output_dir = tmp_path / "out"

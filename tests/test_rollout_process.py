@@ -62,6 +62,7 @@ def producer_for(model, tokenizer, agent, **overrides):
     return ProcessRolloutProducer(model, tokenizer, resolve_agent(agent), **{**kwargs, **overrides})
 
 
+@pytest.mark.slow
 def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
     suffix = " Be brief."  # a closure: crosses to the child by value (dill)
@@ -108,6 +109,7 @@ def test_the_child_samples_with_the_weights_last_sent_and_records_their_version(
         assert episode.turns[0].logprobs == pytest.approx(scored_logprobs(model, episode.turns[0]), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
@@ -125,6 +127,7 @@ def test_a_result_that_does_not_pickle_fails_its_episode_only(tokenizer):
     assert "could not be sent from the rollout process" in episodes[0].error and len(episodes[0].turns) == 1
 
 
+@pytest.mark.slow
 def test_a_result_that_does_not_unpickle_in_the_trainer_fails_its_episode_only(tokenizer):
     # It pickles in the child and fails only on the trainer's side: the listener thread died of it, and the trainer
     # waited for the batch for ever (issue 40).
@@ -148,6 +151,7 @@ def test_a_result_that_does_not_unpickle_in_the_trainer_fails_its_episode_only(t
     assert later.status == "ok" and later.result == "fine"
 
 
+@pytest.mark.slow
 def test_an_agent_that_calls_sys_exit_in_the_child_fails_its_episode_only(tokenizer):
     # `SystemExit` stopped the child's producer loop, and the trainer waited for the batch for ever (issue 40).
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
@@ -168,6 +172,7 @@ def test_an_agent_that_calls_sys_exit_in_the_child_fails_its_episode_only(tokeni
     assert episodes[0].error == "the agent raised SystemExit: 2"
 
 
+@pytest.mark.slow
 def test_a_wedged_child_is_killed_by_the_watchdog_and_fails_the_waiting_step(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
@@ -203,6 +208,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_rollout_process_does_not_outlive_a_killed_trainer(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER_THAT_DIES.format(path=[os.path.dirname(__file__), *sys.path]))
@@ -231,6 +237,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(tokenizer):
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1)
 
@@ -249,6 +256,7 @@ def test_a_child_that_dies_fails_the_waiting_step_with_a_reason_not_a_hang(token
         producer.close()
 
 
+@pytest.mark.slow
 def test_training_in_a_rollout_process_keeps_every_trained_token_within_the_bound(tmp_path, tokenizer):
     trainer = AgenticGRPOTrainer(
         build_tiny_model(tokenizer),

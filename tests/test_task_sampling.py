@@ -311,6 +311,7 @@ def level_reward(prompts, completions, episodes, difficulty, **kwargs):
     ]
 
 
+@pytest.mark.slow
 def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     tokenizer = build_tiny_tokenizer("qwen2_5")
     args = AgenticGRPOConfig(
@@ -430,6 +431,7 @@ def test_trainer_feeds_the_sampler_and_logs_split_rate_and_buckets(tmp_path):
     assert sum(sampler.groups_drawn.values()) == 4 * 2  # 2 tasks per step, none drawn ahead by a prefetch
 
 
+@pytest.mark.slow
 def test_each_batch_is_drawn_after_every_earlier_batch_was_observed(tmp_path):
     """The draw for step N uses the results of steps 0..N-1: accelerate's dataloader and the Trainer fetch a batch
     ahead, so drawn as the dataloader iterated, step N's tasks were chosen before step N-1's results came back (issue

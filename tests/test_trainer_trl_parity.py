@@ -175,6 +175,7 @@ async def two_call_agent(client, task):
     return reply.choices[0].message.content
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sequence_mask", "token_mask"])
 def test_async_rollouts_log_the_share_of_rows_and_tokens_the_correction_masks(tmp_path, tokenizer, mode):
     """Under asynchronous rollouts TRL's `*_mask` correction can zero whole multi-turn rows: the share is logged next to
