@@ -1,22 +1,20 @@
 """`AgenticGRPOTrainer`: TRL's GRPO on black-box agent episodes.
 
-TRL's `GRPOTrainer` does everything it already does (rewards, group advantages, loss types, clipping, KL to the
-reference, importance sampling, entropy, logging); we replace its single-turn generation with a rollout of G agent
-episodes per task against an in-process OpenAI-compatible endpoint serving the live policy, through TRL's documented
-`rollout_func` hook. Each episode's main row goes through TRL's pipeline; extra rows (forks, side calls) are appended
-with their episode's advantage, and the generation batch is split into `steps_per_generation` micro-batches without
-dropping any row (REFERENCES: ROLL#409).
+TRL's `GRPOTrainer` does what it already does (rewards, group advantages, loss types, clipping, KL, importance
+sampling, entropy, logging); its single-turn generation becomes G agent episodes per task against an in-process
+OpenAI-compatible endpoint serving the live policy, through TRL's `rollout_func` hook. Each episode's main row goes
+through TRL's pipeline; extra rows (forks, side calls) are appended with their episode's advantage, and no row is
+dropped by the micro-batch split (REFERENCES: ROLL#409).
 
-The class reads as TRL's hooks and delegates: batch assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the
-asynchronous schedule to `rollout/schedule.py` (`AsyncSchedule`), the trainer's own checkpoint state to
-`checkpoint_state.py` (`CheckpointState`), the episode log and its metrics to `episode_log.py`, the `sampling/*`
-metrics to `task_sampling.observe_tasks`.
+The class reads as TRL's hooks and delegates: the endpoint and the episodes to `rollouts.py` (`Rollouts`), batch
+assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the asynchronous schedule to `rollout/schedule.py`
+(`AsyncSchedule`), its checkpoint state to `checkpoint_state.py` (`CheckpointState`), the episode log to
+`episode_log.py`, the `sampling/*` metrics to `task_sampling.observe_tasks`.
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
-`_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards, which
-TRL's `_compute_loss` takes unchanged), `_prepare_inputs` (row-count-agnostic split, tasks
-drawn as a batch is consumed), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state in each
-checkpoint: a resumed run is the run that was never stopped).
+`_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards),
+`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_save_checkpoint` /
+`_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run that was never stopped).
 """
 
 from __future__ import annotations
@@ -273,13 +271,25 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 stats = self._producer.take_stats()
             elif stats is not None:
                 stats = self.engine.take_stats()
-        else:
-            episodes = self._run_rollout(tasks, num_generations, stats)
+        else:  # now, on the current weights (the synchronous schedule, and evaluation)
+            self._rollouts += 1
+            episodes = self._rollouts_side.run(
+                tasks, num_generations, stats, rollout_index=self._rollouts, step=self.state.global_step
+            )
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
             log_engine_stats(stats, self._metrics[self._mode()])
         rows_results = self._rollouts_side.episode_rows(episodes)
-        if from_producer:
-            self._check_staleness(episodes, rows_results, num_generations)
+        if from_producer:  # the bound on staleness, checked on what is trained
+            check_staleness(
+                episodes,
+                rows_results,
+                num_generations,
+                step=self.state.global_step,
+                max_staleness=self.args.max_staleness,
+                metrics=self._metrics["train"],
+                gather=self.accelerator.gather,
+                device=self.accelerator.device,
+            )
         main_rows = self._rollouts_side.main_rows(prompts, rows_results, self.processing_class)
         self._pending_rows = rows_results
         return {
@@ -289,26 +299,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "env_mask": [row.env_mask for row in main_rows],
             "episodes": episodes,
         }
-
-    def _run_rollout(self, tasks: list[dict], num_generations: int, stats) -> list[Episode]:
-        """Run this process's episodes now, on the current weights (the synchronous schedule, and evaluation)."""
-        self._rollouts += 1
-        return self._rollouts_side.run(
-            tasks, num_generations, stats, rollout_index=self._rollouts, step=self.state.global_step
-        )
-
-    def _check_staleness(self, episodes: list[Episode], rows_results, group_size: int) -> None:
-        """The bound on staleness, checked on what is trained (`rollout/schedule.check_staleness`)."""
-        check_staleness(
-            episodes,
-            rows_results,
-            group_size,
-            step=self.state.global_step,
-            max_staleness=self.args.max_staleness,
-            metrics=self._metrics["train"],
-            gather=self.accelerator.gather,
-            device=self.accelerator.device,
-        )
 
     def _generate(self, prompts: list):
         if self._behaviour_correction:  # TRL would sync a vLLM it does not have (`use_vllm`)
@@ -492,10 +482,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             return batch
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self.args.async_rollouts:
-            self._async_sync_weights()  # every micro-step: the version moves at each optimizer step
+            self._schedule.sync(self.state.global_step)  # every micro-step: the version moves at each optimizer step
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            if self.args.async_rollouts:  # the producer's batch: its tasks were drawn when it was submitted
-                generation_batch = self._async_take_batch(len(generation_batch))
+            if self.args.async_rollouts:  # the producer's batch (waited for): its tasks were drawn when submitted
+                generation_batch, self._ready_episodes = self._schedule.take(
+                    len(generation_batch), self.state.global_step, self._metrics["train"]
+                )
             elif self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
                 generation_batch = self._draw_generation_batch(len(generation_batch))
             num_episodes = len(generation_batch)
@@ -525,14 +517,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self.engine.policy_version = version
         else:
             self._rollouts_side.sync_weights(version, self._producer)
-
-    def _async_sync_weights(self) -> None:
-        self._schedule.sync(self.state.global_step)
-
-    def _async_take_batch(self, num_slots: int) -> list[dict]:
-        """This process's rows of the next generation batch, its episodes run by the producer (waited for)."""
-        inputs, self._ready_episodes = self._schedule.take(num_slots, self.state.global_step, self._metrics["train"])
-        return inputs
 
     def _stop_producer(self) -> None:
         """End the producer (after `train`): episodes of batches no step will train are cancelled. A later `train`
