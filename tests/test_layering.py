@@ -165,7 +165,8 @@ LAYERS = [
         "agentic_grpo_config",
         "episode_log",
     },
-    {"alarms", "recipes", "checkpoint_state"},  # checkpoint_state: the trainer's state, the episode log's included
+    # checkpoint_state: the trainer's state, the episode log's included; rollouts: its endpoint and episodes
+    {"alarms", "recipes", "checkpoint_state", "rollouts"},
     {"agentic_grpo_trainer", "viewer", "jobs"},
     {"pipeline"},  # warm start -> held-out eval -> GRPO (the trainer) -> report
     {"scripts", "bundled", "cli"},

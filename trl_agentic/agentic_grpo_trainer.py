@@ -1,27 +1,24 @@
 """`AgenticGRPOTrainer`: TRL's GRPO on black-box agent episodes.
 
-TRL's `GRPOTrainer` does everything it already does (rewards, group advantages, loss types, clipping, KL to the
-reference, importance sampling, entropy, logging); we replace its single-turn generation with a rollout of G agent
-episodes per task against an in-process OpenAI-compatible endpoint serving the live policy, through TRL's documented
-`rollout_func` hook. Each episode's main row goes through TRL's pipeline; extra rows (forks, side calls) are appended
-with their episode's advantage, and the generation batch is split into `steps_per_generation` micro-batches without
-dropping any row (REFERENCES: ROLL#409).
+TRL's `GRPOTrainer` does what it already does (rewards, group advantages, loss types, clipping, KL, importance
+sampling, entropy, logging); its single-turn generation becomes G agent episodes per task against an in-process
+OpenAI-compatible endpoint serving the live policy, through TRL's `rollout_func` hook. Each episode's main row goes
+through TRL's pipeline; extra rows (forks, side calls) are appended with their episode's advantage, and no row is
+dropped by the micro-batch split (REFERENCES: ROLL#409).
 
-The class reads as TRL's hooks and delegates: batch assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the
-asynchronous schedule to `rollout/schedule.py` (`AsyncSchedule`), the trainer's own checkpoint state to
-`checkpoint_state.py` (`CheckpointState`), the episode log and its metrics to `episode_log.py`, the `sampling/*`
-metrics to `task_sampling.observe_tasks`.
+The class reads as TRL's hooks and delegates: the endpoint and the episodes to `rollouts.py` (`Rollouts`), batch
+assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the asynchronous schedule to `rollout/schedule.py`
+(`AsyncSchedule`), its checkpoint state to `checkpoint_state.py` (`CheckpointState`), the episode log to
+`episode_log.py`, the `sampling/*` metrics to `task_sampling.observe_tasks`.
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
-`_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards, which
-TRL's `_compute_loss` takes unchanged), `_prepare_inputs` (row-count-agnostic split, tasks
-drawn as a batch is consumed), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state in each
-checkpoint: a resumed run is the run that was never stopped).
+`_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards),
+`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_save_checkpoint` /
+`_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run that was never stopped).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,15 +33,12 @@ from .agentic_grpo_config import AgenticGRPOConfig
 from .alarms import attach_alarms
 from .checkpoint_state import CheckpointState
 from .console import install_step_lines, quiet_known_warnings
-from .endpoint import SERVED_MODEL_NAME  # also importable from here, as before
-from .endpoint.launch import default_engine, launch_endpoint
-from .envs.environment_factory import environment_factory_agent
+from .endpoint import SERVED_MODEL_NAME  # noqa: F401 - also importable from here, as before
+from .endpoint.launch import default_engine
 from .episode_log import EpisodeLog, log_episode_metrics
 from .generation.engine import GenerationEngine
-from .generation.transformers_engine import TransformersEngine
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
-from .rewards.utils import check_weighted_rewards, reward_model_funcs, unscorable_unless_ok
-from .rollout.agents import resolve_agent
+from .rewards.utils import check_weighted_rewards
 from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_masked_counts: importable here too
     append_rows,
     importance_sampling_masked_counts,
@@ -57,14 +51,11 @@ from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_mas
 )
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import micro_batch_scale
-from .rollout.process import ProcessRolloutProducer, ensure_picklable_agent
-from .rollout.producer import RolloutProducer
-from .rollout.rows import Row, episode_to_rows
-from .rollout.runner import run_episodes, run_rollout
-from .rollout.schedule import AsyncSchedule, AsyncWeightSync, check_staleness, rollout_seed, task_batches
+from .rollout.rows import Row
+from .rollout.schedule import AsyncSchedule, AsyncWeightSync, check_staleness, task_batches
+from .rollouts import Rollouts, check_rollout_process, log_engine_stats, trainer_inputs
 from .shared_prefix import chunked_shared_prefix_logps, shared_prefix_applies
 from .task_sampling import TaskSlots, adaptive_sampler, observe_tasks
-from .tiny_models import load_model_and_tokenizer
 from .trace import Episode
 
 
@@ -74,34 +65,15 @@ logger = logging.get_logger(__name__)
 class AgenticGRPOTrainer(GRPOTrainer):
     """GRPO on episodes of a black-box agent that talks to the policy through an OpenAI-compatible endpoint.
 
-    Args:
-        model: model id/path or a `PreTrainedModel` (as for `trl.GRPOTrainer`), or `"tiny:<family>[:<hidden>x<layers>]"`
-            for a tiny randomly initialised model built locally (`trl_agentic.tiny_models`; its tokenizer comes with it).
-        agent: `async def agent(client, task)`, a plain `def agent(client, task)`, or a `CommandAgent`. `client` is an
-            `openai` client already pointed at the episode (model name `"policy"`); `task` is the dataset row.
-        reward_funcs: TRL reward functions. They receive `completions` (each episode's messages after the prompt),
-            `episodes` (the `Episode` objects; `episode.result` is the agent's return value) and the dataset
-            columns. Return `None` for an episode that cannot be scored. Episodes that crashed, timed out, overflowed
-            the context or hit a limit are unscorable unless the function sets `scores_failed_episodes = True`. A
-            function that raises stops training, as in TRL, once the step's episodes are in the episode log; one that
-            returns another count than episodes, or a reward beyond float32 (inf, 1e39), raises a `ValueError`.
-        args: an `AgenticGRPOConfig`.
-        engine: a `GenerationEngine`; defaults to the embedded `TransformersEngine` over the live policy.
-        environment_factory: instead of `agent`, TRL's `environment_factory` (a class or zero-argument callable whose
-            public methods are the tools, with `reset(**row)` and optionally `get_reward()`; or a dict of them
-            selected by an `environment` column), run by a built-in agent over the endpoint: see
-            `trl_agentic.envs.environment_factory` and docs/envs_environment_factory.md.
-        reward_processing_classes: as in TRL, the tokenizer of each reward model in `reward_funcs` (one entry per
-            reward function, `None` for plain functions and for reward models whose tokenizer loads from their path).
-        tools: TRL's argument, refused: the agent owns its tools. Pass `agent=ToolAgent(tools=[...])`
-            (`trl_agentic.tasks.agent_loop`) for TRL's tool loop over plain functions.
-
-    Example:
+    Args (docs/trainer.md has them all): `model` (also `"tiny:<family>[:<hidden>x<layers>]"`), `agent`
+    (`async def agent(client, task)`, a plain function, a `CommandAgent`; `client` points at the episode, model name
+    `"policy"`), `reward_funcs` (TRL's, given `completions` = the episode's messages after the prompt and `episodes`;
+    `None` = unscorable), `args` (an `AgenticGRPOConfig`), `engine` (a `GenerationEngine`, default the embedded one),
+    `environment_factory` (TRL's environment contract instead of `agent`), `reward_processing_classes` (as in TRL);
+    `tools` is refused (the agent owns its tools: `agent=ToolAgent(tools=[...])`).
 
     ```python
-    >>> from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-    >>> from trl_agentic.tasks import get_task
-    >>> task = get_task("calculator")
+    >>> task = get_task("calculator")  # trl_agentic.tasks
     >>> trainer = AgenticGRPOTrainer(
     ...     "Qwen/Qwen2.5-0.5B-Instruct", agent=task.agent, reward_funcs=task.reward_funcs,
     ...     args=AgenticGRPOConfig(output_dir="out", num_generations=8), train_dataset=task.build_dataset("train"),
@@ -143,55 +115,10 @@ class AgenticGRPOTrainer(GRPOTrainer):
         environment_factory=None,
         tools=None,
     ):
-        # Args
-        if args is None:
-            raise ValueError("Pass `args=AgenticGRPOConfig(output_dir=...)`: the agent knobs live there.")
-        if not isinstance(args, AgenticGRPOConfig):
-            raise TypeError(
-                f"`args` must be an AgenticGRPOConfig, got {type(args).__name__}; build it with "
-                "AgenticGRPOConfig(**grpo_config.to_dict()) to keep your GRPO settings."
-            )
-
-        if tools is not None:  # TRL's argument, refused rather than ignored (issue 40)
-            raise ValueError(
-                "AgenticGRPOTrainer does not take `tools=`: the agent owns its tools (it sends their schemas with its "
-                "model calls and runs them). Pass `agent=ToolAgent(tools=[...])` (trl_agentic.tasks.agent_loop) for "
-                "TRL's tool loop over plain functions, or give your own agent its tools."
-            )
-
-        # Reward processing classes, as in TRL: entry i tokenizes for reward model i (ignored for functions); applied
-        # before the environments' own reward sources join
-        if reward_funcs is not None:
-            reward_funcs = reward_model_funcs(reward_funcs, reward_processing_classes)
-
-        # Environments (TRL's `environment_factory`, issue 32): a built-in agent plays TRL's tool loop over the
-        # endpoint, and the environments' `get_reward` join the reward sources (trl_agentic/envs/environment_factory.py)
-        if environment_factory is not None:
-            agent, reward_funcs = environment_factory_agent(
-                environment_factory, agent, reward_funcs, args, train_dataset
-            )
-
-        # Agent
-        if agent is None:
-            raise ValueError(
-                "Pass `agent=` (an async function (client, task), a CommandAgent, ...) or "
-                "`environment_factory=` (TRL's environment contract)."
-            )
-        if reward_funcs is None:
-            raise ValueError("No reward source provided. Pass `reward_funcs=` (TRL reward functions).")
-        self.agent = resolve_agent(agent)
-
-        # Reward functions: failed episodes are unscorable (NaN-excluded from the group baseline), never zero
-        if not isinstance(reward_funcs, list):
-            reward_funcs = [reward_funcs]
-        reward_funcs = [unscorable_unless_ok(f) for f in reward_funcs]
-
-        # `tiny:<family>[:<hidden>x<layers>]`: the locally built test models the CLI takes (no Hub download), with
-        # their tokenizer unless one is given
-        if isinstance(model, str) and model.startswith("tiny:"):
-            model, tiny_tokenizer = load_model_and_tokenizer(model)
-            processing_class = tiny_tokenizer if processing_class is None else processing_class
-
+        model, agent, self.agent, reward_funcs, processing_class = trainer_inputs(
+            model, agent, reward_funcs, args, train_dataset, processing_class, reward_processing_classes,
+            environment_factory, tools,
+        )  # fmt: skip
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -210,24 +137,27 @@ class AgenticGRPOTrainer(GRPOTrainer):
             agent.use_tokenizer(self._tokenizer, args.max_completion_length, self.chat_template_kwargs)
 
         if args.rollout_process:  # before anything starts: a refusal leaves no server running
-            self._check_rollout_process(engine)
-        # Endpoint serving the live policy
+            check_rollout_process(
+                engine, self.accelerator.unwrap_model(self.model), self.accelerator.num_processes, self.agent
+            )
+        # The endpoint serving the live policy, and the episodes run against it (rollouts.py)
         self.engine = engine or default_engine(
             args, self.accelerator.unwrap_model(self.model), self._tokenizer, getattr(self, "vllm_generation", None)
         )
-        self._endpoint_kwargs = dict(  # also the rollout process's (`rollout_process`)
-            **args.sampling_kwargs(),  # TRL's sampling settings, `generation_kwargs` overriding them (issue 40)
-            max_tokens=args.max_completion_length,
-            max_turns=args.max_turns,
-            max_episode_tokens=args.max_episode_tokens,
-            chat_template_kwargs=self.chat_template_kwargs,
-            max_open_episodes=args.max_open_episodes,
-            episode_idle_timeout=args.episode_idle_timeout,
-            host=args.endpoint_host,
+        self._rollouts_side = Rollouts(
+            args,
+            self.agent,
+            self.engine,
+            self._tokenizer,
+            self.chat_template_kwargs,
+            model=lambda: self.accelerator.unwrap_model(self.model),
+            generation_model=lambda: unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+            ),
+            process_index=self.accelerator.process_index,
         )
-        self.endpoint = launch_endpoint(self.engine, self._tokenizer, port=args.endpoint_port, **self._endpoint_kwargs)
+        self.endpoint = self._rollouts_side.endpoint
         self._pending_inputs: list[dict] | None = None
-        self._rollout_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
         self._episode_log = EpisodeLog(
             Path(args.output_dir) / "episodes" if args.log_episodes else None, self.accelerator.process_index
         )
@@ -244,11 +174,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 num_generations=self.num_generations,
                 dataset=self.train_dataset,
                 process_index=self.accelerator.process_index,
-                make_producer=self._make_producer,
+                make_producer=self._rollouts_side.make_producer,
                 sync_weights=self._sync_engine_weights,
                 stream=self._task_batches,
                 draw=(lambda: self.task_sampler.draw_batch()) if args.task_sampling == "adaptive" else None,
-                seed_for=self._batch_seed,
+                seed_for=self._rollouts_side.batch_seed,
             )
         self._ready_episodes: list[Episode] | None = None  # the batch being scored, from the producer
         if args.async_rollouts and not args.use_vllm:
@@ -271,24 +201,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # The console: one line per step (after the alarms, so it shows those that fire), warnings a user can act on
         install_step_lines(self)
         quiet_known_warnings()
-
-    def _check_rollout_process(self, engine: GenerationEngine | None) -> None:
-        """`rollout_process=True`: what the child can rebuild (at construction, not at the first step)."""
-        model = self.accelerator.unwrap_model(self.model)
-        problems = []
-        if engine is not None:
-            problems.append("an `engine=` of your own (the child builds the embedded engine)")
-        if self.accelerator.num_processes > 1:
-            problems.append(f"{self.accelerator.num_processes} training processes (one only)")
-        if hasattr(model, "peft_config"):
-            problems.append("a PEFT model (merge the adapter, or train without rollout_process)")
-        if any(p.device.type != "cpu" for p in model.parameters()):
-            problems.append("a model off the CPU (on a GPU, serve the policy with vLLM: use_vllm=True, server mode)")
-        if problems:
-            raise ValueError(
-                "rollout_process=True cannot run with " + "; ".join(problems) + ". Set rollout_process=False."
-            )
-        ensure_picklable_agent(self.agent)
 
     # Task sampling
 
@@ -349,15 +261,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """TRL's `rollout_func`: run one episode per generation slot and return its main row (plus the episodes)."""
         inputs = self._pending_inputs
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
-        # The agent sees only the columns meant for it: the checker's (`answer`, `expected`) stay on this side, where
-        # every column still reaches the reward functions (issue #9: an agent returning task["answer"] scored 1.0).
-        missing = [c for c in self.args.agent_columns if c not in inputs[0]]
-        if missing:
-            raise ValueError(
-                f"agent_columns names {missing}, which the dataset does not have; its columns are "
-                f"{sorted(inputs[0])}. Fix `agent_columns`."
-            )
-        tasks = [{c: example[c] for c in self.args.agent_columns} for example in inputs]
+        tasks = self._rollouts_side.agent_tasks(inputs)
         stats = getattr(self.engine, "stats", None)
         from_producer = self._ready_episodes is not None
         if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
@@ -367,37 +271,26 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 stats = self._producer.take_stats()
             elif stats is not None:
                 stats = self.engine.take_stats()
-        else:
-            episodes = self._run_rollout(tasks, num_generations, stats)
+        else:  # now, on the current weights (the synchronous schedule, and evaluation)
+            self._rollouts += 1
+            episodes = self._rollouts_side.run(
+                tasks, num_generations, stats, rollout_index=self._rollouts, step=self.state.global_step
+            )
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
-            mode = self._mode()
-            self._metrics[mode]["engine/decode_occupancy"].append(stats.decode_occupancy)
-            self._metrics[mode]["engine/mean_decode_batch"].append(stats.mean_decode_batch)
-            prompt_tokens = stats.reused_tokens + stats.prefilled_tokens
-            self._metrics[mode]["engine/reused_prompt_tokens"].append(
-                stats.reused_tokens / prompt_tokens if prompt_tokens else 0.0
+            log_engine_stats(stats, self._metrics[self._mode()])
+        rows_results = self._rollouts_side.episode_rows(episodes)
+        if from_producer:  # the bound on staleness, checked on what is trained
+            check_staleness(
+                episodes,
+                rows_results,
+                num_generations,
+                step=self.state.global_step,
+                max_staleness=self.args.max_staleness,
+                metrics=self._metrics["train"],
+                gather=self.accelerator.gather,
+                device=self.accelerator.device,
             )
-        rows_results = [
-            episode_to_rows(
-                ep.turns,
-                self.args.max_rows_per_episode,
-                forks=self.args.forks,
-                side_calls=self.args.side_calls,
-                sub_agents=self.args.sub_agents,
-            )
-            for ep in episodes
-        ]
-        if from_producer:
-            self._check_staleness(episodes, rows_results, num_generations)
-        main_rows = []
-        for prompt, result in zip(prompts, rows_results, strict=True):
-            if result.rows:
-                main_rows.append(result.rows[0])
-            else:  # the agent never called the model: a placeholder row with nothing to train
-                prompt_ids = self.processing_class.apply_chat_template(
-                    prompt, add_generation_prompt=True, tokenize=True, return_dict=False, **self.chat_template_kwargs
-                )
-                main_rows.append(Row(list(prompt_ids), [self._tokenizer.pad_token_id], [0], [0.0], [], "empty"))
+        main_rows = self._rollouts_side.main_rows(prompts, rows_results, self.processing_class)
         self._pending_rows = rows_results
         return {
             "prompt_ids": [row.prompt_ids for row in main_rows],
@@ -406,58 +299,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             "env_mask": [row.env_mask for row in main_rows],
             "episodes": episodes,
         }
-
-    def _run_rollout(self, tasks: list[dict], num_generations: int, stats) -> list[Episode]:
-        """Run this process's episodes now, on the current weights (the synchronous schedule, and evaluation)."""
-        with unwrap_model_for_generation(
-            self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
-        ) as unwrapped_model:
-            # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
-            # nothing collective may happen per call.
-            self.engine.policy_version = self.state.global_step
-            if isinstance(self.engine, TransformersEngine):
-                self.engine.model = unwrapped_model
-                self.engine.sync_weights()  # its inference copy takes this step's weights, gathered under ZeRO-3
-            self._rollouts += 1
-            seed = None
-            if isinstance(self.engine, TransformersEngine):
-                # Episode i's calls sample from seeds derived from (seed, process, rollout), i and the call's index in
-                # the episode (`run_episodes`): a resumed run samples what the run that was never stopped did, the
-                # episodes' calls may interleave in any order (issue 29), and processes sharing a group do not sample
-                # alike. Not for vLLM, which samples seeded requests one by one (a per-request generator).
-                seed = rollout_seed(self.args.seed, self.accelerator.process_index, self._rollouts)
-                self.engine.manual_seed(seed)  # requests without an episode seed, if any
-            if stats is not None:
-                stats.reset()
-            # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
-            # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
-            episodes = self._rollout_pool.submit(
-                run_rollout,
-                run_episodes(
-                    self.endpoint,
-                    self.agent,
-                    tasks,
-                    group_indices=[i % num_generations for i in range(len(tasks))],
-                    max_concurrent=self.args.max_concurrent_episodes,
-                    timeout=self.args.episode_timeout,
-                    model=SERVED_MODEL_NAME,
-                    seed=seed,
-                ),
-            ).result()
-        return episodes
-
-    def _check_staleness(self, episodes: list[Episode], rows_results, group_size: int) -> None:
-        """The bound on staleness, checked on what is trained (`rollout/schedule.check_staleness`)."""
-        check_staleness(
-            episodes,
-            rows_results,
-            group_size,
-            step=self.state.global_step,
-            max_staleness=self.args.max_staleness,
-            metrics=self._metrics["train"],
-            gather=self.accelerator.gather,
-            device=self.accelerator.device,
-        )
 
     def _generate(self, prompts: list):
         if self._behaviour_correction:  # TRL would sync a vLLM it does not have (`use_vllm`)
@@ -641,10 +482,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
             return batch
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self.args.async_rollouts:
-            self._async_sync_weights()  # every micro-step: the version moves at each optimizer step
+            self._schedule.sync(self.state.global_step)  # every micro-step: the version moves at each optimizer step
         if self._step % generate_every == 0 or self._buffered_inputs is None:
-            if self.args.async_rollouts:  # the producer's batch: its tasks were drawn when it was submitted
-                generation_batch = self._async_take_batch(len(generation_batch))
+            if self.args.async_rollouts:  # the producer's batch (waited for): its tasks were drawn when submitted
+                generation_batch, self._ready_episodes = self._schedule.take(
+                    len(generation_batch), self.state.global_step, self._metrics["train"]
+                )
             elif self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
                 generation_batch = self._draw_generation_batch(len(generation_batch))
             num_episodes = len(generation_batch)
@@ -666,69 +509,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
         once, not `num_iterations * steps_per_generation` times): TRL's `RepeatSampler`, epoch after epoch."""
         return task_batches(super()._get_train_sampler(), self.args.generation_batch_size)
 
-    def _batch_seed(self, index: int) -> int | None:
-        # Seeds by batch index, not by rollout count: a resumed run samples its batches as the stopped one did.
-        if isinstance(self.engine, TransformersEngine):
-            return rollout_seed(self.args.seed, self.accelerator.process_index, -1 - index)
-        return None
-
-    def _make_producer(self, version: int):
-        """The producer of the asynchronous schedule: in this process, or in a process of its own
-        (`rollout_process`)."""
-        if self.args.rollout_process:
-            producer = ProcessRolloutProducer(
-                self.accelerator.unwrap_model(self.model),
-                self._tokenizer,
-                self.agent,
-                engine_kwargs=dict(
-                    max_batch_size=self.args.max_generation_batch_size,
-                    batch_wait_ms=self.args.generation_batch_wait_ms,
-                    max_context_length=self.engine.max_context_length,
-                ),
-                endpoint_kwargs=self._endpoint_kwargs,
-                max_staleness=self.args.max_staleness,
-                max_concurrent=self.args.max_concurrent_episodes,
-                timeout=self.args.episode_timeout,
-                model_name=SERVED_MODEL_NAME,
-                version=version,
-            )
-        else:
-            producer = RolloutProducer(
-                self.endpoint,
-                self.agent,
-                max_staleness=self.args.max_staleness,
-                max_concurrent=self.args.max_concurrent_episodes,
-                timeout=self.args.episode_timeout,
-                model=SERVED_MODEL_NAME,
-                version=version,
-            )
-        return producer
-
     def _sync_engine_weights(self, version: int) -> None:
-        """After an optimizer step: the engine takes the new weights (its inference copy, or TRL's vLLM sync)."""
+        """After an optimizer step: the engine takes the new weights (TRL's vLLM sync, else `Rollouts.sync_weights`)."""
         if self._use_vllm:
             self.vllm_generation.sync_weights()  # TRL's own sync with the vLLM server
             self._last_loaded_step = version
             self.engine.policy_version = version
-        elif self.args.rollout_process:  # the shared staging copy; the child's engine takes it between decode steps
-            self._producer.sync_weights(self.accelerator.unwrap_model(self.model), version)
         else:
-            with unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
-            ) as unwrapped_model:
-                if isinstance(self.engine, TransformersEngine):
-                    self.engine.model = unwrapped_model
-                    self.engine.sync_weights(policy_version=version)
-                else:
-                    self.engine.policy_version = version
-
-    def _async_sync_weights(self) -> None:
-        self._schedule.sync(self.state.global_step)
-
-    def _async_take_batch(self, num_slots: int) -> list[dict]:
-        """This process's rows of the next generation batch, its episodes run by the producer (waited for)."""
-        inputs, self._ready_episodes = self._schedule.take(num_slots, self.state.global_step, self._metrics["train"])
-        return inputs
+            self._rollouts_side.sync_weights(version, self._producer)
 
     def _stop_producer(self) -> None:
         """End the producer (after `train`): episodes of batches no step will train are cancelled. A later `train`
@@ -850,5 +638,4 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def close(self) -> None:
         """Stop the producer, the endpoint server and the rollout thread."""
         self._stop_producer()
-        self.endpoint.stop()
-        self._rollout_pool.shutdown(wait=False)
+        self._rollouts_side.close()
