@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import math
 import threading
 import time
@@ -49,6 +48,8 @@ from transformers.cache_utils import DynamicLayer
 from .batching import Request, RowEmitter
 from .engine import GenerationOutput, SamplingParams, TokenCallback
 from .prefix_cache import PrefixCache, PrefixEntry
+from .sampling import _exponential_noise, _penalize, _restrict, _stream_key
+from .weights import _copy_weights, _inference_module, _partitioned, _same_layout, _weights_checksum
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
@@ -896,179 +897,3 @@ def _stack_prefixes(entries: list[tuple[PrefixEntry | None, int]], layer: int, p
             keys[i, :, past - start :] = entry.keys[layer][:, :start]
             values[i, :, past - start :] = entry.values[layer][:, :start]
     return keys, values
-
-
-# SplitMix64 (Steele, Lea & Flood, 2014): a counter-based generator, so each row's draws are a pure function of its
-# key and their index, computed for the whole batch at once.
-_MASK64 = 2**64 - 1
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _stream_key(seed: int) -> int:
-    """A row's stream key (an int64) from its seed: SplitMix64's output for that seed, so that seeds 0, 1, 2...
-    start far apart in the generator's sequence."""
-    z = (seed + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
-    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
-    z ^= z >> 31
-    return z - 2**64 if z >= 2**63 else z
-
-
-def _exponential_noise(keys: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise (B, vocab) for sampling: row `b` gets outputs `draws[b] * vocab ...` of the SplitMix64 stream
-    keyed `keys[b]` (int64), so a row's draw `k` depends on its seed and `k` only, never on the batch it shares.
-
-    ```python
-    >>> keys, draws = torch.tensor([_stream_key(1), _stream_key(2)]), torch.tensor([0, 5])
-    >>> torch.equal(_exponential_noise(keys, draws, 8)[1], _exponential_noise(keys[1:], draws[1:], 8)[0])
-    True
-    ```
-    """
-    # int64 arithmetic wraps modulo 2**64 as SplitMix64's does; `>>` on int64 keeps the sign, so shifts are masked.
-    z = keys.unsqueeze(1) + (draws.unsqueeze(1) * vocab + torch.arange(vocab, device=keys.device)) * _signed(_GOLDEN)
-    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
-    z = z ^ _shift_right(z, 31)
-    uniform = (_shift_right(z, 40).float() + 0.5) * 2.0**-24  # the top 24 bits, in (0, 1)
-    return -torch.log(uniform)
-
-
-def _signed(value: int) -> int:
-    return value - 2**64 if value >= 2**63 else value
-
-
-def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _penalize(logits: torch.Tensor, seen: list[int], penalty: float) -> None:
-    """Apply a repetition penalty to `logits` (V,) in place, as transformers' `RepetitionPenaltyLogitsProcessor` and
-    vLLM do: the logit of every token in `seen` (prompt + tokens sampled so far) divided by `penalty` when positive,
-    multiplied when negative (a token seen twice is penalized once)."""
-    ids = torch.tensor(seen, dtype=torch.long, device=logits.device)
-    scores = logits.gather(0, ids)
-    logits.scatter_(0, ids, torch.where(scores < 0, scores * penalty, scores / penalty))
-
-
-def _restrict(probs: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """`probs` (V,) with the tokens top-k / top-p / min-p exclude set to 0 (the rest is not renormalized: sampling does
-    not need it, and the reported logprobs stay those of the full distribution). In transformers' order: top-k, top-p,
-    then min-p relative to the most likely token (which the first two always keep)."""
-    if sampling.top_k > 0:
-        kth = torch.topk(probs, min(sampling.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, 0)
-        remove = cumulative - sorted_probs > sampling.top_p  # keep the smallest set whose mass reaches top_p
-        sorted_probs[remove] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    if sampling.min_p > 0:
-        probs = torch.where(probs < sampling.min_p * probs.max(), torch.zeros_like(probs), probs)
-    return probs
-
-
-# The module the engine generates with
-
-
-def _inference_module(model: torch.nn.Module, inference_copy: bool) -> torch.nn.Module:
-    """A module of its own to generate with, in eval mode: its own submodules, so its own `training` flags (the model's
-    are never touched). With `inference_copy`, new (uninitialised) tensors for the parameters that train or are
-    partitioned and for the buffers, filled by `_copy_weights`; otherwise the model's own tensors (a view, no memory).
-    Frozen parameters are shared either way: nothing updates them (a LoRA model's base weights cost nothing twice)."""
-    memo: dict[int, torch.Tensor] = {}
-    for p in model.parameters():
-        if inference_copy and _copied(p):
-            memo[id(p)] = torch.nn.Parameter(
-                torch.empty(_full_shape(p), dtype=p.dtype, device=p.device), requires_grad=False
-            )
-        else:
-            memo[id(p)] = p
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b) if inference_copy else b
-    # Hooks are shared, not copied: a hook registered on the model (before or after) fires for the engine's forwards
-    # as it did when the engine generated with the model itself, and one holding a lock or an event (unpicklable)
-    # used to fail every request with "cannot pickle '_thread.lock' object".
-    for m in model.modules():
-        for name, value in vars(m).items():
-            if "hook" in name and isinstance(value, (dict, set)):
-                memo[id(value)] = value
-    return copy.deepcopy(model, memo).eval()
-
-
-def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inference_copy: bool) -> bool:
-    """Whether `module`, built by `_inference_module` from `model`, still mirrors it: the same names, the model's own
-    tensors where they are shared, tensors of the same shape, dtype and device where they are copied (parameters
-    replaced by `load_state_dict(assign=True)` or unfrozen need a new module)."""
-    if module is None:
-        return False
-    for mine, theirs, copied in (
-        (dict(module.named_parameters()), model.named_parameters(), _copied),
-        (dict(module.named_buffers()), model.named_buffers(), lambda b: True),
-    ):
-        count = 0
-        for name, tensor in theirs:
-            count += 1
-            own = mine.get(name)
-            if not (inference_copy and copied(tensor)):
-                if own is not tensor:
-                    return False
-            elif (
-                own is None
-                or own is tensor
-                or own.shape != _full_shape(tensor)
-                or own.dtype != tensor.dtype
-                or own.device != tensor.device
-            ):
-                return False
-        if count != len(mine):
-            return False
-    return True
-
-
-def _copy_weights(model: torch.nn.Module, module: torch.nn.Module) -> None:
-    """Copy the model's copied parameters and its buffers into `module`'s, in place, by name."""
-    mine = dict(module.named_parameters())
-    for name, p in model.named_parameters():
-        if mine[name] is not p:
-            mine[name].copy_(p.data)
-    mine = dict(module.named_buffers())
-    for name, b in model.named_buffers():
-        mine[name].copy_(b)
-
-
-def _copied(p: torch.Tensor) -> bool:
-    """Whether an inference copy holds a parameter of its own: it trains, or ZeRO-3 partitions it (outside the
-    trainer's gathered rollout)."""
-    return p.requires_grad or hasattr(p, "ds_shape")
-
-
-def _partitioned(p: torch.Tensor) -> bool:
-    """A ZeRO-3 parameter whose full tensor is not gathered here."""
-    return hasattr(p, "ds_shape") and tuple(p.shape) != tuple(p.ds_shape)
-
-
-def _full_shape(p: torch.Tensor) -> torch.Size:
-    return torch.Size(p.ds_shape) if hasattr(p, "ds_shape") else p.shape
-
-
-_INTEGERS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _weights_checksum(model: torch.nn.Module) -> list[int]:
-    """Per parameter, the sum of its elements' bit patterns read as integers, wrapping: exact, so an edit of any one
-    element changes it (a float sum can round it away); one read of the weights (0.3 ms for 1.4M fp32 parameters on
-    one CPU thread)."""
-    sums = []
-    for p in model.parameters():
-        flat = p.detach().reshape(-1)
-        if (
-            flat.element_size() < 4
-            and (flat.numel() * flat.element_size()) % 4 == 0 == (flat.storage_offset() * flat.element_size()) % 4
-        ):
-            flat = flat.view(torch.int32)  # bf16 pairs: int32 sums are as exact and faster
-        else:
-            flat = flat.view(_INTEGERS_OF_SIZE[flat.element_size()])
-        sums.append(flat.sum(dtype=flat.dtype).to(device=sums[0].device if sums else flat.device, dtype=torch.int64))
-    return torch.stack(sums).tolist() if sums else []
