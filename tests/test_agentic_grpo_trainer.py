@@ -4,6 +4,7 @@ import asyncio
 import json
 import sys
 import textwrap
+import threading
 
 import anthropic
 import httpx
@@ -223,12 +224,15 @@ def test_single_turn_parity_with_vanilla_grpo(tmp_path, tokenizer):
 def test_crashing_and_hanging_episodes_are_recorded_and_excluded(tmp_path, tokenizer):
     model = build_tiny_model(tokenizer)
     calls = {"n": 0}
+    lock = threading.Lock()  # each agent runs on a thread of its own: count task a=0's episodes, not call order
 
     async def flaky_agent(client, task):
-        calls["n"] += 1
-        if task["a"] == 0 and calls["n"] % 2 == 1:
-            raise RuntimeError("agent bug")
         if task["a"] == 0:
+            with lock:
+                calls["n"] += 1
+                first = calls["n"] == 1
+            if first:
+                raise RuntimeError("agent bug")
             await client.chat.completions.create(model="policy", messages=task["prompt"], max_tokens=4)
             await asyncio.sleep(60)  # hangs: the episode times out
         return await tool_agent(client, task)
