@@ -62,6 +62,9 @@ def main(out_dir, mode="sync"):
     torch.save(state, os.path.join(out_dir, f"params-rank{rank}.pt"))
     with open(os.path.join(out_dir, f"steps-rank{rank}.json"), "w") as f:
         json.dump({"micro_steps": trainer._step, "global_step": trainer.state.global_step}, f)
+    # Leave the process group before the interpreter exits (a rank with gloo's threads still up at exit can abort).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.state.destroy_process_group()
 
 
 if __name__ == "__main__":

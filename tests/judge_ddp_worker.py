@@ -27,6 +27,10 @@ def main(base_url: str, key: str, out: str) -> None:
     scores = judge(prompts=[TASK] * 2, completions=[ep.messages[1:] for ep in local], episodes=local)
     result = {"scores": scores, "requests": judge.stats.requests}
     Path(out, f"rank{state.process_index}.json").write_text(json.dumps(result))
+    # Leave the process group before the interpreter exits: with gloo's threads still up at exit, a rank can abort
+    # with "terminate called without an active exception" (a CI failure of this test).
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 if __name__ == "__main__":
