@@ -45,6 +45,15 @@ ROUTES_BEFORE_ROUTERS = [
     ("/admin/episodes/{episode_id}", ["GET"]),
     ("/admin/episodes/{episode_id}/close", ["POST"]),
 ]
+# Added after the routers, for user keys (issue 43, `endpoint/users.py`), after every route above.
+ROUTES_ADDED_FOR_USER_KEYS = [
+    ("/admin/users", ["POST"]),
+    ("/admin/users", ["GET"]),
+    ("/admin/users/{name}", ["DELETE"]),
+    ("/admin/rewards", ["POST"]),
+    ("/v1/feedback", ["POST"]),
+    ("/v1/episodes/end", ["POST"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +72,13 @@ def test_create_app_serves_the_routes_it_served_before_the_routers(tokenizer):
     app = create_app(ScriptedEngine(tokenizer, lambda prompt: "Fine."), ChatRenderer(tokenizer))
     assert all(getattr(route, "path", None) for route in app.routes)  # flat: create_app says why
     routes = [(route.path, sorted(route.methods or [])) for route in flat_routes(app)]
-    assert routes == ROUTES_BEFORE_ROUTERS
+    assert routes == ROUTES_BEFORE_ROUTERS + ROUTES_ADDED_FOR_USER_KEYS
     assert {(path, method) for path, methods in routes for method in methods} == {
-        (path, method) for path, methods in ROUTES_BEFORE_ROUTERS for method in methods
+        (path, method) for path, methods in ROUTES_BEFORE_ROUTERS + ROUTES_ADDED_FOR_USER_KEYS for method in methods
     }
 
 
-def test_one_router_per_wire_format_plus_models_health_and_admin():
+def test_one_router_per_wire_format_plus_models_health_admin_and_users():
     served = [sorted({route.path for route in router.routes}) for router in ROUTERS]
     assert [paths[-1] for paths in served] == [
         "/health",
@@ -78,7 +87,8 @@ def test_one_router_per_wire_format_plus_models_health_and_admin():
         "/v1/responses",
         "/v1/messages/count_tokens",
         "/v1beta/models/{target}",
-        "/admin/episodes/{episode_id}/close",
+        "/admin/users/{name}",
+        "/v1/feedback",  # a user key's own routes (issue 43)
     ]
 
 

@@ -165,3 +165,39 @@ def test_serve_keeps_secrets_out_of_its_output_and_bounds_its_episodes(tmp_path)
         assert "generateContent?%6Bey=<redacted>" in printed and "generateContent?k%65%79=<redacted>" in printed
     finally:
         stop_serve(process)
+
+
+@pytest.mark.slow
+def test_serve_with_a_store_loses_no_completed_episode_or_acknowledged_reward_to_kill_9(tmp_path):
+    """Issue 43's crash test on the real process: user traffic (episodes ended, feedback given), `kill -9` mid-traffic,
+    restart on the same store: every episode whose end was answered and every reward whose id was answered is there,
+    and the user's key still works."""
+    import signal
+
+    from trl_agentic.store import SQLiteEpisodeStore
+
+    store_path, token = tmp_path / "store.db", "sk-admin-crash-test"
+    flags = ["--store", str(store_path), "--admin-token", token, "--max-tokens", "4", "--log-level", "warning"]
+    process, url = start_serve(tmp_path / "serve.log", *flags)
+    admin = {"Authorization": f"Bearer {token}"}
+    key = httpx.post(f"{url}/admin/users", json={"name": "alice"}, headers=admin).json()["key"]
+    user = {"Authorization": f"Bearer {key}"}
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ended, rewarded = [], []
+    try:
+        for i in range(12):
+            assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=user, timeout=60).status_code == 200
+            if i % 2:
+                episode_id = httpx.post(f"{url}/v1/episodes/end", headers=user, timeout=60).json()["episode_id"]
+                ended.append(episode_id)
+                answer = httpx.post(f"{url}/v1/feedback", json={"value": 1.0}, headers=user, timeout=60).json()
+                rewarded.append((answer["episode_id"], answer["id"]))
+        process.send_signal(signal.SIGKILL)  # the episode of the last call is open: not completed, not promised
+        process.wait()
+        store = SQLiteEpisodeStore(store_path)
+        assert all(store.get_episode(e)[1] == "alice" for e in ended) and len(ended) == 6
+        assert all(reward_id in [r.id for r in store.rewards(e)] for e, reward_id in rewarded)
+        process, url = start_serve(tmp_path / "serve2.log", *flags)
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, headers=user, timeout=60).status_code == 200
+    finally:
+        stop_serve(process)

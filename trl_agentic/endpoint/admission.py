@@ -40,8 +40,33 @@ def episode_from_key(request: Request) -> EpisodeSession:
         )
     session = request.app.state.registry.by_key(key)
     if session is None:
+        users = request.app.state.users
+        if users is not None and users.is_user_key(key):
+            return users.session_for(user_from_key(request, key))
         raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
     return session
+
+
+def admit_user(request: Request) -> str:
+    """The user of a request's user key (`users.py`), for the user routes; `APIError` 400 when the endpoint serves
+    no user keys (no store), 401 for a missing, unknown or revoked key."""
+    if request.app.state.users is None:
+        raise APIError(400, NO_STORE, code="user_keys_disabled")
+    return user_from_key(request, episode_key(request))
+
+
+def user_from_key(request: Request, key: str) -> str:
+    users = request.app.state.users
+    user = users.user(key) if users is not None and users.is_user_key(key) else None
+    if user is None:
+        raise APIError(401, "Unknown or revoked user key.", "authentication_error", "invalid_api_key")
+    return user
+
+
+NO_STORE = (
+    "This endpoint serves no user keys: start it with a store (`trl-agentic serve --store PATH`, or "
+    "`create_app(..., store=SQLiteEpisodeStore(path))`)."
+)
 
 
 def episode_from_path(episode_id: str, request: Request) -> EpisodeSession:
@@ -51,6 +76,11 @@ def episode_from_path(episode_id: str, request: Request) -> EpisodeSession:
             404, "Unknown or closed episode (the id in the path).", "invalid_request_error", "episode_not_found"
         )
     key = episode_key(request)
+    users = request.app.state.users
+    if users is not None and users.is_user_key(key) and user_from_key(request, key) != session.user:
+        raise APIError(
+            404, "Unknown or closed episode (the id in the path).", "invalid_request_error", "episode_not_found"
+        )
     if key.startswith("sk-ep-") and not secrets.compare_digest(key.encode(), session.key.encode()):
         raise APIError(
             401,

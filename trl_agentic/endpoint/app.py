@@ -38,12 +38,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..generation.engine import GenerationEngine
+from ..store import EpisodeStore
 from . import anthropic_messages, gemini
 from .chat import ChatRenderer
 from .protocol import error_body
 from .routes import ROUTERS
 from .service import APIError, CompletionService, EndpointSettings, SamplingOverrides
 from .sessions import EpisodeRegistry, redact_episode_ids
+from .users import UserEpisodes
 
 
 logger = logging.getLogger(__name__)
@@ -57,8 +59,10 @@ def create_app(
     renderer: ChatRenderer,
     settings: EndpointSettings | None = None,
     registry: EpisodeRegistry | None = None,
+    store: EpisodeStore | None = None,
 ) -> FastAPI:
     """Build the endpoint app: the routers of `routes.py` over one `CompletionService`, errors in each route's shape.
+    With a `store`, user keys work too (`users.py`): their episodes, feedback and the admin's users and rewards.
 
     Example:
 
@@ -73,6 +77,14 @@ def create_app(
     app.add_middleware(_ServerErrors)
     app.state.engine, app.state.renderer, app.state.settings, app.state.registry = engine, renderer, settings, registry
     app.state.service = CompletionService(engine, renderer, settings)
+    app.state.store = store
+    app.state.users = (
+        None
+        if store is None
+        else UserEpisodes(
+            store, registry, settings.user_episode_idle_timeout, settings.feedback_per_minute, settings.default_limits
+        )
+    )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
@@ -85,11 +97,14 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
-    registry = app.state.registry
-    reaper = asyncio.create_task(_reap_idle_episodes(registry)) if registry.idle_timeout is not None else None
+    registry, users = app.state.registry, app.state.users
+    periods = [t / 4 for t in (registry.idle_timeout, users and users.idle_timeout) if t]
+    reaper = asyncio.create_task(_reap_idle_episodes(registry, users, periods)) if periods else None
     yield
     if reaper is not None:
         reaper.cancel()
+    if users is not None:
+        users.close_all()
 
 
 async def _api_error(request: Request, error: APIError):
@@ -160,8 +175,10 @@ class _ServerErrors:
             await response(scope, receive, send)
 
 
-async def _reap_idle_episodes(registry: EpisodeRegistry) -> None:
-    period = min(max(registry.idle_timeout / 4, 0.05), 5.0)
+async def _reap_idle_episodes(registry: EpisodeRegistry, users: UserEpisodes | None, periods: list[float]) -> None:
+    period = min(max(min(periods), 0.05), 5.0)
     while True:
         await asyncio.sleep(period)
+        if users is not None:
+            await asyncio.to_thread(users.reap)  # stores what it ends: a disk write, off the event loop
         registry.reap_idle()

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from ..generation.engine import GenerationEngine
 from ..generation.transformers_engine import TransformersEngine
 from ..generation.vllm_engine import VLLMColocateEngine, VLLMServerEngine
+from ..store import EpisodeStore
 from . import SERVED_MODEL_NAME
 from .app import EndpointSettings, SamplingOverrides, create_app
 from .chat import ChatRenderer
@@ -132,6 +133,9 @@ def create_endpoint_app(
     admin_token: str | None = None,
     max_open_episodes: int | None = None,
     episode_idle_timeout: float | None = None,
+    store: EpisodeStore | None = None,
+    user_episode_idle_timeout: float = 300.0,
+    feedback_per_minute: int = 60,
 ) -> FastAPI:
     """The endpoint app (routes, renderer, settings) over `engine`, not yet listening: [`launch_endpoint`] starts it
     in-process, `trl-agentic serve` hands it to uvicorn.
@@ -151,6 +155,9 @@ def create_endpoint_app(
         max_open_episodes: most episodes open at once, more are answered 429 (`None`: no cap).
         episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
             (`None`: never).
+        store: an `EpisodeStore`: enables user keys, their episodes and feedback, and the admin's rewards.
+        user_episode_idle_timeout, feedback_per_minute: with a store, when a user key's episode ends, and how often
+            a user may give feedback (`EndpointSettings`).
     """
     settings = EndpointSettings(
         **({} if admin_token is None else {"admin_token": admin_token}),
@@ -167,8 +174,10 @@ def create_endpoint_app(
         default_limits=EpisodeLimits(max_turns=max_turns, max_episode_tokens=max_episode_tokens),
         max_open_episodes=max_open_episodes,
         episode_idle_timeout=episode_idle_timeout,
+        user_episode_idle_timeout=user_episode_idle_timeout,
+        feedback_per_minute=feedback_per_minute,
     )
-    return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings)
+    return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings, store=store)
 
 
 def launch_endpoint(

@@ -337,3 +337,29 @@ class CloseEpisodeRequest(BaseModel):
     status: str | None = None
     result: Any = None
     error: str | None = None
+
+
+class AddUserRequest(BaseModel):
+    """The body of `POST /admin/users`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+
+
+class FeedbackRequest(BaseModel):
+    """The body of `POST /v1/feedback` (a user key's): a reward for one of its episodes (default: its latest)."""
+
+    model_config = ConfigDict(extra="forbid")
+    episode_id: str | None = Field(default=None, max_length=100)
+    value: float = Field(allow_inf_nan=False)
+    note: str | None = Field(default=None, max_length=2000)
+
+
+class AdminRewardRequest(BaseModel):
+    """The body of `POST /admin/rewards`: a reward from where production has them (CI results, a business metric)."""
+
+    model_config = ConfigDict(extra="forbid")
+    episode_id: str = Field(max_length=100)
+    value: float = Field(allow_inf_nan=False)
+    source: str = Field(default="admin", min_length=1, max_length=100)
+    note: str | None = Field(default=None, max_length=2000)

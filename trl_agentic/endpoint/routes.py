@@ -10,6 +10,7 @@ the settings) lives on `request.app.state`, set by `create_app`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -18,12 +19,13 @@ from fastapi.responses import JSONResponse, Response
 
 from ..trace import EPISODE_STATUSES, json_text
 from . import anthropic_messages, gemini
-from .admission import admit, check_admin
+from .admission import NO_STORE, admit, admit_user, check_admin
 from .chat_completions import serve_chat_completions
-from .protocol import CloseEpisodeRequest, OpenEpisodeRequest
+from .protocol import AddUserRequest, AdminRewardRequest, CloseEpisodeRequest, FeedbackRequest, OpenEpisodeRequest
 from .responses import serve_responses
 from .service import APIError
 from .sessions import EpisodeLimits, TooManyOpenEpisodesError
+from .users import EPISODE_HEADER
 
 
 # Health: `GET /health`; `GET /` and `HEAD /` answer 200 (harnesses probe the base URL before their first call).
@@ -92,7 +94,8 @@ chat_completions_router = APIRouter()
 @chat_completions_router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     session, service = admit(request), request.app.state.service
-    return _answer(await serve_chat_completions(service, session, await service.read_body(request), request))
+    body = await service.read_body(request)
+    return _answer(await serve_chat_completions(service, session, body, request), session)
 
 
 # Responses: `POST /v1/responses` (`responses.py`).
@@ -104,7 +107,7 @@ responses_router = APIRouter()
 @responses_router.post("/v1/responses")
 async def responses(request: Request):
     session, service = admit(request), request.app.state.service
-    return _answer(await serve_responses(service, session, await service.read_body(request), request))
+    return _answer(await serve_responses(service, session, await service.read_body(request), request), session)
 
 
 # Anthropic Messages: `POST /v1/messages` and `POST /v1/messages/count_tokens` (`anthropic_messages.py`).
@@ -117,7 +120,7 @@ anthropic_messages_router = APIRouter()
 async def messages(request: Request):
     session, service = admit(request), request.app.state.service
     body = await service.read_body(request)
-    return _answer(await anthropic_messages.serve_messages(service, session, body, request))
+    return _answer(await anthropic_messages.serve_messages(service, session, body, request), session)
 
 
 @anthropic_messages_router.post("/episodes/{episode_id}/v1/messages/count_tokens")
@@ -140,7 +143,8 @@ gemini_router = APIRouter()
 @gemini_router.post("/v1/models/{target}")
 async def gemini_call(target: str, request: Request):
     session, service = admit(request), request.app.state.service
-    return _answer(await gemini.serve(service, session, target, await service.read_body(request), request))
+    body = await service.read_body(request)
+    return _answer(await gemini.serve(service, session, target, body, request), session)
 
 
 # Admin: `POST /admin/episodes`, `GET /admin/episodes/{id}`, `POST /admin/episodes/{id}/close`, guarded by the admin
@@ -178,6 +182,9 @@ async def get_episode(episode_id: str, request: Request):
     registry = request.app.state.registry
     session = registry.by_id(episode_id)
     episode = session.episode if session is not None else registry.reaped(episode_id)
+    store = request.app.state.store
+    if episode is None and store is not None and store.owner(episode_id)[0]:
+        episode = store.get_episode(episode_id)[0]
     if episode is None:
         raise APIError(404, f"Unknown or closed episode {episode_id!r}.", code="episode_not_found")
     return _trace_response(episode)
@@ -203,6 +210,71 @@ async def close_episode(episode_id: str, request: Request):
     return response
 
 
+# Users (with a store, `users.py`): `POST /admin/users` issues a key (shown once), `GET /admin/users` lists them (never
+# a key), `DELETE /admin/users/{name}` revokes one at once; `POST /admin/rewards` rewards any episode stored or open.
+
+
+@admin_router.post("/admin/users")
+async def add_user(request: Request):
+    check_admin(request)
+    store = _store(request)
+    body = request.app.state.service.validate(AddUserRequest, await _read_json(request))
+    try:
+        key = store.add_user(body.name)
+    except ValueError as error:
+        raise APIError(409, str(error), code="user_exists") from None
+    base = str(request.base_url).rstrip("/")
+    return {"name": body.name, "key": key, "base_url": f"{base}/v1"}
+
+
+@admin_router.get("/admin/users")
+async def list_users(request: Request):
+    check_admin(request)
+    return {"users": _store(request).users()}
+
+
+@admin_router.delete("/admin/users/{name}")
+async def revoke_user(name: str, request: Request):
+    check_admin(request)
+    if not _store(request).revoke_user(name):
+        raise APIError(404, f"No active user {name!r}.", code="user_not_found")
+    return {"name": name, "revoked": True}
+
+
+@admin_router.post("/admin/rewards")
+async def admin_reward(request: Request):
+    check_admin(request)
+    _store(request)
+    body = request.app.state.service.validate(AdminRewardRequest, await _read_json(request))
+    return await _reward(request, body.episode_id, body.value, body.source, "admin", body.note)
+
+
+# A user key's own routes: `POST /v1/feedback` (a reward for one of its episodes, rate-limited) and
+# `POST /v1/episodes/end` (its open episode ends now and is stored).
+
+users_router = APIRouter()
+
+
+@users_router.post("/v1/feedback")
+async def feedback(request: Request):
+    user, users = admit_user(request), request.app.state.users
+    body = request.app.state.service.validate(FeedbackRequest, await _read_json(request))
+    episode_id = body.episode_id or _latest_episode(users, user)
+    if episode_id is None or not users.owns(user, episode_id):
+        raise APIError(404, "Unknown episode (a user gives feedback on its own episodes).", code="episode_not_found")
+    if not users.allow_feedback(user):
+        raise APIError(
+            429, f"At most {users.feedback_per_minute} feedback calls a minute.", "rate_limit_error", "rate_limited"
+        )
+    return await _reward(request, episode_id, body.value, "feedback", user, body.note)
+
+
+@users_router.post("/v1/episodes/end")
+async def end_episode(request: Request):
+    user, users = admit_user(request), request.app.state.users
+    return {"episode_id": await asyncio.to_thread(users.end, user)}
+
+
 # In the order the app registers them (the order a request's path is matched in).
 ROUTERS = (
     health_router,
@@ -212,16 +284,21 @@ ROUTERS = (
     anthropic_messages_router,
     gemini_router,
     admin_router,
+    users_router,
 )
 
 
-def _answer(body: dict | Response) -> Response:
-    """A model call's answer: a body as JSON (Starlette's encoding, as FastAPI's), or the adapter's own response.
+def _answer(body: dict | Response, session=None) -> Response:
+    """A model call's answer: a body as JSON (Starlette's encoding, as FastAPI's), or the adapter's own response; to
+    a user key, with its episode's id (`users.EPISODE_HEADER`), which its feedback names.
 
     The adapters build plain JSON values, so FastAPI's `jsonable_encoder` walk of the body is skipped: it cost ~60 us
     of every call (issue 29).
     """
-    return JSONResponse(body) if isinstance(body, dict) else body
+    response = JSONResponse(body) if isinstance(body, dict) else body
+    if session is not None and session.user is not None:
+        response.headers[EPISODE_HEADER] = session.episode.id
+    return response
 
 
 def _is_google_client(request: Request) -> bool:
@@ -236,6 +313,31 @@ def _trace_response(episode) -> Response:
 async def _read_json(request: Request, required: bool = True) -> Any:
     service = request.app.state.service
     return service.parse_json(await service.read_body(request), required)
+
+
+def _store(request: Request):
+    store = request.app.state.store
+    if store is None:
+        raise APIError(400, NO_STORE, code="user_keys_disabled")
+    return store
+
+
+def _latest_episode(users, user: str) -> str | None:
+    current = users.current(user)
+    if current is not None:
+        return current.episode.id
+    stored = users.store.episodes_of(user)
+    return stored[-1] if stored else None
+
+
+async def _reward(request: Request, episode_id: str, value: float, source: str, giver: str, note: str | None):
+    """Store a reward (off the event loop: a durable disk write) and answer its id."""
+    users = request.app.state.users
+    try:
+        reward_id = await asyncio.to_thread(users.reward, episode_id, value, source, giver, note)
+    except KeyError:
+        raise APIError(404, f"Unknown episode {episode_id!r}.", code="episode_not_found") from None
+    return {"id": reward_id, "episode_id": episode_id, "source": source}
 
 
 def _first(*values):

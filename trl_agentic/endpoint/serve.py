@@ -5,6 +5,10 @@ trl-agentic serve --model Qwen/Qwen2.5-0.5B-Instruct --port 8000 --temperature 1
 trl-agentic serve --model tiny:qwen2_5            # a tiny random model built locally, for trying things out
 ```
 
+With `--store PATH`, users get keys of their own (`POST /admin/users`): a plain client points at `/v1` with its key
+and no per-episode handshake, the endpoint groups its calls into episodes, stores them when they end, and takes
+feedback (`POST /v1/feedback`) and the admin's rewards (`POST /admin/rewards`); see `users.py`.
+
 Agents never see the admin token: whoever runs them opens an episode with it (`POST /admin/episodes`), hands the
 agent the returned `base_url` and `key` (any OpenAI client works), and closes the episode to get every recorded
 token back (`POST /admin/episodes/{id}/close` returns the Episode JSON).
@@ -107,6 +111,21 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="JSON object of extra chat-template variables, e.g. '{\"enable_thinking\": false}'.",
     )
+    parser.add_argument(
+        "--store",
+        default=None,
+        help="SQLite file of users, closed episodes and rewards: enables user keys (POST /admin/users), their "
+        "feedback and the admin's rewards; survives restarts (docs/serving.md#user-keys).",
+    )
+    parser.add_argument(
+        "--user-episode-idle-timeout",
+        type=float,
+        default=300.0,
+        help="With --store: seconds without a call after which a user key's episode ends and is stored.",
+    )
+    parser.add_argument(
+        "--feedback-per-minute", type=int, default=60, help="With --store: most feedback calls per user a minute."
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
     return parser
 
@@ -117,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from ..store import SQLiteEpisodeStore
     from ..tiny_models import load_model_and_tokenizer
     from .launch import build_engine, create_endpoint_app
     from .server import uvicorn_log_config
@@ -161,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=admin_token,
         max_open_episodes=args.max_open_episodes or None,
         episode_idle_timeout=args.episode_idle_timeout or None,
+        store=None if args.store is None else SQLiteEpisodeStore(args.store),
+        user_episode_idle_timeout=args.user_episode_idle_timeout,
+        feedback_per_minute=args.feedback_per_minute,
     )
     if not app.state.renderer.can_parse_tools:
         print(
@@ -182,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         f"  curl -s -X POST {url}/admin/episodes/<id>/close -H 'Authorization: Bearer {shown_token}'",
         flush=True,
     )
+    if args.store is not None:
+        print(
+            f"user keys (store {args.store}): add a user, then point any client at {url}/v1 with its key:\n"
+            f"  curl -s -X POST {url}/admin/users -H 'Authorization: Bearer {shown_token}' "
+            f"-H 'Content-Type: application/json' -d '{{\"name\": \"alice\"}}'\n"
+            f"  curl -s {url}/v1/chat/completions -H 'Authorization: Bearer <user key>' "
+            f"-H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{args.served_model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\'',
+            flush=True,
+        )
     uvicorn.run(
         app,
         host=args.host,

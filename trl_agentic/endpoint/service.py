@@ -83,6 +83,9 @@ class EndpointSettings:
         max_open_episodes: most episodes open at once; opening one more is answered 429 (`None`: no cap).
         episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
             (`None`: never); its trace stays retrievable through the admin routes for a while.
+        user_episode_idle_timeout: with a store (user keys), seconds without a call after which a user's episode
+            ends and is stored (`users.py`).
+        feedback_per_minute: with a store, most feedback calls (`POST /v1/feedback`) a user may make in any 60 s.
         hosted_tools: what the Responses route does with a tool only OpenAI's servers run (`web_search`,
             `file_search`, ...): `"drop"` it with a logged warning, listed on the turn as
             `requested_sampling["dropped_tools"]` (the default: harnesses such as Codex send `web_search` unasked),
@@ -98,6 +101,8 @@ class EndpointSettings:
     max_open_episodes: int | None = None
     episode_idle_timeout: float | None = None
     hosted_tools: str = "drop"
+    user_episode_idle_timeout: float = 300.0
+    feedback_per_minute: int = 60
 
     def __post_init__(self):
         if self.hosted_tools not in ("drop", "reject"):

@@ -149,6 +149,7 @@ class EpisodeSession:
     key: str
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     seed: int | None = None  # the episode's seed: its calls' seeds derive from it (`call_seed`)
+    user: str | None = None  # the user key's user, for an episode the endpoint opened for it (`users.py`)
     opened_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     in_flight: int = 0  # choices admitted and not finished yet
@@ -477,8 +478,8 @@ class EpisodeRegistry:
             idle = [
                 s
                 for s in self._by_id.values()
-                if s.in_flight == 0 and not s.closed and now - s.last_active > self.idle_timeout
-            ]
+                if s.in_flight == 0 and not s.closed and now - s.last_active > self.idle_timeout and s.user is None
+            ]  # a user key's episode ends by its own rule and is stored (`users.UserEpisodes.reap`)
         for session in idle:
             episode = session.close(
                 status="cancelled", error=f"closed by the endpoint: no call for {self.idle_timeout:g}s"

@@ -1,0 +1,133 @@
+"""The durable episode store of online training (issue 43): users, closed episodes, rewards and training claims in
+SQLite, surviving a `kill -9` of the process that wrote them."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trl_agentic.store import SQLiteEpisodeStore, hash_key
+from trl_agentic.trace import Episode, Turn
+
+
+def episode(episode_id: str, reward_hint: int = 0) -> Episode:
+    turn = Turn(
+        index=0, prompt_ids=[1, 2, 3], completion_ids=[4, 5 + reward_hint], logprobs=[-0.5, -0.25], finish_reason="stop"
+    )
+    return Episode(id=episode_id, status="ok", turns=[turn], messages=[{"role": "user", "content": "hi"}])
+
+
+def test_users_keys_are_stored_hashed_and_revocable(tmp_path):
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    key = store.add_user("alice")
+    assert key.startswith("sk-user-") and len(key) > 40
+    assert store.user_for_key(key) == "alice"
+    raw = (tmp_path / "store.db").read_bytes() + b"".join(
+        p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("store.db-")
+    )
+    assert key.encode() not in raw and hash_key(key).encode() in raw  # only the hash is on disk
+    with pytest.raises(ValueError, match="already exists"):
+        store.add_user("alice")
+    assert store.revoke_user("alice") is True
+    assert store.user_for_key(key) is None
+    assert store.revoke_user("alice") is False  # already revoked
+    assert store.user_for_key("sk-user-guess") is None
+
+
+def test_episodes_and_rewards_round_trip_with_their_sources(tmp_path):
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    store.put_episode(episode("ep-a"), user="alice", fingerprint="task-1")
+    got, user = store.get_episode("ep-a")
+    assert user == "alice"
+    assert got.turns[0].completion_ids == [4, 5] and got.turns[0].logprobs == [-0.5, -0.25]
+    first = store.add_reward("ep-a", 1.0, source="feedback", giver="alice")
+    second = store.add_reward("ep-a", 0.0, source="admin", giver="admin", note="CI failed")
+    rewards = store.rewards("ep-a")
+    assert [(r.id, r.value, r.source, r.giver, r.note) for r in rewards] == [
+        (first, 1.0, "feedback", "alice", None),
+        (second, 0.0, "admin", "admin", "CI failed"),
+    ]
+    with pytest.raises(KeyError):
+        store.add_reward("ep-missing", 1.0, source="admin", giver="admin")
+    assert store.episodes_of("alice") == ["ep-a"] and store.episodes_of("bob") == []
+
+
+def test_a_claimed_episode_is_never_claimed_again_and_late_rewards_are_kept_for_evaluation(tmp_path):
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    for name in ("ep-a", "ep-b", "ep-c"):
+        store.put_episode(episode(name), user="alice", fingerprint="task-1")
+    store.add_reward("ep-a", 1.0, source="admin", giver="admin")
+    store.add_reward("ep-b", 0.0, source="admin", giver="admin")
+    # ep-c has no reward: not trainable yet
+    claim = store.claim_for_training(limit=10, step=1)
+    assert sorted(e.id for e, _ in claim.items) == ["ep-a", "ep-b"]
+    assert store.claim_for_training(limit=10, step=2).items == []
+    late = store.add_reward("ep-a", 0.5, source="feedback", giver="alice")
+    assert [r.use for r in store.rewards("ep-a")] == ["trained", "evaluation"]
+    assert late == store.rewards("ep-a")[1].id
+    store.add_reward("ep-c", 1.0, source="admin", giver="admin")
+    assert [e.id for e, _ in store.claim_for_training(limit=10, step=2).items] == ["ep-c"]
+
+
+def test_claims_of_steps_that_were_never_checkpointed_are_released_on_restart(tmp_path):
+    """A trainer that crashed after claiming step 3's episodes but before checkpointing step 3 trains them again
+    after its restart from step 2, exactly once."""
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    for name in ("ep-a", "ep-b"):
+        store.put_episode(episode(name), user=None, fingerprint=None)
+        store.add_reward(name, 1.0, source="admin", giver="admin")
+    assert len(store.claim_for_training(limit=1, step=2).items) == 1
+    assert len(store.claim_for_training(limit=1, step=3).items) == 1
+    reopened = SQLiteEpisodeStore(tmp_path / "store.db")
+    assert reopened.release_claims_after(step=2) == 1
+    again = reopened.claim_for_training(limit=10, step=3).items
+    assert [e.id for e, _ in again] == ["ep-b"]
+    assert reopened.claim_for_training(limit=10, step=4).items == []
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from trl_agentic.store import SQLiteEpisodeStore
+    from trl_agentic.trace import Episode, Turn
+    store = SQLiteEpisodeStore(sys.argv[1])
+    i = 0
+    while True:
+        ep = Episode(id=f"ep-{i}", status="ok", turns=[Turn(index=0, prompt_ids=[1], completion_ids=[i], logprobs=[0.0], finish_reason="stop")])
+        store.put_episode(ep, user="alice", fingerprint="t")
+        print("episode", i, flush=True)  # acknowledged: it is on disk
+        store.add_reward(f"ep-{i}", float(i % 2), source="feedback", giver="alice")
+        print("reward", i, flush=True)
+        if i % 3 == 0:
+            store.claim_for_training(limit=2, step=i)
+            print("claim", i, flush=True)
+        i += 1
+    """
+)
+
+
+def test_kill_9_mid_traffic_loses_no_acknowledged_episode_or_reward_and_trains_nothing_twice(tmp_path):
+    path = tmp_path / "store.db"
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True, env={**os.environ}
+    )
+    acknowledged = {"episode": set(), "reward": set(), "claim": set()}
+    for line in process.stdout:
+        kind, number = line.split()
+        acknowledged[kind].add(int(number))
+        if len(acknowledged["reward"]) >= 60:
+            break
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    store = SQLiteEpisodeStore(path)
+    for number in acknowledged["episode"]:
+        assert store.get_episode(f"ep-{number}")[0].turns[0].completion_ids == [number]
+    for number in acknowledged["reward"]:
+        assert len(store.rewards(f"ep-{number}")) == 1
+    claimed_before = store.claimed_episode_ids()
+    rest = store.claim_for_training(limit=1000, step=10**6).items
+    assert not claimed_before & {e.id for e, _ in rest}  # nothing trained twice
+    assert len(claimed_before) + len(rest) == len(store.rewarded_episode_ids())

@@ -1,0 +1,324 @@
+"""The durable episode store of online training: users, closed episodes, rewards and training claims.
+
+Serving (`trl-agentic serve` with user keys) writes closed episodes and the rewards that arrive for them; training
+claims rewarded episodes, step by step. Everything goes through `EpisodeStore`, whose default is an embedded SQLite
+database (`SQLiteEpisodeStore`): one file, write-ahead log, `synchronous=FULL`, so that a method that returned has
+its data on disk and a `kill -9` of the server loses nothing it acknowledged.
+
+What the store guarantees:
+- **User keys are stored hashed** (`hash_key`, SHA-256): the file never holds a key; a revoked user's key stops
+  resolving at once.
+- **Nothing is trained twice**: `claim_for_training` marks the episodes it hands out (with the optimizer step that
+  claims them) in the same transaction that reads them. A reward that arrives for an episode already claimed is kept
+  with `use="evaluation"`, never trained.
+- **A crash between a claim and its checkpoint** costs nothing: on restart from the checkpoint of step `s`,
+  `release_claims_after(s)` hands the later steps' episodes back, and they are trained once, by the resumed run.
+
+Example:
+
+```python
+>>> store = SQLiteEpisodeStore("online/store.db")
+>>> key = store.add_user("alice")  # shown once; only its hash is stored
+>>> store.put_episode(episode, user="alice", fingerprint=None)
+>>> store.add_reward(episode.id, 1.0, source="feedback", giver="alice")
+>>> claim = store.claim_for_training(limit=8, step=1)  # [(Episode, [Reward, ...]), ...]
+```
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from .trace import Episode
+
+
+USER_KEY_PREFIX = "sk-user-"
+REWARD_USES = ("pending", "trained", "evaluation")  # waiting for a claim, claimed with its episode, came too late
+
+
+def hash_key(key: str) -> str:
+    """The stored form of a user key: its SHA-256, hex (keys are 256 random bits: no salt or stretching needed)."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward of an episode, with where it came from.
+
+    Args:
+        id: its number in the store (rising in arrival order).
+        episode_id: the episode it rewards.
+        value: the reward.
+        source: `"feedback"` (a user's thumbs or number), `"admin"` (CI results, a business metric) or the name of a
+            reward function run on the closed episode.
+        giver: who gave it (the user's name, `"admin"`, or the function's name).
+        note: free text the giver attached, if any.
+        use: `"pending"` (not trained yet), `"trained"` (claimed with its episode) or `"evaluation"` (arrived after
+            its episode was trained: kept to evaluate, never trained).
+        created: Unix time it was stored.
+    """
+
+    id: int
+    episode_id: str
+    value: float
+    source: str
+    giver: str
+    note: str | None
+    use: str
+    created: float
+
+
+@dataclass
+class Claim:
+    """Episodes handed to one optimizer step, each with the rewards claimed with it."""
+
+    step: int
+    items: list[tuple[Episode, list[Reward]]] = field(default_factory=list)
+
+
+class EpisodeStore(Protocol):
+    """What serving and training share. `SQLiteEpisodeStore` is the embedded default; a server database implements
+    the same methods for serving and training on different machines."""
+
+    def add_user(self, name: str) -> str: ...
+    def revoke_user(self, name: str) -> bool: ...
+    def user_for_key(self, key: str) -> str | None: ...
+    def put_episode(self, episode: Episode, user: str | None, fingerprint: str | None) -> None: ...
+    def get_episode(self, episode_id: str) -> tuple[Episode, str | None]: ...
+    def episodes_of(self, user: str) -> list[str]: ...
+    def add_reward(self, episode_id: str, value: float, source: str, giver: str, note: str | None = None) -> int: ...
+    def rewards(self, episode_id: str) -> list[Reward]: ...
+    def claim_for_training(self, limit: int, step: int) -> Claim: ...
+    def release_claims_after(self, step: int) -> int: ...
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS users (
+    name TEXT PRIMARY KEY,
+    key_hash TEXT NOT NULL UNIQUE,
+    created REAL NOT NULL,
+    revoked REAL
+);
+CREATE TABLE IF NOT EXISTS episodes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    user TEXT,
+    fingerprint TEXT,
+    status TEXT NOT NULL,
+    data TEXT NOT NULL,
+    stored REAL NOT NULL,
+    claim_step INTEGER
+);
+CREATE INDEX IF NOT EXISTS episodes_user ON episodes(user);
+CREATE TABLE IF NOT EXISTS rewards (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    episode_id TEXT NOT NULL REFERENCES episodes(id),
+    value REAL NOT NULL,
+    source TEXT NOT NULL,
+    giver TEXT NOT NULL,
+    note TEXT,
+    use TEXT NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rewards_episode ON rewards(episode_id);
+"""
+
+
+class SQLiteEpisodeStore:
+    """`EpisodeStore` in one SQLite file (write-ahead log, `synchronous=FULL`); safe to share between threads, and
+    between processes on one machine (SQLite's file locks: a server and a trainer process may open the same file).
+
+    Args:
+        path: the database file (created with its folder if missing).
+        timeout: seconds a write waits for another process's write lock before failing.
+    """
+
+    def __init__(self, path: str | Path, timeout: float = 30.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+
+    # Users
+
+    def add_user(self, name: str) -> str:
+        """Create a user and return its key (`sk-user-...`): shown to the caller once, stored only as its hash."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"A user needs a non-empty name, not {name!r}.")
+        key = f"{USER_KEY_PREFIX}{secrets.token_urlsafe(32)}"
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO users (name, key_hash, created) VALUES (?, ?, ?)", (name, hash_key(key), time.time())
+                )
+        except sqlite3.IntegrityError:
+            raise ValueError(f"User {name!r} already exists; revoke it or pick another name.") from None
+        return key
+
+    def revoke_user(self, name: str) -> bool:
+        """Revoke a user's key at once; `False` when there is no such user or it was revoked already."""
+        with self._transaction() as db:
+            cursor = db.execute("UPDATE users SET revoked = ? WHERE name = ? AND revoked IS NULL", (time.time(), name))
+            return cursor.rowcount == 1
+
+    def user_for_key(self, key: str) -> str | None:
+        """The user a key belongs to, `None` for an unknown or revoked key."""
+        if not key.startswith(USER_KEY_PREFIX):
+            return None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT name FROM users WHERE key_hash = ? AND revoked IS NULL", (hash_key(key),)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    def users(self) -> list[dict]:
+        """Every user: name, created, revoked (Unix times; revoked `None` while active). Never a key."""
+        with self._lock:
+            rows = self._db.execute("SELECT name, created, revoked FROM users ORDER BY created").fetchall()
+        return [{"name": n, "created": c, "revoked": r} for n, c, r in rows]
+
+    # Episodes
+
+    def put_episode(self, episode: Episode, user: str | None, fingerprint: str | None) -> None:
+        """Store a closed episode (durable when this returns). Storing an id twice is refused: an episode is stored
+        once, when it closes."""
+        data = json.dumps(episode.to_dict(), ensure_ascii=False, separators=(",", ":"))
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO episodes (id, user, fingerprint, status, data, stored) VALUES (?, ?, ?, ?, ?, ?)",
+                    (episode.id, user, fingerprint, episode.status, data, time.time()),
+                )
+        except sqlite3.IntegrityError:
+            raise ValueError(f"Episode {episode.id!r} is stored already.") from None
+
+    def get_episode(self, episode_id: str) -> tuple[Episode, str | None]:
+        """An episode and its user; `KeyError` if it is not stored."""
+        with self._lock:
+            row = self._db.execute("SELECT data, user FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+        if row is None:
+            raise KeyError(episode_id)
+        return Episode.from_dict(json.loads(row[0])), row[1]
+
+    def owner(self, episode_id: str) -> tuple[bool, str | None]:
+        """(whether the episode is stored, its user)."""
+        with self._lock:
+            row = self._db.execute("SELECT user FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+        return (False, None) if row is None else (True, row[0])
+
+    def episodes_of(self, user: str) -> list[str]:
+        """The ids of a user's stored episodes, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id FROM episodes WHERE user = ? ORDER BY seq", (user,)).fetchall()
+        return [r[0] for r in rows]
+
+    # Rewards
+
+    def add_reward(self, episode_id: str, value: float, source: str, giver: str, note: str | None = None) -> int:
+        """Store a reward (durable when this returns) and return its id. `KeyError` for an episode not stored.
+        A reward for an episode already claimed for training is kept with `use="evaluation"`."""
+        with self._transaction() as db:
+            row = db.execute("SELECT claim_step FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+            if row is None:
+                raise KeyError(episode_id)
+            use = "pending" if row[0] is None else "evaluation"
+            cursor = db.execute(
+                "INSERT INTO rewards (episode_id, value, source, giver, note, use, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (episode_id, float(value), source, giver, note, use, time.time()),
+            )
+            return cursor.lastrowid
+
+    def rewards(self, episode_id: str) -> list[Reward]:
+        """An episode's rewards, in arrival order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id, episode_id, value, source, giver, note, use, created FROM rewards WHERE episode_id = ? "
+                "ORDER BY id",
+                (episode_id,),
+            ).fetchall()
+        return [Reward(*row) for row in rows]
+
+    # Training
+
+    def claim_for_training(self, limit: int, step: int) -> Claim:
+        """Hand at most `limit` rewarded, unclaimed episodes (oldest first) to optimizer step `step`, with their
+        pending rewards; both are marked in the same transaction, so no other claim gets them."""
+        claim = Claim(step)
+        with self._transaction() as db:
+            rows = db.execute(
+                "SELECT id, data FROM episodes WHERE claim_step IS NULL AND EXISTS "
+                "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending') "
+                "ORDER BY seq LIMIT ?",
+                (limit,),
+            ).fetchall()
+            for episode_id, data in rows:
+                db.execute("UPDATE episodes SET claim_step = ? WHERE id = ?", (step, episode_id))
+                rewards = db.execute(
+                    "SELECT id, episode_id, value, source, giver, note, 'trained', created FROM rewards "
+                    "WHERE episode_id = ? AND use = 'pending' ORDER BY id",
+                    (episode_id,),
+                ).fetchall()
+                db.execute("UPDATE rewards SET use = 'trained' WHERE episode_id = ? AND use = 'pending'", (episode_id,))
+                claim.items.append((Episode.from_dict(json.loads(data)), [Reward(*r) for r in rewards]))
+        return claim
+
+    def release_claims_after(self, step: int) -> int:
+        """Hand back the episodes claimed by steps after `step` (a restart from step `step`'s checkpoint: those
+        steps' updates were lost), with the rewards claimed with them; returns how many episodes."""
+        with self._transaction() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM episodes WHERE claim_step > ?", (step,)).fetchall()]
+            for episode_id in ids:
+                db.execute("UPDATE episodes SET claim_step = NULL WHERE id = ?", (episode_id,))
+                db.execute("UPDATE rewards SET use = 'pending' WHERE episode_id = ? AND use = 'trained'", (episode_id,))
+        return len(ids)
+
+    def claimed_episode_ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT id FROM episodes WHERE claim_step IS NOT NULL")}
+
+    def rewarded_episode_ids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT DISTINCT episode_id FROM rewards")}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _transaction(self):
+        return _Transaction(self._db, self._lock)
+
+
+class _Transaction:
+    """`BEGIN IMMEDIATE` ... `COMMIT` (or `ROLLBACK` on an exception) under the store's thread lock: the write lock is
+    taken up front, so two processes' claims cannot interleave between a read and its update."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock):
+        self.db, self.lock = db, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.lock.acquire()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
+        return self.db
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        finally:
+            self.lock.release()
