@@ -50,6 +50,7 @@ ROUTES_ADDED_FOR_USER_KEYS = [
     ("/admin/users", ["POST"]),
     ("/admin/users", ["GET"]),
     ("/admin/users/{name}", ["DELETE"]),
+    ("/admin/versions", ["GET"]),
     ("/admin/rewards", ["POST"]),
     ("/v1/feedback", ["POST"]),
     ("/v1/episodes/end", ["POST"]),
@@ -87,7 +88,7 @@ def test_one_router_per_wire_format_plus_models_health_admin_and_users():
         "/v1/responses",
         "/v1/messages/count_tokens",
         "/v1beta/models/{target}",
-        "/admin/users/{name}",
+        "/admin/versions",
         "/v1/feedback",  # a user key's own routes (issue 43)
     ]
 

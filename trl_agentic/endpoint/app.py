@@ -46,6 +46,7 @@ from .routes import ROUTERS
 from .service import APIError, CompletionService, EndpointSettings, SamplingOverrides
 from .sessions import EpisodeRegistry, redact_episode_ids
 from .users import UserEpisodes
+from .versions import VersionManager
 
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,11 @@ def create_app(
     settings: EndpointSettings | None = None,
     registry: EpisodeRegistry | None = None,
     store: EpisodeStore | None = None,
+    versions: VersionManager | None = None,
 ) -> FastAPI:
     """Build the endpoint app: the routers of `routes.py` over one `CompletionService`, errors in each route's shape.
-    With a `store`, user keys work too (`users.py`): their episodes, feedback and the admin's users and rewards.
+    With a `store`, user keys work too (`users.py`): their episodes, feedback and the admin's users and rewards. With
+    `versions`, several policy versions serve side by side, each episode on one (`versions.py`).
 
     Example:
 
@@ -77,14 +80,14 @@ def create_app(
     app.add_middleware(_ServerErrors)
     app.state.engine, app.state.renderer, app.state.settings, app.state.registry = engine, renderer, settings, registry
     app.state.service = CompletionService(engine, renderer, settings)
-    app.state.store = store
-    app.state.users = (
-        None
-        if store is None
-        else UserEpisodes(
+    app.state.store, app.state.versions, registry.versions = store, versions, versions
+    users = None
+    if store is not None:
+        users = UserEpisodes(
             store, registry, settings.user_episode_idle_timeout, settings.feedback_per_minute, settings.default_limits
         )
-    )
+        users.versions = versions
+    app.state.users = users
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
@@ -97,12 +100,14 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
-    registry, users = app.state.registry, app.state.users
+    registry, users, versions = app.state.registry, app.state.users, app.state.versions
     periods = [t / 4 for t in (registry.idle_timeout, users and users.idle_timeout) if t]
     reaper = asyncio.create_task(_reap_idle_episodes(registry, users, periods)) if periods else None
+    sweeper = asyncio.create_task(_sweep_versions(versions)) if versions is not None else None
     yield
-    if reaper is not None:
-        reaper.cancel()
+    for task in (reaper, sweeper):
+        if task is not None:
+            task.cancel()
     if users is not None:
         users.close_all()
 
@@ -173,6 +178,12 @@ class _ServerErrors:
                 ),
             )
             await response(scope, receive, send)
+
+
+async def _sweep_versions(versions: VersionManager) -> None:
+    while True:
+        await asyncio.sleep(0.1)
+        await versions.sweep()
 
 
 async def _reap_idle_episodes(registry: EpisodeRegistry, users: UserEpisodes | None, periods: list[float]) -> None:

@@ -26,6 +26,7 @@ from .responses import serve_responses
 from .service import APIError
 from .sessions import EpisodeLimits, TooManyOpenEpisodesError
 from .users import EPISODE_HEADER
+from .versions import VERSION_HEADER
 
 
 # Health: `GET /health`; `GET /` and `HEAD /` answer 200 (harnesses probe the base URL before their first call).
@@ -241,6 +242,18 @@ async def revoke_user(name: str, request: Request):
     return {"name": name, "revoked": True}
 
 
+@admin_router.get("/admin/versions")
+async def list_versions(request: Request):
+    check_admin(request)
+    versions = request.app.state.versions
+    if versions is None:
+        raise APIError(400, "This endpoint serves one version (no rollout).", code="versions_disabled")
+    decisions = [{"action": d.action, "version": d.version, "reason": d.reason} for d in versions.decisions]
+    policy = versions.policy
+    rule = {"candidate_share": policy.candidate_share, "min_episodes": policy.min_episodes, "margin": policy.margin}
+    return {"versions": versions.describe(), "decisions": decisions, "policy": rule}
+
+
 @admin_router.post("/admin/rewards")
 async def admin_reward(request: Request):
     check_admin(request)
@@ -298,6 +311,8 @@ def _answer(body: dict | Response, session=None) -> Response:
     response = JSONResponse(body) if isinstance(body, dict) else body
     if session is not None and session.user is not None:
         response.headers[EPISODE_HEADER] = session.episode.id
+    if session is not None and session.version is not None:
+        response.headers[VERSION_HEADER] = str(session.version)
     return response
 
 

@@ -370,7 +370,7 @@ class CompletionService:
         return call
 
     def _plan(self, session: EpisodeSession, conversation: ModelCall, budget: int | None) -> PreparedCall:
-        engine, renderer, settings = self.engine, self.renderer, self.settings
+        engine, renderer, settings = session.engine or self.engine, self.renderer, self.settings
         n = conversation.n
         messages = conversation.template_messages
         if messages is None:
@@ -450,7 +450,7 @@ class CompletionService:
         on_delta: Callable[[Delta], None] | None,
         client_gone: asyncio.Event | None,
     ) -> Completion:
-        engine, renderer = self.engine, self.renderer
+        engine, renderer = call.session.engine or self.engine, self.renderer  # the episode's version's engine
         conversation, plan, forced = call.conversation, call.plan, call.forced
         messages, tools, prompt_ids, sampling = call.messages, conversation.tools, call.prompt_ids, call.sampling
         n = conversation.n

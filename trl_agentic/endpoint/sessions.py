@@ -150,6 +150,10 @@ class EpisodeSession:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     seed: int | None = None  # the episode's seed: its calls' seeds derive from it (`call_seed`)
     user: str | None = None  # the user key's user, for an episode the endpoint opened for it (`users.py`)
+    # With versions served side by side (`versions.py`): the version the episode runs on, and that version's engine
+    # (`None`: the endpoint's one engine).
+    version: int | None = None
+    engine: Any = None
     opened_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     in_flight: int = 0  # choices admitted and not finished yet
@@ -404,6 +408,7 @@ class EpisodeRegistry:
         self._by_key: dict[str, EpisodeSession] = {}
         self._reaped: OrderedDict[str, Episode] = OrderedDict()
         self._lock = threading.Lock()
+        self.versions = None  # a `versions.VersionManager`: gives each new episode its version (set by `create_app`)
 
     def open(
         self,
@@ -429,6 +434,8 @@ class EpisodeRegistry:
                 )
             self._by_id[episode_id] = session
             self._by_key[key] = session
+        if self.versions is not None:
+            self.versions.attach(session)
         return session
 
     def by_key(self, key: str) -> EpisodeSession | None:

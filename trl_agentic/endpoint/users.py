@@ -54,6 +54,7 @@ class UserEpisodes:
         self._open: dict[str, EpisodeSession] = {}
         self._feedback: dict[str, deque] = {}
         self._lock = threading.Lock()
+        self.versions = None  # a `versions.VersionManager`: each episode's first reward counts toward its version
 
     @staticmethod
     def is_user_key(key: str) -> bool:
@@ -130,7 +131,12 @@ class UserEpisodes:
         user = getattr(session, "user", None) if session is not None else None
         if user is not None:
             self.end(user, episode_id)
-        return self.store.add_reward(episode_id, float(value), source, giver, note)
+        first = self.versions is not None and not self.store.rewards(episode_id)
+        reward_id = self.store.add_reward(episode_id, float(value), source, giver, note)
+        if first:
+            turns = self.store.get_episode(episode_id)[0].turns
+            self.versions.record_reward(turns[0].policy_version if turns else None, float(value))
+        return reward_id
 
     def close_all(self) -> None:
         """End and store every open user episode (the server is stopping)."""

@@ -1,0 +1,152 @@
+"""Versions served side by side (issue 43): a candidate takes a share of new episodes (never a call in the middle of
+an episode), is promoted when its online reward holds up against the incumbent's, rolled back when it does not, and
+every answer says which version produced it. Real TransformersEngines on tiny models, a real server."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from trl_agentic.endpoint.app import EndpointSettings, create_app
+from trl_agentic.endpoint.chat import ChatRenderer
+from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
+from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.store import SQLiteEpisodeStore
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+class Engine:
+    """A stand-in engine for the pure decision tests (no model call is made)."""
+
+    def __init__(self):
+        self.policy_version = 0
+        self.stopped = False
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        self.stopped = True
+
+
+def test_the_candidate_takes_its_share_of_new_episodes_deterministically():
+    manager = VersionManager(Engine(), RolloutPolicy(candidate_share=0.25, min_episodes=10, margin=0.05), seed=0)
+    manager.add_candidate(Engine(), version=1)
+    picks = [manager.assign(f"ep-{i}") for i in range(2000)]
+    share = picks.count(1) / len(picks)
+    assert 0.22 < share < 0.28 and set(picks) == {0, 1}
+    again = VersionManager(Engine(), RolloutPolicy(candidate_share=0.25, min_episodes=10, margin=0.05), seed=0)
+    again.add_candidate(Engine(), version=1)
+    assert [again.assign(f"ep-{i}") for i in range(2000)] == picks  # by the episode id: reproducible
+
+
+def test_promotion_and_rollback_follow_the_stated_rule():
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1)
+    manager = VersionManager(Engine(), policy, seed=0)
+    manager.add_candidate(Engine(), version=1)
+    for value in (1.0, 0.0, 1.0, 1.0):  # the incumbent over the candidate's window: mean 0.75
+        manager.record_reward(0, value)
+    for value in (1.0, 1.0, 0.0):  # 3 < min_episodes: no decision yet
+        assert manager.record_reward(1, value) is None
+    decision = manager.record_reward(1, 0.5)  # mean 0.625 >= 0.75 - 0.1? no: 0.625 < 0.65 -> rolled back
+    assert (decision.action, decision.version) == ("rolled_back", 1)
+    assert "0.625" in decision.reason and "0.750" in decision.reason
+    assert manager.incumbent == 0 and manager.candidate is None
+    manager.add_candidate(Engine(), version=2)
+    for value in (1.0, 0.0, 1.0, 1.0):
+        manager.record_reward(0, value)
+    for value in (1.0, 1.0, 0.0, 1.0):  # 0.75 >= 0.65: promoted
+        decision = manager.record_reward(2, value)
+    assert (decision.action, decision.version, manager.incumbent) == ("promoted", 2, 2)
+    table = {v["version"]: v["state"] for v in manager.describe()}
+    assert table == {0: "retired", 1: "rolled_back", 2: "incumbent"}
+
+
+def test_a_newer_candidate_supersedes_one_still_on_trial():
+    manager = VersionManager(Engine(), RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1), seed=0)
+    first = Engine()
+    manager.add_candidate(first, version=1)
+    manager.add_candidate(Engine(), version=2)
+    assert manager.candidate == 2
+    assert {v["version"]: v["state"] for v in manager.describe()}[1] == "superseded"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer("qwen2_5")
+
+
+def test_every_answer_names_its_version_and_an_episode_never_changes_version(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    incumbent = TransformersEngine(build_tiny_model(tokenizer, seed=1), pad_token_id=tokenizer.pad_token_id)
+    candidate = TransformersEngine(build_tiny_model(tokenizer, seed=2), pad_token_id=tokenizer.pad_token_id)
+    manager = VersionManager(incumbent, RolloutPolicy(candidate_share=0.5, min_episodes=1000, margin=0.0), seed=0)
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    settings = EndpointSettings(user_episode_idle_timeout=60.0, default_max_tokens=4)
+    app = create_app(incumbent, ChatRenderer(tokenizer), settings, store=store, versions=manager)
+    with EndpointServer(app) as server:
+        admin = {"Authorization": f"Bearer {server.admin_token}"}
+        key = httpx.post(f"{server.url}/admin/users", json={"name": "alice"}, headers=admin).json()["key"]
+        client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        first = client.chat.completions.with_raw_response.create(model="policy", messages=messages, max_tokens=4)
+        assert first.headers["x-trl-agentic-version"] == "0"
+        server.call(manager.add_candidate_async(candidate, version=1))  # a new version arrives mid-episode
+        second = client.chat.completions.with_raw_response.create(model="policy", messages=messages, max_tokens=4)
+        assert second.headers["x-trl-agentic-version"] == "0"  # the open episode stays on its version
+        seen = set()
+        for _ in range(12):  # new episodes: both versions serve
+            httpx.post(f"{server.base_url}/episodes/end", headers={"Authorization": f"Bearer {key}"})
+            raw = client.chat.completions.with_raw_response.create(model="policy", messages=messages, max_tokens=4)
+            seen.add(raw.headers["x-trl-agentic-version"])
+            assert raw.parse().system_fingerprint == f"policy-v{raw.headers['x-trl-agentic-version']}"
+        assert seen == {"0", "1"}
+        versions = httpx.get(f"{server.url}/admin/versions", headers=admin).json()["versions"]
+        assert [(v["version"], v["state"], v["share"]) for v in versions] == [
+            (0, "incumbent", 0.5),
+            (1, "candidate", 0.5),
+        ]
+        httpx.post(f"{server.base_url}/episodes/end", headers={"Authorization": f"Bearer {key}"})
+        for episode_id in store.episodes_of("alice"):
+            episode = store.get_episode(episode_id)[0]
+            assert len({turn.policy_version for turn in episode.turns}) == 1
+
+
+def test_a_swap_neither_fails_nor_stalls_a_request_in_flight(tokenizer):
+    """Promotion while a long call decodes on the old incumbent: the call completes on it, then it is stopped."""
+    torch.manual_seed(0)
+    old = TransformersEngine(build_tiny_model(tokenizer, seed=1), pad_token_id=tokenizer.pad_token_id)
+    new = TransformersEngine(build_tiny_model(tokenizer, seed=2), pad_token_id=tokenizer.pad_token_id)
+    manager = VersionManager(old, RolloutPolicy(candidate_share=1.0, min_episodes=1, margin=1.0), seed=0)
+    app = create_app(old, ChatRenderer(tokenizer), EndpointSettings(), versions=manager)
+    with EndpointServer(app) as server:
+        session = server.open_episode()
+        assert session.engine is old
+        client = openai.OpenAI(base_url=server.base_url, api_key=session.key, max_retries=0)
+        result = {}
+
+        def long_call():
+            result["answer"] = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "go"}], max_tokens=200, temperature=1.0
+            )
+
+        thread = threading.Thread(target=long_call)
+        thread.start()
+        time.sleep(0.3)
+        server.call(manager.add_candidate_async(new, version=1))
+        manager.record_reward(0, 0.0)
+        decision = manager.record_reward(1, 1.0)
+        assert decision.action == "promoted"
+        thread.join(timeout=60)
+        assert result["answer"].choices[0].finish_reason in ("stop", "length")
+        assert result["answer"].system_fingerprint == "policy-v0"
+        server.close_episode(session.episode.id)
+        assert server.open_episode().engine is new
+        deadline = time.monotonic() + 10
+        while manager.engine_of(0) is not None and time.monotonic() < deadline:  # retired once drained
+            time.sleep(0.05)
+        assert manager.engine_of(0) is None
