@@ -174,7 +174,9 @@ LAYERS = [
     # checkpoint_state: the trainer's state, the episode log's included; rollouts: its endpoint and episodes
     {"alarms", "recipes", "checkpoint_state", "rollouts"},
     {"agentic_grpo_trainer", "viewer", "jobs"},
-    {"pipeline"},  # warm start -> held-out eval -> GRPO (the trainer) -> report
+    # pipeline: warm start -> held-out eval -> GRPO (the trainer) -> report; online_trainer: GRPO on the store's
+    # rewarded episodes of live traffic, each step a candidate version
+    {"pipeline", "online_trainer"},
     {"scripts", "bundled", "cli"},
     {"__init__"},
 ]

@@ -259,12 +259,12 @@ class SQLiteEpisodeStore:
         claim = Claim(step)
         with self._transaction() as db:
             rows = db.execute(
-                "SELECT id, data FROM episodes WHERE claim_step IS NULL AND EXISTS "
+                "SELECT id, data, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
                 "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending') "
                 "ORDER BY seq LIMIT ?",
                 (limit,),
             ).fetchall()
-            for episode_id, data in rows:
+            for episode_id, data, fingerprint in rows:
                 db.execute("UPDATE episodes SET claim_step = ? WHERE id = ?", (step, episode_id))
                 rewards = db.execute(
                     "SELECT id, episode_id, value, source, giver, note, 'trained', created FROM rewards "
@@ -272,7 +272,10 @@ class SQLiteEpisodeStore:
                     (episode_id,),
                 ).fetchall()
                 db.execute("UPDATE rewards SET use = 'trained' WHERE episode_id = ? AND use = 'pending'", (episode_id,))
-                claim.items.append((Episode.from_dict(json.loads(data)), [Reward(*r) for r in rewards]))
+                episode = Episode.from_dict(json.loads(data))
+                if fingerprint is not None:
+                    episode.metadata["fingerprint"] = fingerprint
+                claim.items.append((episode, [Reward(*r) for r in rewards]))
         return claim
 
     def release_claims_after(self, step: int) -> int:

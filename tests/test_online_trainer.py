@@ -1,0 +1,112 @@
+"""Online training (issue 43): live traffic through user keys -> rewarded episodes in the store -> GRPO steps that claim
+them (each once) -> each step's weights a candidate version, promoted or rolled back by the rule. A real endpoint,
+real TransformersEngines, the official `openai` client as the users' client."""
+
+import copy
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from trl_agentic import AgenticGRPOConfig
+from trl_agentic.endpoint.app import EndpointSettings, create_app
+from trl_agentic.endpoint.chat import ChatRenderer
+from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
+from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.online_trainer import OnlineGRPOTrainer, _grouped
+from trl_agentic.store import SQLiteEpisodeStore
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+from trl_agentic.trace import Episode
+
+
+def test_episodes_of_one_fingerprint_form_whole_groups_and_the_rest_keep_arrival_order():
+    items = [(Episode(id=f"e{i}", metadata={"fingerprint": f}), []) for i, f in enumerate("ab" + "a" * 3 + "cb")]
+    # a: e0 e2 e3 e4 (one whole group of 2 twice), b: e1 e6 (one group), c: e5 alone
+    order = [episode.id for episode, _ in _grouped(items, 2)]
+    assert order == ["e0", "e2", "e3", "e4", "e1", "e6", "e5"]
+
+
+def users_traffic(server, keys, stop, reward_of):
+    """Simulated users: each asks, ends its episode and gives feedback from a checker, until `stop` is set."""
+
+    def user(key):
+        client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+        headers = {"Authorization": f"Bearer {key}"}
+        while not stop.is_set():
+            raw = client.chat.completions.with_raw_response.create(
+                model="policy", messages=[{"role": "user", "content": "Say something."}], max_tokens=6
+            )
+            text = raw.parse().choices[0].message.content or ""
+            episode_id = raw.headers["x-trl-agentic-episode"]
+            httpx.post(
+                f"{server.base_url}/feedback",
+                json={"episode_id": episode_id, "value": reward_of(text)},
+                headers=headers,
+            )
+
+    threads = [threading.Thread(target=user, args=(key,), daemon=True) for key in keys]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+@pytest.mark.slow
+def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidate(tmp_path):
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer, seed=0)
+    serving = TransformersEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id)
+    versions = VersionManager(serving, RolloutPolicy(candidate_share=0.5, min_episodes=3, margin=1.0))
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    app = create_app(
+        serving, ChatRenderer(tokenizer), EndpointSettings(default_max_tokens=6), store=store, versions=versions
+    )
+    with EndpointServer(app) as server:
+        admin = {"Authorization": f"Bearer {server.admin_token}"}
+        keys = [httpx.post(f"{server.url}/admin/users", json={"name": n}, headers=admin).json()["key"] for n in "ab"]
+        stop = threading.Event()
+        threads = users_traffic(server, keys, stop, reward_of=lambda text: float(len(text) % 2))
+        args = AgenticGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_steps=3,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            logging_steps=1,
+            save_strategy="no",
+            max_staleness=8,
+            seed=0,
+        )
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = OnlineGRPOTrainer(
+            model,
+            store,
+            args,
+            processing_class=tokenizer,
+            versions=versions,
+            run_on_server=server.call,
+            wait_timeout=120,
+        )
+        try:
+            trainer.train()
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            trainer.close()
+        claimed = store.claimed_episode_ids()
+        assert len(claimed) == 12  # 3 steps x 4 episodes, each claimed once
+        assert all(store.rewards(e)[0].use == "trained" for e in claimed)
+        states = {row["version"]: row["state"] for row in versions.describe()}
+        assert {1, 2, 3} <= set(states)  # every step a candidate
+        assert all((tmp_path / "out" / "versions" / f"v{s}" / "config.json").exists() for s in (1, 2, 3))
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+        logged = [entry for entry in trainer.state.log_history if "online/rewards_per_episode" in entry]
+        assert len(logged) == 3 and all(entry["online/rewards_per_episode"] >= 1 for entry in logged)

@@ -1,0 +1,212 @@
+"""Online RL from live traffic: `OnlineGRPOTrainer` trains on the rewarded episodes users' traffic left in the store,
+with TRL's GRPO loss, and publishes each optimizer step as a candidate version for gradual rollout.
+
+Serving (`trl-agentic serve --store PATH`, `endpoint/users.py`) stores every closed episode of a user key and the
+rewards that arrive for it. This trainer claims them step by step (`EpisodeStore.claim_for_training`: each episode
+once, ever) instead of running agents, and from there everything is the `AgenticGRPOTrainer`'s: the episode's exact
+ids become rows (only sampled tokens trained), TRL's loss, KL and importance-sampling correction, the episode log.
+
+- **Groups.** GRPO needs a baseline. Episodes of the same task fingerprint (when traffic repeats tasks and whoever
+  stores them sets it) are grouped together; the others are grouped in arrival order, so an episode's advantage is its
+  reward minus the mean of a window of `num_generations` episodes that arrived around it (divided by their std, as
+  TRL's `scale_rewards` says). Logged as `online/fingerprint_groups` (share of groups of one fingerprint).
+- **Reward.** An episode's reward is the mean of the rewards claimed with it (`online/rewards_per_episode`); later
+  rewards are kept for evaluation (`store.py`).
+- **Staleness.** Every token keeps the version that sampled it. The consuming step's policy is corrected for it with
+  TRL's importance sampling (as asynchronous rollouts are), and a group with a token older than `max_staleness`
+  versions is not trained (counted in `async/dropped_groups`). Under a long rollback streak the incumbent's episodes
+  age past the bound: raise it, or restart training from the incumbent.
+- **Versions.** After each optimizer step the trainer saves the weights (`output_dir/versions/v<step>`) and hands the
+  `VersionManager` a candidate engine over a copy of them; the rollout rule decides (`endpoint/versions.py`). When a
+  candidate is rolled back, the trainer takes the incumbent's weights back before its next step, so that the next
+  candidate does not build on the update that was refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from .agentic_grpo_config import AgenticGRPOConfig
+from .agentic_grpo_trainer import AgenticGRPOTrainer
+from .endpoint.versions import VersionManager
+from .generation.transformers_engine import TransformersEngine
+from .store import EpisodeStore
+from .trace import Episode
+
+
+logger = logging.getLogger(__name__)
+
+_PLACEHOLDER_TASK = [{"role": "user", "content": "(an episode of live traffic)"}]
+
+
+def stored_reward(prompts, completions, episodes, **kwargs) -> list[float | None]:
+    """The reward the store gave each claimed episode (`episode.metadata["online_reward"]`)."""
+    return [episode.metadata.get("online_reward") for episode in episodes]
+
+
+async def _no_agent(client, task):  # the trainer runs no agent: users' traffic did
+    raise RuntimeError("OnlineGRPOTrainer trains on stored episodes; it runs no agent.")
+
+
+class OnlineGRPOTrainer(AgenticGRPOTrainer):
+    """GRPO on the rewarded episodes of live traffic (see the module's docstring).
+
+    Args:
+        model: the policy (the weights the incumbent version serves).
+        store: the `EpisodeStore` serving writes to.
+        args: an `AgenticGRPOConfig`; `per_device_train_batch_size` x steps episodes are claimed per step,
+            `num_generations` per group, `max_staleness` bounds the version gap of what is trained.
+        processing_class: the policy's tokenizer.
+        versions: the serving side's `VersionManager`: each step's weights become a candidate there (`None`: train
+            only).
+        run_on_server: how to run a coroutine on the serving event loop (e.g. `EndpointServer.call`); `None` runs it
+            on a loop of its own (an engine whose `start` needs no loop, as the embedded one).
+        wait_timeout: seconds a step waits for enough rewarded episodes before `TimeoutError`.
+        reward_funcs: extra reward functions run on the claimed episodes, added to the stored reward (default none).
+    """
+
+    def __init__(
+        self,
+        model,
+        store: EpisodeStore,
+        args: AgenticGRPOConfig,
+        processing_class=None,
+        versions: VersionManager | None = None,
+        run_on_server=None,
+        wait_timeout: float = 3600.0,
+        reward_funcs=None,
+        **kwargs,
+    ):
+        self.store, self.versions, self.run_on_server, self.wait_timeout = store, versions, run_on_server, wait_timeout
+        dataset = Dataset.from_list(
+            [{"prompt": _PLACEHOLDER_TASK}] * (args.max_steps * 64 if args.max_steps > 0 else 10**5)
+        )
+        extra = list(reward_funcs or [])
+        super().__init__(
+            model,
+            agent=_no_agent,
+            reward_funcs=[stored_reward, *extra],
+            args=args,
+            train_dataset=dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        # Stored episodes were sampled by earlier versions: TRL's importance-sampling correction, as asynchronous
+        # rollouts apply it (behaviour policy -> the policy at the consuming step).
+        self._behaviour_correction = True
+        self._last_loaded_step = -1
+        self._published = 0
+        self.add_callback(_PublishVersion(self))
+
+    # Rollout: claim instead of run
+
+    def _rollout_episodes(self, prompts: list, trainer=None) -> dict[str, list]:
+        self._restore_incumbent_if_rolled_back()
+        self._ready_episodes = self._claim(len(prompts))  # TRL's path for episodes produced elsewhere
+        return super()._rollout_episodes(prompts, trainer)
+
+    def _claim(self, count: int) -> list[Episode]:
+        group = self.num_generations
+        deadline = time.monotonic() + self.wait_timeout
+        claim = self.store.claim_for_training(limit=count, step=self.state.global_step + 1)
+        items = list(claim.items)
+        while len(items) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Only {len(items)} rewarded episodes arrived in {self.wait_timeout:g}s; a step needs {count}."
+                )
+            time.sleep(0.2)
+            items += self.store.claim_for_training(limit=count - len(items), step=self.state.global_step + 1).items
+        items = _grouped(items, group)
+        episodes = []
+        for index, (episode, rewards) in enumerate(items):
+            values = [r.value for r in rewards]
+            episode.metadata["online_reward"] = sum(values) / len(values) if values else None
+            episode.metadata["online_reward_sources"] = sorted({r.source for r in rewards})
+            episode.group_index = index % group
+            episodes.append(episode)
+        metrics = self._metrics["train"]
+        metrics["online/rewards_per_episode"].append(sum(len(r) for _, r in items) / len(items))
+        fingerprints = [episode.metadata.get("fingerprint") for episode in episodes]
+        groups = [fingerprints[i : i + group] for i in range(0, len(fingerprints), group)]
+        same = [g[0] is not None and len(set(g)) == 1 for g in groups]
+        metrics["online/fingerprint_groups"].append(sum(same) / len(same))
+        return episodes
+
+    # Versions
+
+    def publish(self, step: int) -> None:
+        """Save the current weights as version `step` and put them on trial at the serving side."""
+        model = self.accelerator.unwrap_model(self.model)
+        path = Path(self.args.output_dir) / "versions" / f"v{step}"
+        model.save_pretrained(path)
+        self._published += 1
+        if self.versions is None:
+            return
+        serving = copy.deepcopy(model).eval()
+        for parameter in serving.parameters():
+            parameter.requires_grad_(False)
+        incumbent = self.versions.engine_of(self.versions.incumbent)
+        engine = TransformersEngine(
+            serving, pad_token_id=self._tokenizer.pad_token_id, max_batch_size=getattr(incumbent, "max_batch_size", 16)
+        )
+        coroutine = self.versions.add_candidate_async(engine, version=step, path=str(path))
+        if self.run_on_server is not None:
+            self.run_on_server(coroutine)
+        else:
+            import asyncio
+
+            asyncio.run(coroutine)
+
+    def _restore_incumbent_if_rolled_back(self) -> None:
+        """After a rollback, train on from the incumbent's weights (the refused update is dropped)."""
+        versions = self.versions
+        if versions is None or not versions.decisions:
+            return
+        last = versions.decisions[-1]
+        if getattr(self, "_handled_decisions", 0) == len(versions.decisions):
+            return
+        self._handled_decisions = len(versions.decisions)
+        model = self.accelerator.unwrap_model(self.model)
+        if last.action == "rolled_back":
+            serving = getattr(versions.engine_of(versions.incumbent), "model", None)
+            if serving is not None and serving is not model:
+                with torch.no_grad():
+                    model.load_state_dict({k: v.detach().clone() for k, v in serving.state_dict().items()})
+                self._metrics["train"]["online/rollbacks"].append(1.0)
+                logger.warning(
+                    "Version %d was rolled back: training goes on from the incumbent's weights.", last.version
+                )
+
+
+def _grouped(items: list[tuple[Episode, Any]], group: int) -> list[tuple[Episode, Any]]:
+    """Episodes of one fingerprint together where a whole group of them exists, the rest in arrival order."""
+    by_fingerprint: dict[str, list] = {}
+    for item in items:
+        fingerprint = item[0].metadata.get("fingerprint")
+        if fingerprint is not None:
+            by_fingerprint.setdefault(fingerprint, []).append(item)
+    ordered, used = [], set()
+    for members in by_fingerprint.values():
+        whole = len(members) - len(members) % group
+        for item in members[:whole]:
+            ordered.append(item)
+            used.add(id(item))
+    ordered += [item for item in items if id(item) not in used]
+    return ordered
+
+
+class _PublishVersion(TrainerCallback):
+    def __init__(self, trainer: OnlineGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.publish(state.global_step)
