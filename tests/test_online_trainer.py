@@ -4,6 +4,7 @@ real TransformersEngines, the official `openai` client as the users' client."""
 
 import copy
 import threading
+import time
 
 import httpx
 import openai
@@ -29,7 +30,7 @@ def test_episodes_of_one_fingerprint_form_whole_groups_and_the_rest_keep_arrival
     assert order == ["e0", "e2", "e3", "e4", "e1", "e6", "e5"]
 
 
-def users_traffic(server, keys, stop, reward_of):
+def users_traffic(server, keys, stop, reward_of, served):
     """Simulated users: each asks, ends its episode and gives feedback from a checker, until `stop` is set."""
 
     def user(key):
@@ -40,12 +41,10 @@ def users_traffic(server, keys, stop, reward_of):
                 model="policy", messages=[{"role": "user", "content": "Say something."}], max_tokens=6
             )
             text = raw.parse().choices[0].message.content or ""
-            episode_id = raw.headers["x-trl-agentic-episode"]
-            httpx.post(
-                f"{server.base_url}/feedback",
-                json={"episode_id": episode_id, "value": reward_of(text)},
-                headers=headers,
-            )
+            episode_id, version = raw.headers["x-trl-agentic-episode"], int(raw.headers["x-trl-agentic-version"])
+            served.append(version)
+            value = reward_of(text, version)
+            httpx.post(f"{server.base_url}/feedback", json={"episode_id": episode_id, "value": value}, headers=headers)
 
     threads = [threading.Thread(target=user, args=(key,), daemon=True) for key in keys]
     for thread in threads:
@@ -68,7 +67,7 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
         admin = {"Authorization": f"Bearer {server.admin_token}"}
         keys = [httpx.post(f"{server.url}/admin/users", json={"name": n}, headers=admin).json()["key"] for n in "ab"]
         stop = threading.Event()
-        threads = users_traffic(server, keys, stop, reward_of=lambda text: float(len(text) % 2))
+        threads = users_traffic(server, keys, stop, lambda text, version: float(len(text) % 2), [])
         args = AgenticGRPOConfig(
             output_dir=str(tmp_path / "out"),
             per_device_train_batch_size=4,
@@ -110,3 +109,75 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
         logged = [entry for entry in trainer.state.log_history if "online/rewards_per_episode" in entry]
         assert len(logged) == 3 and all(entry["online/rewards_per_episode"] >= 1 for entry in logged)
+
+
+@pytest.mark.slow
+def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_returns_to_the_incumbent(tmp_path):
+    """Users reward the incumbent's answers 1 and every candidate's 0 (a harmful update, as a learning-rate spike would
+    make): each candidate is rolled back after `min_episodes`, the incumbent keeps serving, no candidate served more
+    than its share of episodes (plus those in flight), and each next step starts from the incumbent's weights."""
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer, seed=0)
+    incumbent_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    serving = TransformersEngine(copy.deepcopy(model).eval(), pad_token_id=tokenizer.pad_token_id)
+    versions = VersionManager(serving, RolloutPolicy(candidate_share=0.25, min_episodes=2, margin=0.1))
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    settings = EndpointSettings(default_max_tokens=6)
+    app = create_app(serving, ChatRenderer(tokenizer), settings, store=store, versions=versions)
+    with EndpointServer(app) as server:
+        admin = {"Authorization": f"Bearer {server.admin_token}"}
+        keys = [httpx.post(f"{server.url}/admin/users", json={"name": n}, headers=admin).json()["key"] for n in "abc"]
+        stop, served = threading.Event(), []
+        threads = users_traffic(server, keys, stop, lambda text, version: 1.0 if version == 0 else 0.0, served)
+        args = AgenticGRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_steps=3,
+            max_completion_length=6,
+            learning_rate=1e-2,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            logging_steps=1,
+            save_strategy="no",
+            max_staleness=8,
+            seed=0,
+        )
+        trainer = OnlineGRPOTrainer(
+            model,
+            store,
+            args,
+            processing_class=tokenizer,
+            versions=versions,
+            run_on_server=server.call,
+            wait_timeout=120,
+        )
+        restored = []  # the weights each step started from, after a rollback it had not seen yet
+        original = trainer._restore_incumbent_if_rolled_back
+
+        def recording_restore():
+            unseen = len(versions.decisions) > getattr(trainer, "_handled_decisions", 0)
+            original()
+            if unseen and versions.decisions[-1].action == "rolled_back":
+                restored.append({k: v.clone() for k, v in model.state_dict().items()})
+
+        trainer._restore_incumbent_if_rolled_back = recording_restore
+        try:
+            trainer.train()
+            deadline = time.monotonic() + 60
+            while versions.candidate is not None and time.monotonic() < deadline:  # the last candidate's trial ends
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(timeout=30)
+            trainer.close()
+        assert versions.incumbent == 0
+        assert [d.action for d in versions.decisions] and all(d.action == "rolled_back" for d in versions.decisions)
+        assert {row["version"]: row["state"] for row in versions.describe()}[0] == "incumbent"
+        assert served.count(0) / len(served) > 0.6  # the candidates got their canary share, no more
+        assert restored  # at least one step began after a rollback (min_episodes is small enough)
+        for weights in restored:  # and it began from the incumbent's weights
+            assert all(torch.equal(weights[k], incumbent_weights[k]) for k in incumbent_weights)

@@ -69,7 +69,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
             only).
         run_on_server: how to run a coroutine on the serving event loop (e.g. `EndpointServer.call`); `None` runs it
             on a loop of its own (an engine whose `start` needs no loop, as the embedded one).
-        wait_timeout: seconds a step waits for enough rewarded episodes before `TimeoutError`.
+        wait_timeout: seconds a step waits for enough rewarded episodes (and for a verdict) before `TimeoutError`.
+        wait_for_verdict: a step starts only once the previous step's candidate was promoted or rolled back, so that
+            one candidate is on trial at a time and no update builds on one that is then refused (`False`: steps go
+            on meanwhile; a newer candidate supersedes one still on trial).
         reward_funcs: extra reward functions run on the claimed episodes, added to the stored reward (default none).
     """
 
@@ -82,10 +85,12 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         versions: VersionManager | None = None,
         run_on_server=None,
         wait_timeout: float = 3600.0,
+        wait_for_verdict: bool = True,
         reward_funcs=None,
         **kwargs,
     ):
         self.store, self.versions, self.run_on_server, self.wait_timeout = store, versions, run_on_server, wait_timeout
+        self.wait_for_verdict = wait_for_verdict
         dataset = Dataset.from_list(
             [{"prompt": _PLACEHOLDER_TASK}] * (args.max_steps * 64 if args.max_steps > 0 else 10**5)
         )
@@ -109,6 +114,12 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
     # Rollout: claim instead of run
 
     def _rollout_episodes(self, prompts: list, trainer=None) -> dict[str, list]:
+        if self.wait_for_verdict and self.versions is not None and self.model.training:
+            deadline = time.monotonic() + self.wait_timeout
+            while self.versions.candidate is not None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Version {self.versions.candidate} got no verdict in {self.wait_timeout:g}s.")
+                time.sleep(0.1)
         self._restore_incumbent_if_rolled_back()
         self._ready_episodes = self._claim(len(prompts))  # TRL's path for episodes produced elsewhere
         return super()._rollout_episodes(prompts, trainer)
