@@ -181,3 +181,42 @@ def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_re
         assert restored  # at least one step began after a rollback (min_episodes is small enough)
         for weights in restored:  # and it began from the incumbent's weights
             assert all(torch.equal(weights[k], incumbent_weights[k]) for k in incumbent_weights)
+
+
+@pytest.mark.slow
+def test_serve_train_process_learns_from_user_traffic_and_publishes_versions(tmp_path):
+    """`trl-agentic serve --train` as users run it: a real process, user keys, feedback; it trains its steps, each a
+    candidate (`GET /admin/versions`), and exits."""
+    from test_endpoint_serve import start_serve
+
+    token, out = "sk-admin-online-test", tmp_path / "run"
+    flags = ["--train", "--store", str(tmp_path / "store.db"), "--admin-token", token, "--output-dir", str(out)]
+    flags += ["--max-tokens", "6", "--max-steps", "2", "--episodes-per-step", "4", "--num-generations", "4"]
+    flags += ["--min-episodes", "2", "--candidate-share", "0.5", "--margin", "1.0", "--learning-rate", "1e-2"]
+    flags += ["--log-level", "warning"]
+    process, url = start_serve(tmp_path / "serve.log", *flags)
+    admin = {"Authorization": f"Bearer {token}"}
+    key = httpx.post(f"{url}/admin/users", json={"name": "alice"}, headers=admin).json()["key"]
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Say something."}]}
+    seen_versions = set()
+    try:
+        deadline = time.monotonic() + 300
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+                seen_versions.add(answer.headers["x-trl-agentic-version"])
+                text = answer.json()["choices"][0]["message"]["content"] or ""
+                httpx.post(f"{url}/v1/feedback", json={"value": float(len(text) % 2)}, headers=headers, timeout=30)
+                if len(seen_versions) > 1:
+                    versions = httpx.get(f"{url}/admin/versions", headers=admin, timeout=30).json()["versions"]
+                    assert versions[0]["version"] == 0
+            except httpx.HTTPError:  # the server stops when training ends
+                break
+        assert process.wait(timeout=120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert (out / "versions" / "v1" / "config.json").exists() and (out / "versions" / "v2" / "config.json").exists()
+    assert "1" in seen_versions  # the first candidate served users

@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntrl-agentic: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    name = COMMANDS[argv[0]][0]
+    if argv[0] == "serve" and "--train" in argv[1:]:  # serve and learn from the traffic (online RL)
+        name = "trl_agentic.scripts.serve_train"
+    module = importlib.import_module(name)
     return module.main(argv[1:]) or 0
 
 

@@ -33,6 +33,7 @@ from .app import EndpointSettings, SamplingOverrides, create_app
 from .chat import ChatRenderer
 from .server import EndpointServer
 from .sessions import EpisodeLimits
+from .versions import VersionManager
 
 
 # Most requests the embedded engine samples together, wherever it runs (the default of
@@ -134,6 +135,7 @@ def create_endpoint_app(
     max_open_episodes: int | None = None,
     episode_idle_timeout: float | None = None,
     store: EpisodeStore | None = None,
+    versions: VersionManager | None = None,
     user_episode_idle_timeout: float = 300.0,
     feedback_per_minute: int = 60,
 ) -> FastAPI:
@@ -156,6 +158,7 @@ def create_endpoint_app(
         episode_idle_timeout: seconds without a call after which an episode is closed with status `cancelled`
             (`None`: never).
         store: an `EpisodeStore`: enables user keys, their episodes and feedback, and the admin's rewards.
+        versions: a `VersionManager`: several versions served side by side, rolled out gradually.
         user_episode_idle_timeout, feedback_per_minute: with a store, when a user key's episode ends, and how often
             a user may give feedback (`EndpointSettings`).
     """
@@ -177,7 +180,7 @@ def create_endpoint_app(
         user_episode_idle_timeout=user_episode_idle_timeout,
         feedback_per_minute=feedback_per_minute,
     )
-    return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings, store=store)
+    return create_app(engine, ChatRenderer(tokenizer, chat_template_kwargs), settings, store=store, versions=versions)
 
 
 def launch_endpoint(

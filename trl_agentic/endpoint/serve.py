@@ -126,30 +126,29 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--feedback-per-minute", type=int, default=60, help="With --store: most feedback calls per user a minute."
     )
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="With --store: train on the store's rewarded episodes in this process and roll each step out "
+        "gradually (online RL; `trl-agentic serve --train --help` lists its options, docs/online.md).",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    if args.train:
+        make_parser().error("--train runs through the CLI: `trl-agentic serve --train ...` (scripts/serve_train.py).")
 
-    import torch
     import uvicorn
 
     from ..store import SQLiteEpisodeStore
-    from ..tiny_models import load_model_and_tokenizer
-    from .launch import build_engine, create_endpoint_app
+    from .launch import build_engine
     from .server import uvicorn_log_config
 
-    # Model
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
-    model.to(device=device, dtype=dtype).eval()
-
-    # Endpoint
+    model, tokenizer, device, dtype = load_policy(args)
+    model.eval()
     engine = build_engine(
         model,
         tokenizer,
@@ -157,15 +156,51 @@ def main(argv: list[str] | None = None) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
-    # Print the admin token only when it is ours: one the user chose may live in shell history, logs or a job's
-    # output, and stays where they put it.
+    admin_token, shown_token, origin = resolve_admin_token(args)
+    store = None if args.store is None else SQLiteEpisodeStore(args.store)
+    app = build_app(args, engine, tokenizer, admin_token, store)
+    print_banner(args, app, device, dtype, shown_token, origin)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=30,
+        log_config=uvicorn_log_config(),
+    )
+    return 0
+
+
+def load_policy(args):
+    """The served model and its tokenizer, on `--device` in `--dtype`: `(model, tokenizer, device, dtype)`."""
+    import torch
+
+    from ..tiny_models import load_model_and_tokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=dtype)
+    model.to(device=device, dtype=dtype)
+    return model, tokenizer, device, dtype
+
+
+def resolve_admin_token(args) -> tuple[str, str, str]:
+    """`(token, how the banner shows it, where it came from)`. The token is printed only when it is ours: one the
+    user chose may live in shell history, logs or a job's output, and stays where they put it."""
     if args.admin_token:
-        admin_token, shown_token, origin = args.admin_token, "<your --admin-token>", "as given (--admin-token)"
-    elif os.environ.get(ADMIN_TOKEN_ENV):
-        admin_token, shown_token = os.environ[ADMIN_TOKEN_ENV], f"${ADMIN_TOKEN_ENV}"
-        origin = f"as given (${ADMIN_TOKEN_ENV})"
-    else:
-        admin_token = shown_token = origin = f"sk-admin-{secrets.token_urlsafe(32)}"
+        return args.admin_token, "<your --admin-token>", "as given (--admin-token)"
+    if os.environ.get(ADMIN_TOKEN_ENV):
+        return os.environ[ADMIN_TOKEN_ENV], f"${ADMIN_TOKEN_ENV}", f"as given (${ADMIN_TOKEN_ENV})"
+    token = f"sk-admin-{secrets.token_urlsafe(32)}"
+    return token, token, token
+
+
+def build_app(args, engine, tokenizer, admin_token: str, store=None, versions=None):
+    """The endpoint app `serve`'s arguments describe, over `engine`."""
+    from .launch import create_endpoint_app
+
     app = create_endpoint_app(
         engine,
         tokenizer,
@@ -181,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=admin_token,
         max_open_episodes=args.max_open_episodes or None,
         episode_idle_timeout=args.episode_idle_timeout or None,
-        store=None if args.store is None else SQLiteEpisodeStore(args.store),
+        store=store,
+        versions=versions,
         user_episode_idle_timeout=args.user_episode_idle_timeout,
         feedback_per_minute=args.feedback_per_minute,
     )
@@ -191,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             "returned as text content.",
             file=sys.stderr,
         )
+    return app
 
+
+def print_banner(args, app, device, dtype, shown_token: str, origin: str) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{args.port}"
     print(
@@ -215,15 +254,6 @@ def main(argv: list[str] | None = None) -> int:
             f'-d \'{{"model": "{args.served_model_name}", "messages": [{{"role": "user", "content": "hi"}}]}}\'',
             flush=True,
         )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_keep_alive=30,
-        log_config=uvicorn_log_config(),
-    )
-    return 0
 
 
 if __name__ == "__main__":
