@@ -1,0 +1,299 @@
+"""Online RL from live traffic on CPU (issue 43): simulated users run the calculator agent against `serve --train`'s
+endpoint and server (in this process: the endpoint on a loopback port, `OnlineGRPOTrainer` in the main thread), each
+through a plain `openai` client with its own user key, and give feedback from the checker with noise. Printed with
+the goals:
+
+- held-out success of the promoted versions rises (goal: >= +20 points within 20 minutes from the demo's warm start);
+- 0 failed requests, and p99 latency of calls that overlapped a weight swap <= 2x the p99 of the others;
+- no episode ran on two versions;
+- a deliberately harmful update (`--harmful-step K`: that step's learning rate x`--harmful-factor`) is rolled back
+  before it serves more than its canary share, and the incumbent keeps serving.
+
+```bash
+python benchmarks/online_benchmark.py --minutes 20 --users 6                 # the measurement
+python benchmarks/online_benchmark.py --minutes 3 --users 2 --eval-size 40   # a quick look
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+from transformers import TrainerCallback
+
+from trl_agentic import AgenticGRPOConfig
+from trl_agentic.endpoint.launch import build_engine, create_endpoint_app
+from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
+from trl_agentic.online_trainer import OnlineGRPOTrainer
+from trl_agentic.pipeline.calculator import CalculatorDemoConfig
+from trl_agentic.pipeline.held_out import HeldOutEvaluator
+from trl_agentic.pipeline.plan import make_plan
+from trl_agentic.pipeline.warm_started_model import warm_start_model
+from trl_agentic.store import SQLiteEpisodeStore
+from trl_agentic.tasks.calculator import calculator_correct
+from trl_agentic.trace import Episode
+
+
+class Traffic:
+    """Users running the suite's agent through plain clients with user keys, feedback from the checker with noise."""
+
+    def __init__(self, server, keys, tasks, agent, noise: float, seed: int):
+        self.server, self.keys, self.tasks, self.agent, self.noise = server, keys, tasks, agent, noise
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.calls: list[tuple[float, float, int]] = []  # (start, end, status)
+        self.episodes: list[dict] = []
+        self.lock = threading.Lock()
+
+    def start(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._user, args=(k, i), daemon=True) for i, k in enumerate(self.keys)]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def _user(self, key: str, index: int) -> None:
+        asyncio.run(self._run(key, random.Random(self.rng.random() + index)))
+
+    async def _run(self, key: str, rng: random.Random) -> None:
+        async def started(request):
+            request.extensions["t0"] = time.monotonic()
+
+        async def finished(response):
+            with self.lock:
+                self.calls.append((response.request.extensions["t0"], time.monotonic(), response.status_code))
+
+        http = httpx.AsyncClient(event_hooks={"request": [started], "response": [finished]}, timeout=300)
+        client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=key, http_client=http, max_retries=0)
+        headers = {"Authorization": f"Bearer {key}"}
+        while not self.stop.is_set():
+            task = rng.choice(self.tasks)
+            try:
+                result = await self.agent(client, task)
+                status = "ok"
+            except Exception:  # noqa: BLE001 - an agent's failure is its episode's, counted below
+                result, status = None, "agent_error"
+            ended = (await http.post(f"{self.server.base_url}/episodes/end", headers=headers)).json()
+            episode_id = ended.get("episode_id")
+            if episode_id is None:
+                continue
+            correct = calculator_correct(
+                [None], [[]], [task["answer"]], episodes=[Episode(id=episode_id, status=status, result=result)]
+            )[0]
+            value = float(correct or 0.0)
+            if rng.random() < self.noise:
+                value = 1.0 - value
+            await http.post(
+                f"{self.server.base_url}/feedback", json={"episode_id": episode_id, "value": value}, headers=headers
+            )
+            with self.lock:
+                self.episodes.append({"id": episode_id, "correct": correct, "given": value})
+        await http.aclose()
+
+
+class Clock(TrainerCallback):
+    """Stops training when the time is up; injects the harmful update; records swap times."""
+
+    def __init__(self, deadline: float, harmful_step: int | None, harmful_factor: float, swaps: list[float]):
+        self.deadline, self.harmful_step, self.harmful_factor, self.swaps = (
+            deadline,
+            harmful_step,
+            harmful_factor,
+            swaps,
+        )
+        self.saved_lr = None
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if optimizer is not None and self.harmful_step is not None and state.global_step + 1 == self.harmful_step:
+            self.saved_lr = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] *= self.harmful_factor
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self.saved_lr is not None and optimizer is not None:
+            for group, lr in zip(optimizer.param_groups, self.saved_lr):
+                group["lr"] = lr
+            self.saved_lr = None
+        self.swaps.append(time.monotonic())
+        if time.monotonic() > self.deadline:
+            control.should_training_stop = True
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--noise", type=float, default=0.1, help="Share of feedback flipped.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-size", type=int, default=200)
+    parser.add_argument("--episodes-per-step", type=int, default=16)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--candidate-share", type=float, default=0.25)
+    parser.add_argument("--min-episodes", type=int, default=24)
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--harmful-step", type=int, default=3, help="0: no harmful update.")
+    parser.add_argument("--harmful-factor", type=float, default=300.0)
+    parser.add_argument("--output", default=None, help="JSON file for the figures.")
+    args = parser.parse_args(argv)
+
+    config = replace(CalculatorDemoConfig(), seed=args.seed, eval_size=args.eval_size)
+    plan = make_plan("calculator", config)
+    print("warm start (cached when the demo ran before) ...", flush=True)
+    model, tokenizer, _ = warm_start_model(plan)
+    evaluator = HeldOutEvaluator(
+        model,
+        tokenizer,
+        plan.suite,
+        plan.eval_tasks,
+        config.temperature,
+        config.max_completion_length,
+        config.max_turns,
+    )
+    before = evaluator.evaluate(model, seed=args.seed)["success"]
+    print(f"held-out success before: {before:.1%} ({len(plan.eval_tasks)} tasks)", flush=True)
+
+    workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
+    serving = copy.deepcopy(model).eval()
+    engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
+    versions = VersionManager(engine, RolloutPolicy(args.candidate_share, args.min_episodes, args.margin), args.seed)
+    store = SQLiteEpisodeStore(workdir / "store.db")
+    app = create_endpoint_app(
+        engine,
+        tokenizer,
+        temperature=plan.grpo_temperature,
+        max_tokens=config.max_completion_length,
+        max_turns=config.max_turns,
+        store=store,
+        versions=versions,
+        user_episode_idle_timeout=600.0,
+    )
+    server = EndpointServer(app).start()
+    admin = {"Authorization": f"Bearer {server.admin_token}"}
+    keys = [
+        httpx.post(f"{server.url}/admin/users", json={"name": f"user{i}"}, headers=admin).json()["key"]
+        for i in range(args.users)
+    ]
+    traffic = Traffic(server, keys, list(plan.grpo_tasks), plan.suite.agent, args.noise, args.seed)
+    started = time.monotonic()
+    threads = traffic.start()
+
+    swaps: list[float] = []
+    clock = Clock(started + args.minutes * 60, args.harmful_step or None, args.harmful_factor, swaps)
+    training = AgenticGRPOConfig(
+        output_dir=str(workdir / "run"),
+        learning_rate=args.learning_rate,
+        per_device_train_batch_size=args.episodes_per_step,
+        num_generations=args.num_generations,
+        max_steps=10_000,
+        max_completion_length=config.max_completion_length,
+        max_staleness=8,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=args.seed,
+    )
+    trainer = OnlineGRPOTrainer(
+        model, store, training, processing_class=tokenizer, versions=versions, run_on_server=server.call
+    )
+    trainer.add_callback(clock)
+    try:
+        trainer.train()
+    finally:
+        traffic.stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+        trainer.close()
+    wall = time.monotonic() - started
+
+    # Held-out success of the versions that were promoted, as they were promoted
+    promoted = [d.version for d in versions.decisions if d.action == "promoted"]
+    rows = {row["version"]: row for row in versions.describe()}
+    curve = []
+    for version in promoted:
+        weights = type(model).from_pretrained(rows[version]["path"]).eval()
+        curve.append((version, evaluator.evaluate(weights, seed=args.seed)["success"]))
+        print(f"  promoted version {version}: held-out {curve[-1][1]:.1%}", flush=True)
+    after = curve[-1][1] if curve else before
+    server.stop()
+
+    # Requests: failures and latency around swaps (calls that overlapped the 2 s after a swap)
+    failed = sum(1 for _, _, status in traffic.calls if status >= 500 or status == 0)
+    near = [end - start for start, end, _ in traffic.calls if any(start <= s + 2.0 and end >= s for s in swaps)]
+    far = [end - start for start, end, _ in traffic.calls if not any(start <= s + 2.0 and end >= s for s in swaps)]
+    mixed = 0
+    for episode_id in store.rewarded_episode_ids():
+        episode = store.get_episode(episode_id)[0]
+        mixed += len({turn.policy_version for turn in episode.turns}) > 1
+    harmful = None
+    if args.harmful_step:
+        verdict = next((d for d in versions.decisions if d.version == args.harmful_step), None)
+        served = rows.get(args.harmful_step, {}).get("episodes", 0)
+        share = served / max(1, len(traffic.episodes))
+        harmful = {"verdict": verdict and verdict.action, "served_episodes": served, "share_of_all": share}
+
+    figures = {
+        "minutes": wall / 60,
+        "held_out_before": before,
+        "held_out_after": after,
+        "gain_points": 100 * (after - before),
+        "curve": curve,
+        "episodes": len(traffic.episodes),
+        "steps": trainer.state.global_step,
+        "calls": len(traffic.calls),
+        "failed_requests": failed,
+        "p99_near_swaps_s": p99(near),
+        "p99_otherwise_s": p99(far),
+        "episodes_on_two_versions": mixed,
+        "harmful": harmful,
+        "decisions": [(d.action, d.version, d.reason) for d in versions.decisions],
+    }
+    ratio = figures["p99_near_swaps_s"] / figures["p99_otherwise_s"] if near and far else None
+    print()
+    print(
+        f"online benchmark: {args.users} users, {wall / 60:.1f} min, {figures['steps']} steps, "
+        f"{figures['episodes']} episodes, {figures['calls']} calls"
+    )
+    print(
+        f"  held-out success {before:.1%} -> {after:.1%} ({figures['gain_points']:+.1f} points)   goal >= +20 in 20 min"
+    )
+    print(f"  failed requests {failed}   goal 0")
+    print(
+        f"  p99 latency near swaps / otherwise: {ratio and f'{ratio:.2f}x'} "
+        f"({figures['p99_near_swaps_s']}, {figures['p99_otherwise_s']} s)   goal <= 2x"
+    )
+    print(f"  episodes on two versions {mixed}   goal 0")
+    if harmful:
+        print(
+            f"  harmful update (step {args.harmful_step}): {harmful['verdict']}, served {harmful['served_episodes']} "
+            f"episodes ({harmful['share_of_all']:.1%} of all; canary share {args.candidate_share:.0%})   goal: rolled back"
+        )
+    if args.output:
+        Path(args.output).write_text(json.dumps(figures, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
