@@ -220,3 +220,86 @@ def test_serve_train_process_learns_from_user_traffic_and_publishes_versions(tmp
             process.wait()
     assert (out / "versions" / "v1" / "config.json").exists() and (out / "versions" / "v2" / "config.json").exists()
     assert "1" in seen_versions  # the first candidate served users
+
+
+TRAIN_FROM_STORE = """
+import sys, torch
+from trl_agentic import AgenticGRPOConfig
+from trl_agentic.online_trainer import OnlineGRPOTrainer
+from trl_agentic.store import open_store
+from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+location, out = sys.argv[1], sys.argv[2]
+tokenizer = build_tiny_tokenizer("qwen2_5")
+model = build_tiny_model(tokenizer, seed=0)
+args = AgenticGRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=4, max_steps=2,
+    max_completion_length=6, learning_rate=1e-2, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+    max_staleness=8, seed=0)
+trainer = OnlineGRPOTrainer(model, open_store(location), args, processing_class=tokenizer, wait_timeout=60)
+trainer.train()
+trainer.close()
+torch.save(model.state_dict(), out + "/params.pt")
+"""
+
+
+@pytest.mark.slow
+def test_training_in_another_process_that_shares_only_the_database_trains_the_same(tmp_path, request):
+    """Serving writes episodes and rewards to PostgreSQL; a trainer in another process that has only the database's
+    URL trains exactly as the same training does on a copy of the data written by this process (the store adds
+    nothing and loses nothing between the machines)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("psycopg", reason='the [postgres] extra is not installed (pip install -e ".[postgres]")')
+    from pg_server import PostgresServer, postgres_bin
+    from trl_agentic.store import open_store
+
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)")
+    postgres = PostgresServer().start()
+    request.addfinalizer(postgres.stop)
+    served, copy_url = postgres.new_database(), postgres.new_database()
+
+    # Serving: user traffic into the database (a real endpoint and engine)
+    torch.manual_seed(0)
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    engine = TransformersEngine(build_tiny_model(tokenizer, seed=0).eval(), pad_token_id=tokenizer.pad_token_id)
+    store = open_store(served)
+    app = create_app(engine, ChatRenderer(tokenizer), EndpointSettings(default_max_tokens=6), store=store)
+    with EndpointServer(app) as server:
+        admin = {"Authorization": f"Bearer {server.admin_token}"}
+        key = httpx.post(f"{server.url}/admin/users", json={"name": "a"}, headers=admin).json()["key"]
+        headers = {"Authorization": f"Bearer {key}"}
+        for i in range(8):
+            body = {"model": "policy", "messages": [{"role": "user", "content": f"Say {i}."}], "temperature": 1.0}
+            text = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=headers).json()
+            value = float(len(text["choices"][0]["message"]["content"] or "") % 2)
+            assert httpx.post(f"{server.base_url}/feedback", json={"value": value}, headers=headers).status_code == 200
+    # the same data in a second database, for the in-process trainer
+    copy = open_store(copy_url)
+    for episode_id in sorted(store.rewarded_episode_ids(), key=lambda e: store.episodes_of("a").index(e)):
+        episode, user = store.get_episode(episode_id)
+        copy.put_episode(episode, user=user, fingerprint=None)
+        for reward in store.rewards(episode_id):
+            copy.add_reward(episode_id, reward.value, reward.source, reward.giver, reward.note)
+
+    # Training in another process, with only the URL
+    out = tmp_path / "remote"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", TRAIN_FROM_STORE, served, str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    remote = torch.load(out / "params.pt")
+    # The same training on the copy
+    local_out = tmp_path / "local"
+    local_out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", TRAIN_FROM_STORE, copy_url, str(local_out)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    local = torch.load(local_out / "params.pt")
+    assert len(store.claimed_episode_ids()) == 8 and len(copy.claimed_episode_ids()) == 8
+    initial = build_tiny_model(tokenizer, seed=0).state_dict()
+    assert any(not torch.equal(remote[k], initial[k]) for k in remote)  # it trained
+    for name in remote:
+        torch.testing.assert_close(remote[name], local[name], rtol=0, atol=1e-6)

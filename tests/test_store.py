@@ -9,8 +9,29 @@ import textwrap
 
 import pytest
 
-from trl_agentic.store import SQLiteEpisodeStore, hash_key
+from trl_agentic.store import SQLiteEpisodeStore, hash_key, open_store
 from trl_agentic.trace import Episode, Turn
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A private PostgreSQL server (tests/pg_server.py), started once for the module."""
+    pytest.importorskip("psycopg", reason='the [postgres] extra is not installed (pip install -e ".[postgres]")')
+    from pg_server import PostgresServer, postgres_bin
+
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql; .ci/run installs it)")
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def location(request, tmp_path):
+    """Where a store lives: a SQLite file, or a fresh database of the private PostgreSQL server (`open_store`)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    return request.getfixturevalue("postgres").new_database()
 
 
 def episode(episode_id: str, reward_hint: int = 0) -> Episode:
@@ -21,7 +42,7 @@ def episode(episode_id: str, reward_hint: int = 0) -> Episode:
 
 
 def test_users_keys_are_stored_hashed_and_revocable(tmp_path):
-    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    store = SQLiteEpisodeStore(tmp_path / "store.db")  # the file's bytes are read below: SQLite only
     key = store.add_user("alice")
     assert key.startswith("sk-user-") and len(key) > 40
     assert store.user_for_key(key) == "alice"
@@ -37,8 +58,8 @@ def test_users_keys_are_stored_hashed_and_revocable(tmp_path):
     assert store.user_for_key("sk-user-guess") is None
 
 
-def test_episodes_and_rewards_round_trip_with_their_sources(tmp_path):
-    store = SQLiteEpisodeStore(tmp_path / "store.db")
+def test_episodes_and_rewards_round_trip_with_their_sources(location):
+    store = open_store(location)
     store.put_episode(episode("ep-a"), user="alice", fingerprint="task-1")
     got, user = store.get_episode("ep-a")
     assert user == "alice"
@@ -55,8 +76,8 @@ def test_episodes_and_rewards_round_trip_with_their_sources(tmp_path):
     assert store.episodes_of("alice") == ["ep-a"] and store.episodes_of("bob") == []
 
 
-def test_a_claimed_episode_is_never_claimed_again_and_late_rewards_are_kept_for_evaluation(tmp_path):
-    store = SQLiteEpisodeStore(tmp_path / "store.db")
+def test_a_claimed_episode_is_never_claimed_again_and_late_rewards_are_kept_for_evaluation(location):
+    store = open_store(location)
     for name in ("ep-a", "ep-b", "ep-c"):
         store.put_episode(episode(name), user="alice", fingerprint="task-1")
     store.add_reward("ep-a", 1.0, source="admin", giver="admin")
@@ -72,16 +93,17 @@ def test_a_claimed_episode_is_never_claimed_again_and_late_rewards_are_kept_for_
     assert [e.id for e, _ in store.claim_for_training(limit=10, step=2).items] == ["ep-c"]
 
 
-def test_claims_of_steps_that_were_never_checkpointed_are_released_on_restart(tmp_path):
+def test_claims_of_steps_that_were_never_checkpointed_are_released_on_restart(location):
     """A trainer that crashed after claiming step 3's episodes but before checkpointing step 3 trains them again
     after its restart from step 2, exactly once."""
-    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    store = open_store(location)
     for name in ("ep-a", "ep-b"):
         store.put_episode(episode(name), user=None, fingerprint=None)
         store.add_reward(name, 1.0, source="admin", giver="admin")
     assert len(store.claim_for_training(limit=1, step=2).items) == 1
     assert len(store.claim_for_training(limit=1, step=3).items) == 1
-    reopened = SQLiteEpisodeStore(tmp_path / "store.db")
+    store.close()
+    reopened = open_store(location)
     assert reopened.release_claims_after(step=2) == 1
     again = reopened.claim_for_training(limit=10, step=3).items
     assert [e.id for e, _ in again] == ["ep-b"]
@@ -91,9 +113,9 @@ def test_claims_of_steps_that_were_never_checkpointed_are_released_on_restart(tm
 WRITER = textwrap.dedent(
     """
     import sys
-    from trl_agentic.store import SQLiteEpisodeStore
+    from trl_agentic.store import open_store
     from trl_agentic.trace import Episode, Turn
-    store = SQLiteEpisodeStore(sys.argv[1])
+    store = open_store(sys.argv[1])
     i = 0
     while True:
         ep = Episode(id=f"ep-{i}", status="ok", turns=[Turn(index=0, prompt_ids=[1], completion_ids=[i], logprobs=[0.0], finish_reason="stop")])
@@ -109,8 +131,8 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_kill_9_mid_traffic_loses_no_acknowledged_episode_or_reward_and_trains_nothing_twice(tmp_path):
-    path = tmp_path / "store.db"
+def test_kill_9_mid_traffic_loses_no_acknowledged_episode_or_reward_and_trains_nothing_twice(location):
+    path = location
     process = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True, env={**os.environ}
     )
@@ -122,7 +144,7 @@ def test_kill_9_mid_traffic_loses_no_acknowledged_episode_or_reward_and_trains_n
             break
     process.send_signal(signal.SIGKILL)
     process.wait()
-    store = SQLiteEpisodeStore(path)
+    store = open_store(path)
     for number in acknowledged["episode"]:
         assert store.get_episode(f"ep-{number}")[0].turns[0].completion_ids == [number]
     for number in acknowledged["reward"]:

@@ -100,57 +100,47 @@ class EpisodeStore(Protocol):
     def release_claims_after(self, step: int) -> int: ...
 
 
+# One schema for both engines: {serial} is an auto-numbered key, {float} a double (PostgreSQL's REAL is 4 bytes).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS users (
     name TEXT PRIMARY KEY,
     key_hash TEXT NOT NULL UNIQUE,
-    created REAL NOT NULL,
-    revoked REAL
+    created {float} NOT NULL,
+    revoked {float}
 );
 CREATE TABLE IF NOT EXISTS episodes (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq {serial},
     id TEXT NOT NULL UNIQUE,
-    user TEXT,
+    owner TEXT,
     fingerprint TEXT,
     status TEXT NOT NULL,
     data TEXT NOT NULL,
-    stored REAL NOT NULL,
-    claim_step INTEGER
+    stored {float} NOT NULL,
+    claim_step BIGINT
 );
-CREATE INDEX IF NOT EXISTS episodes_user ON episodes(user);
+CREATE INDEX IF NOT EXISTS episodes_owner ON episodes(owner);
 CREATE TABLE IF NOT EXISTS rewards (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    id {serial},
     episode_id TEXT NOT NULL REFERENCES episodes(id),
-    value REAL NOT NULL,
+    value {float} NOT NULL,
     source TEXT NOT NULL,
     giver TEXT NOT NULL,
     note TEXT,
     use TEXT NOT NULL,
-    created REAL NOT NULL
+    created {float} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS rewards_episode ON rewards(episode_id);
 """
 
 
-class SQLiteEpisodeStore:
-    """`EpisodeStore` in one SQLite file (write-ahead log, `synchronous=FULL`); safe to share between threads, and
-    between processes on one machine (SQLite's file locks: a server and a trainer process may open the same file).
+class SQLEpisodeStore:
+    """`EpisodeStore` over SQL: the queries, the transactions and what they guarantee, for both engines
+    ([`SQLiteEpisodeStore`], [`PostgresEpisodeStore`]). Queries use `?` placeholders; rows a claim hands out are
+    locked (`FOR UPDATE SKIP LOCKED` on PostgreSQL; SQLite's `BEGIN IMMEDIATE` locks the whole file)."""
 
-    Args:
-        path: the database file (created with its folder if missing).
-        timeout: seconds a write waits for another process's write lock before failing.
-    """
-
-    def __init__(self, path: str | Path, timeout: float = 30.0):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
-        self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        with self._lock:
-            self._db.executescript(_SCHEMA)
+    _integrity_error: type[Exception] = Exception
+    _row_lock = ""  # appended to a SELECT whose rows the transaction then updates (waits for other transactions)
+    _claim_lock = ""  # the same for a claim's SELECT, which skips rows another claim holds
 
     # Users
 
@@ -164,7 +154,7 @@ class SQLiteEpisodeStore:
                 db.execute(
                     "INSERT INTO users (name, key_hash, created) VALUES (?, ?, ?)", (name, hash_key(key), time.time())
                 )
-        except sqlite3.IntegrityError:
+        except self._integrity_error:
             raise ValueError(f"User {name!r} already exists; revoke it or pick another name.") from None
         return key
 
@@ -178,16 +168,12 @@ class SQLiteEpisodeStore:
         """The user a key belongs to, `None` for an unknown or revoked key."""
         if not key.startswith(USER_KEY_PREFIX):
             return None
-        with self._lock:
-            row = self._db.execute(
-                "SELECT name FROM users WHERE key_hash = ? AND revoked IS NULL", (hash_key(key),)
-            ).fetchone()
-        return None if row is None else row[0]
+        rows = self._read("SELECT name FROM users WHERE key_hash = ? AND revoked IS NULL", (hash_key(key),))
+        return rows[0][0] if rows else None
 
     def users(self) -> list[dict]:
         """Every user: name, created, revoked (Unix times; revoked `None` while active). Never a key."""
-        with self._lock:
-            rows = self._db.execute("SELECT name, created, revoked FROM users ORDER BY created").fetchall()
+        rows = self._read("SELECT name, created, revoked FROM users ORDER BY created", ())
         return [{"name": n, "created": c, "revoked": r} for n, c, r in rows]
 
     # Episodes
@@ -199,31 +185,27 @@ class SQLiteEpisodeStore:
         try:
             with self._transaction() as db:
                 db.execute(
-                    "INSERT INTO episodes (id, user, fingerprint, status, data, stored) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO episodes (id, owner, fingerprint, status, data, stored) VALUES (?, ?, ?, ?, ?, ?)",
                     (episode.id, user, fingerprint, episode.status, data, time.time()),
                 )
-        except sqlite3.IntegrityError:
+        except self._integrity_error:
             raise ValueError(f"Episode {episode.id!r} is stored already.") from None
 
     def get_episode(self, episode_id: str) -> tuple[Episode, str | None]:
         """An episode and its user; `KeyError` if it is not stored."""
-        with self._lock:
-            row = self._db.execute("SELECT data, user FROM episodes WHERE id = ?", (episode_id,)).fetchone()
-        if row is None:
+        rows = self._read("SELECT data, owner FROM episodes WHERE id = ?", (episode_id,))
+        if not rows:
             raise KeyError(episode_id)
-        return Episode.from_dict(json.loads(row[0])), row[1]
+        return Episode.from_dict(json.loads(rows[0][0])), rows[0][1]
 
     def owner(self, episode_id: str) -> tuple[bool, str | None]:
         """(whether the episode is stored, its user)."""
-        with self._lock:
-            row = self._db.execute("SELECT user FROM episodes WHERE id = ?", (episode_id,)).fetchone()
-        return (False, None) if row is None else (True, row[0])
+        rows = self._read("SELECT owner FROM episodes WHERE id = ?", (episode_id,))
+        return (True, rows[0][0]) if rows else (False, None)
 
     def episodes_of(self, user: str) -> list[str]:
         """The ids of a user's stored episodes, oldest first."""
-        with self._lock:
-            rows = self._db.execute("SELECT id FROM episodes WHERE user = ? ORDER BY seq", (user,)).fetchall()
-        return [r[0] for r in rows]
+        return [r[0] for r in self._read("SELECT id FROM episodes WHERE owner = ? ORDER BY seq", (user,))]
 
     # Rewards
 
@@ -231,24 +213,24 @@ class SQLiteEpisodeStore:
         """Store a reward (durable when this returns) and return its id. `KeyError` for an episode not stored.
         A reward for an episode already claimed for training is kept with `use="evaluation"`."""
         with self._transaction() as db:
-            row = db.execute("SELECT claim_step FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+            row = db.execute("SELECT claim_step FROM episodes WHERE id = ?" + self._row_lock, (episode_id,)).fetchone()
             if row is None:
                 raise KeyError(episode_id)
             use = "pending" if row[0] is None else "evaluation"
             cursor = db.execute(
-                "INSERT INTO rewards (episode_id, value, source, giver, note, use, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO rewards (episode_id, value, source, giver, note, use, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
                 (episode_id, float(value), source, giver, note, use, time.time()),
             )
-            return cursor.lastrowid
+            return cursor.fetchone()[0]
 
     def rewards(self, episode_id: str) -> list[Reward]:
         """An episode's rewards, in arrival order."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT id, episode_id, value, source, giver, note, use, created FROM rewards WHERE episode_id = ? "
-                "ORDER BY id",
-                (episode_id,),
-            ).fetchall()
+        rows = self._read(
+            "SELECT id, episode_id, value, source, giver, note, use, created FROM rewards WHERE episode_id = ? "
+            "ORDER BY id",
+            (episode_id,),
+        )
         return [Reward(*row) for row in rows]
 
     # Training
@@ -261,7 +243,7 @@ class SQLiteEpisodeStore:
             rows = db.execute(
                 "SELECT id, data, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
                 "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending') "
-                "ORDER BY seq LIMIT ?",
+                "ORDER BY seq LIMIT ?" + self._claim_lock,
                 (limit,),
             ).fetchall()
             for episode_id, data, fingerprint in rows:
@@ -282,29 +264,65 @@ class SQLiteEpisodeStore:
         """Hand back the episodes claimed by steps after `step` (a restart from step `step`'s checkpoint: those
         steps' updates were lost), with the rewards claimed with them; returns how many episodes."""
         with self._transaction() as db:
-            ids = [r[0] for r in db.execute("SELECT id FROM episodes WHERE claim_step > ?", (step,)).fetchall()]
-            for episode_id in ids:
+            rows = db.execute("SELECT id FROM episodes WHERE claim_step > ?" + self._row_lock, (step,)).fetchall()
+            for (episode_id,) in rows:
                 db.execute("UPDATE episodes SET claim_step = NULL WHERE id = ?", (episode_id,))
                 db.execute("UPDATE rewards SET use = 'pending' WHERE episode_id = ? AND use = 'trained'", (episode_id,))
-        return len(ids)
+        return len(rows)
 
     def claimed_episode_ids(self) -> set[str]:
-        with self._lock:
-            return {r[0] for r in self._db.execute("SELECT id FROM episodes WHERE claim_step IS NOT NULL")}
+        return {r[0] for r in self._read("SELECT id FROM episodes WHERE claim_step IS NOT NULL", ())}
 
     def rewarded_episode_ids(self) -> set[str]:
+        return {r[0] for r in self._read("SELECT DISTINCT episode_id FROM rewards", ())}
+
+    # What each engine provides
+
+    def _read(self, sql: str, params: tuple) -> list[tuple]:
+        raise NotImplementedError
+
+    def _transaction(self):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class SQLiteEpisodeStore(SQLEpisodeStore):
+    """`EpisodeStore` in one SQLite file (write-ahead log, `synchronous=FULL`); safe to share between threads, and
+    between processes on one machine (SQLite's file locks: a server and a trainer process may open the same file).
+
+    Args:
+        path: the database file (created with its folder if missing).
+        timeout: seconds a write waits for another process's write lock before failing.
+    """
+
+    _integrity_error = sqlite3.IntegrityError
+
+    def __init__(self, path: str | Path, timeout: float = 30.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
         with self._lock:
-            return {r[0] for r in self._db.execute("SELECT DISTINCT episode_id FROM rewards")}
+            self._db.executescript(_SCHEMA.format(serial="INTEGER PRIMARY KEY AUTOINCREMENT", float="REAL"))
+
+    def _read(self, sql: str, params: tuple) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    def _transaction(self):
+        return _SQLiteTransaction(self._db, self._lock)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _transaction(self):
-        return _Transaction(self._db, self._lock)
 
-
-class _Transaction:
+class _SQLiteTransaction:
     """`BEGIN IMMEDIATE` ... `COMMIT` (or `ROLLBACK` on an exception) under the store's thread lock: the write lock is
     taken up front, so two processes' claims cannot interleave between a read and its update."""
 
@@ -325,3 +343,75 @@ class _Transaction:
             self.db.execute("COMMIT" if kind is None else "ROLLBACK")
         finally:
             self.lock.release()
+
+
+class PostgresEpisodeStore(SQLEpisodeStore):
+    """`EpisodeStore` in a PostgreSQL database, for serving and training on different machines (`pip install
+    "trl-agentic[postgres]"`, psycopg 3). Each transaction commits before its method returns (PostgreSQL's default
+    `synchronous_commit=on`: durable); claims lock their rows (`FOR UPDATE SKIP LOCKED`), so trainers on several
+    machines never claim one episode twice.
+
+    Args:
+        dsn: a libpq connection string or URL, e.g. `"postgresql://trl@db-host/online"`.
+    """
+
+    _row_lock = " FOR UPDATE"
+    _claim_lock = " FOR UPDATE SKIP LOCKED"
+
+    def __init__(self, dsn: str):
+        import psycopg
+
+        self._integrity_error = psycopg.errors.IntegrityError
+        self._db = psycopg.connect(dsn, autocommit=True)
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute(
+                _SCHEMA.format(serial="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", float="DOUBLE PRECISION")
+            )
+
+    def _read(self, sql: str, params: tuple) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql.replace("?", "%s"), params).fetchall()
+
+    def _transaction(self):
+        return _PostgresTransaction(self._db, self._lock)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class _PostgresTransaction:
+    """One psycopg transaction under the store's thread lock; `execute` takes the `?` placeholders of the shared
+    queries."""
+
+    def __init__(self, db, lock: threading.Lock):
+        self.db, self.lock, self.transaction = db, lock, None
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            self.transaction = self.db.transaction()
+            self.transaction.__enter__()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def execute(self, sql: str, params: tuple):
+        return self.db.execute(sql.replace("?", "%s"), params)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            self.transaction.__exit__(kind, error, traceback)
+        finally:
+            self.lock.release()
+
+
+def open_store(location: str | Path) -> SQLEpisodeStore:
+    """The store at `location`: a `postgresql://...` URL opens [`PostgresEpisodeStore`], anything else is a SQLite
+    file ([`SQLiteEpisodeStore`])."""
+    text = str(location)
+    if text.startswith(("postgresql://", "postgres://")):
+        return PostgresEpisodeStore(text)
+    return SQLiteEpisodeStore(location)
