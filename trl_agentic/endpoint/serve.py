@@ -114,7 +114,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store",
         default=None,
-        help="SQLite file of users, closed episodes and rewards: enables user keys (POST /admin/users), their "
+        help="SQLite file (or postgresql:// URL) of users, closed episodes and rewards: enables user keys (POST /admin/users), their "
         "feedback and the admin's rewards; survives restarts (docs/serving.md#user-keys).",
     )
     parser.add_argument(
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from ..store import SQLiteEpisodeStore
+    from ..store import open_store
     from .launch import build_engine
     from .server import uvicorn_log_config
 
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context_length=args.max_context_length,
     )
     admin_token, shown_token, origin = resolve_admin_token(args)
-    store = None if args.store is None else SQLiteEpisodeStore(args.store)
+    store = None if args.store is None else open_store(args.store)
     app = build_app(args, engine, tokenizer, admin_token, store)
     print_banner(args, app, device, dtype, shown_token, origin)
     uvicorn.run(

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..endpoint.server import EndpointServer
     from ..endpoint.versions import RolloutPolicy, VersionManager
     from ..online_trainer import OnlineGRPOTrainer
-    from ..store import SQLiteEpisodeStore
+    from ..store import open_store
 
     model, tokenizer, device, dtype = load_policy(args)
     # The incumbent serves a copy: training changes `model`, and users see a change only once it is promoted.
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         max_context_length=args.max_context_length,
     )
     versions = VersionManager(engine, RolloutPolicy(args.candidate_share, args.min_episodes, args.margin), args.seed)
-    store = SQLiteEpisodeStore(args.store)
+    store = open_store(args.store)
     admin_token, shown_token, origin = resolve_admin_token(args)
     app = build_app(args, engine, tokenizer, admin_token, store, versions)
     server = EndpointServer(app, host=args.host, port=args.port, log_level=args.log_level).start()
