@@ -99,6 +99,10 @@ def valid_flags(command: str) -> set[str]:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 flags |= set(sub._option_string_actions)
+    if command == "serve":  # `serve --train`'s training flags (trl_agentic/scripts/serve_train.py)
+        from trl_agentic.scripts.serve_train import make_parser
+
+        flags |= set(make_parser()._option_string_actions)
     return flags
 
 
