@@ -242,7 +242,7 @@ class RowScoring:
             return score(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)[0]
         if ref_model is not None:
             return score(ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)[0]
-        from trl.models.utils import use_adapter
+        from trl.trainer.utils import use_adapter  # (not trl.models.utils: the import failed there on TRL 1.16)
 
         unwrapped = self.unwrap(model)
         with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
