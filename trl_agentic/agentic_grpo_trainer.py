@@ -8,13 +8,16 @@ dropped by the micro-batch split (REFERENCES: ROLL#409).
 
 The class reads as TRL's hooks and delegates: the endpoint and the episodes to `rollouts.py` (`Rollouts`), batch
 assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the asynchronous schedule to `rollout/schedule.py`
-(`AsyncSchedule`), its checkpoint state to `checkpoint_state.py` (`CheckpointState`), the episode log to
-`episode_log.py`, the `sampling/*` metrics to `task_sampling.observe_tasks`.
+(`AsyncSchedule`), scoring rows to `shared_prefix.py` (`RowScoring`), its checkpoint state to `checkpoint_state.py`
+(`CheckpointState`), the episode log and the episodes' rewards to `episode_log.py`, task sampling and the
+`sampling/*` metrics to `task_sampling.py`.
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
 `_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards),
-`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_save_checkpoint` /
-`_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run that was never stopped).
+`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_calculate_rewards` (checked, kept
+per episode), `_get_per_token_logps_and_entropies` (the shared prefix computed once), `_get_train_sampler` (adaptive
+sampling), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run
+that was never stopped).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import shuffle_sequence_dict
@@ -57,9 +59,6 @@ from .rollouts import Rollouts, check_rollout_process, log_engine_stats, rollout
 from .shared_prefix import RowScoring
 from .task_sampling import TaskSlots, adaptive_sampler, draw_generation_batch, observe_tasks, target_levels
 from .trace import Episode
-
-
-logger = logging.get_logger(__name__)
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
