@@ -4,7 +4,7 @@ streamed, finished rows retired into the prefix cache.
 
 Every row is laid out `[padding | tokens]` in the batch's cache, right-aligned: a row is described by its length,
 the attention mask and position ids follow from it, and leading columns no row uses are trimmed. Request bookkeeping
-(the queue, the worker thread, admission), the weights and the stats stay in `transformers_engine.py`.
+(the queue, the worker thread, which requests join), the weights and the stats stay in `transformers_engine.py`.
 """
 
 from __future__ import annotations

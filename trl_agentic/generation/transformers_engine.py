@@ -26,7 +26,8 @@ generates). The engine takes the model's weights (syncs) before it admits reques
 (edits through `.data`, which bump nothing: an EMA callback). `sync_weights()` does it at once, whatever changed.
 
 The model steps (prefill, decode, sampling, the prefix cache's stores) are `model_steps.py`'s `ModelSteps`, this
-class's base: here, the requests' bookkeeping (the queue, the worker thread, admission), the weights and the stats.
+class's base: here, the requests' bookkeeping (the queue, the worker thread, which requests join), the weights and
+the stats.
 """
 
 from __future__ import annotations
