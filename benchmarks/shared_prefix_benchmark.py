@@ -26,7 +26,7 @@ import torch
 from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.generation import transformers_engine
+from trl_agentic.generation import model_steps
 from trl_agentic.generation.engine import SamplingParams
 from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.tasks.calculator import CALCULATOR_TOOLS, SYSTEM_PROMPT
@@ -51,16 +51,16 @@ def bench_engine(model, tokenizer, repeats: int) -> None:
     prompts = first_prompts(tokenizer, 4, 8)
     sampling = [SamplingParams(max_tokens=1, temperature=1.0, seed=i) for i in range(len(prompts))]
     times, tokens = {"shared": [], "each row": []}, {}
-    default = transformers_engine.SHARED_PREFIX_MIN
+    default = model_steps.SHARED_PREFIX_MIN
     for _ in range(repeats):
         for name, minimum in (("shared", default), ("each row", 10**9)):
-            transformers_engine.SHARED_PREFIX_MIN = minimum
+            model_steps.SHARED_PREFIX_MIN = minimum
             engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_batch_size=256)
             started = time.perf_counter()
             engine.generate_batch(prompts, sampling)
             times[name].append(time.perf_counter() - started)
             tokens[name] = engine.stats.prefilled_tokens
-    transformers_engine.SHARED_PREFIX_MIN = default
+    model_steps.SHARED_PREFIX_MIN = default
     shared, each = statistics.median(times["shared"]), statistics.median(times["each row"])
     print(
         f"(a) engine, 32 first turns (4 tasks x 8): {shared * 1000:.0f} ms vs {each * 1000:.0f} ms every row whole: "

@@ -1,13 +1,14 @@
 """`checkpoint_state.py` and `episode_log.py` without a trainer: the trainer's own state saved and restored, the
 episode log cut back to the checkpoint's length only when it is the log the checkpoint counted."""
 
+import json
 from collections import defaultdict
 
 import pytest
 import torch
 
 from trl_agentic.checkpoint_state import CheckpointState
-from trl_agentic.episode_log import EpisodeLog, log_episode_metrics
+from trl_agentic.episode_log import EpisodeLog, keep_episode_rewards, log_episode_metrics
 from trl_agentic.rollout.rows import Row, RowsResult
 from trl_agentic.trace import Episode
 
@@ -87,3 +88,53 @@ def test_episode_metrics_of_a_batch():
     log_episode_metrics(episodes, rows, metrics)
     assert metrics["episodes/rows_mean"] == [1.0] and metrics["episodes/status_ok"] == [1.0]
     assert metrics["episodes/no_model_calls"] == [1.0] and metrics["episodes/unscorable"] == [1.0]
+
+
+def test_a_checkpoint_keeps_the_generations_rows_only_mid_way_through_its_updates(tmp_path, caplog):
+    """`save_step` at TRL's micro-step: the buffered rows go in only when the step falls mid-way through a
+    generation's updates; `resume` restores them, and warns when an asynchronous run resumes a synchronous checkpoint."""
+    rows = [{"x": torch.tensor([1, 2])}]
+    saved = CheckpointState({"train": defaultdict(list), "eval": defaultdict(list)}, EpisodeLog(None))
+    saved.save_step(tmp_path / "checkpoint-2", step=4, buffered_inputs=rows, generate_every=4)  # a generation's end
+    saved.save_step(tmp_path / "checkpoint-3", step=6, buffered_inputs=rows, generate_every=4)  # mid-way
+    assert saved.buffer is None and saved.step == 6
+    assert not (tmp_path / "checkpoint-2" / "trl_agentic_buffer_0.pt").exists()
+
+    restored = CheckpointState({"train": defaultdict(list), "eval": defaultdict(list)}, EpisodeLog(None))
+    assert restored.resume(str(tmp_path / "checkpoint-2"), global_step=2)
+    assert restored.step == 4 and restored.buffer is None
+
+    class Schedule(Part):  # asynchronous rollouts now, not when the checkpoint was saved (its state: `None`)
+        def load_state_dict(self, state):
+            self.value = state.get("value", "from the start")
+
+    restored.schedule = Schedule()
+    with caplog.at_level("WARNING"):
+        assert restored.resume(str(tmp_path / "checkpoint-3"), global_step=3)
+    assert restored.step == 6 and restored.buffer[0]["x"].tolist() == [1, 2]
+    assert "saved without asynchronous rollouts" in caplog.text and restored.schedule.value == "from the start"
+    (tmp_path / "checkpoint-4").mkdir()
+    assert not restored.resume(str(tmp_path / "checkpoint-4"))  # saved before trl-agentic kept its state
+
+
+def test_a_raising_reward_function_leaves_the_steps_episodes_in_the_log(tmp_path, caplog):
+    log = EpisodeLog(tmp_path / "episodes")
+    episodes, rows = episodes_and_rows(2)
+    with caplog.at_level("ERROR"):
+        log.write_reward_error(ValueError("bad answer"), episodes, rows, [{}, {}], step=3, mode="train")
+    records = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [(r["step"], r["advantage"], r["reward_error"]) for r in records] == [
+        (3, None, "ValueError: bad answer")
+    ] * 2
+    assert f"A reward function raised at step 3; the step's 2 episodes are in {log.path}" in caplog.text
+    EpisodeLog(None).write_reward_error(ValueError("x"), episodes, rows, [{}, {}], step=3, mode="train")  # no log
+
+
+def test_each_episode_keeps_this_process_slice_of_the_gathered_rewards():
+    episodes, _ = episodes_and_rows(2)
+    gathered = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, float("nan")], [6.0, 7.0]])  # 2 processes x 2 episodes
+    keep_episode_rewards(episodes, gathered, ["correct", "format"], process_index=1)
+    assert [ep.metadata["rewards"] for ep in episodes] == [
+        {"correct": 4.0, "format": None},  # NaN: unscorable
+        {"correct": 6.0, "format": 7.0},
+    ]

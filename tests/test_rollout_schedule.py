@@ -5,7 +5,13 @@ from types import SimpleNamespace
 import pytest
 
 from trl_agentic.rollout.rows import Row, RowsResult
-from trl_agentic.rollout.schedule import AsyncSchedule, check_staleness, rollout_seed, task_batches
+from trl_agentic.rollout.schedule import (
+    AsyncSchedule,
+    behaviour_correction,
+    check_staleness,
+    rollout_seed,
+    task_batches,
+)
 from trl_agentic.trace import Episode
 
 
@@ -118,3 +124,18 @@ def test_a_group_with_a_token_beyond_the_bound_is_dropped():
     assert [ep.metadata.get("dropped") for ep in episodes] == [None, None, True, True]
     assert rows[2].rows[0].env_mask == [0, 0] and rows[0].rows[0].env_mask == [1, 1]
     assert metrics == {"async/dropped_groups": [1.0], "async/staleness_mean": [1.75], "async/staleness_max": [3.0]}
+
+
+def test_behaviour_correction_under_asynchronous_rollouts_with_the_embedded_engine(caplog):
+    def args(async_rollouts=True, use_vllm=False, correction=True):
+        return SimpleNamespace(
+            async_rollouts=async_rollouts, use_vllm=use_vllm, vllm_importance_sampling_correction=correction
+        )
+
+    assert behaviour_correction(args())
+    assert not behaviour_correction(args(async_rollouts=False))  # the tokens are the current policy's
+    assert not behaviour_correction(args(use_vllm=True))  # TRL corrects vLLM's tokens itself
+    assert "without the importance-sampling correction" not in caplog.text
+    with caplog.at_level("WARNING"):
+        assert behaviour_correction(args(correction=False))  # on, and TRL's flag turns the correction off: said
+    assert "trained without the importance-sampling correction" in caplog.text

@@ -8,10 +8,13 @@ import pytest
 from conftest import ScriptedEngine
 from trl_agentic import AgenticGRPOConfig
 from trl_agentic.endpoint import SERVED_MODEL_NAME
+from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.producer import RolloutProducer
-from trl_agentic.rollouts import Rollouts, check_rollout_process, log_engine_stats, trainer_inputs
+from trl_agentic.rollout.rows import Row
+from trl_agentic.rollouts import Rollouts, check_rollout_process, log_engine_stats, rollout_output, trainer_inputs
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+from trl_agentic.trace import Episode
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +121,82 @@ def test_trainer_inputs_checks_and_resolves(tmp_path):
     )
     assert agent is ask and resolved is not None and len(rewards) == 1 and processing_class is not None
     assert hasattr(model, "config")
+
+
+def test_rollouts_take_the_engines_stats_and_sync_weights(tmp_path, tokenizer):
+    """Under asynchronous rollouts the engine's work since the last batch is taken (and reset) at once: the embedded
+    engine's, the rollout process's through its producer, none for an engine without stats; with vLLM, TRL's sync."""
+    model = build_tiny_model(tokenizer)
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, max_context_length=512)
+    rollouts = Rollouts(
+        config(tmp_path, max_completion_length=3),
+        resolve_agent(ask),
+        engine,
+        tokenizer,
+        {},
+        model=lambda: model,
+        generation_model=lambda: contextlib.nullcontext(model),
+    )
+    try:
+        rollouts.run(rollouts.agent_tasks([{"question": "2+2?"}] * 2), 2, None, rollout_index=1, step=0)
+        stats = rollouts.take_stats(producer=None)
+        assert stats.requests == 2 and stats.prefilled_tokens > 0
+        assert rollouts.take_stats(producer=None).requests == 0  # taken and reset
+
+        class VLLMGeneration:  # TRL's `VLLMGeneration` talks to a vLLM server; only its sync is called here
+            synced = 0
+
+            def sync_weights(self):
+                self.synced += 1
+
+        vllm = VLLMGeneration()
+        rollouts.sync_weights(4, producer=None, vllm_generation=vllm)
+        assert vllm.synced == 1 and engine.policy_version == 4
+        rollouts.sync_weights(5, producer=None)  # the embedded engine's own sync
+        assert vllm.synced == 1 and engine.policy_version == 5
+    finally:
+        rollouts.close()
+
+    scripted = Rollouts(
+        config(tmp_path, rollout_process=True, async_rollouts=True),
+        resolve_agent(ask),
+        ScriptedEngine(tokenizer, lambda prompt_ids: ""),
+        tokenizer,
+        {},
+        model=lambda: None,
+        generation_model=contextlib.nullcontext,
+    )
+    try:
+
+        class ChildProducer:
+            def take_stats(self):
+                return "the child's engine's"
+
+        assert scripted.take_stats(ChildProducer()) == "the child's engine's"
+    finally:
+        scripted.close()
+    without_stats = Rollouts(
+        config(tmp_path),
+        resolve_agent(ask),
+        ScriptedEngine(tokenizer, lambda prompt_ids: ""),
+        tokenizer,
+        {},
+        model=lambda: None,
+        generation_model=contextlib.nullcontext,
+    )
+    try:
+        assert without_stats.take_stats(producer=None) is None
+    finally:
+        without_stats.close()
+
+
+def test_rollout_output_is_trls_rollout_func_contract():
+    rows = [Row([1, 2], [3, 4], [1, 0], [-0.5, 0.0], [0]), Row([1], [5], [1], [-0.25], [0])]
+    episodes = [Episode("a"), Episode("b")]
+    assert rollout_output(rows, episodes) == {
+        "prompt_ids": [[1, 2], [1]],
+        "completion_ids": [[3, 4], [5]],
+        "logprobs": [[-0.5, 0.0], [-0.25]],
+        "env_mask": [[1, 0], [1]],
+        "episodes": episodes,
+    }

@@ -1,12 +1,18 @@
 """Rows that share a prompt prefix are scored with the prefix computed once: the same log-probabilities, entropies
 and parameter gradients as TRL's own scoring (every row whole), in TRL's shapes, with fewer tokens through the model."""
 
+import contextlib
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 from datasets import Dataset
+from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.shared_prefix import MIN_SHARED_PREFIX, shared_prefix_length
+from trl_agentic.shared_prefix import MIN_SHARED_PREFIX, RowScoring, shared_prefix_length
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 
@@ -174,3 +180,105 @@ def test_checkpointed_models_are_scored_trls_way(trainer, tokenizer):
         handle.remove()
         trainer.model.gradient_checkpointing_disable()
     assert calls == [input_ids.numel()]
+
+
+# `RowScoring` without a trainer: TRL's own scoring function on a plain tiny model with TRL's fused LM head.
+
+
+def trl_scoring():
+    """TRL's `_get_per_token_logps_and_entropies`, bound to the one thing it reads of a trainer (`accelerator`)."""
+    accelerator = SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
+    return functools.partial(GRPOTrainer._get_per_token_logps_and_entropies, SimpleNamespace(accelerator=accelerator))
+
+
+def fused(model):
+    add_fused_lm_head(model.get_base_model() if hasattr(model, "get_base_model") else model, outputs=LM_HEAD_OUTPUTS)
+    return model
+
+
+LM_HEAD_OUTPUTS = ("log_probs", "entropy")
+
+
+def test_row_scoring_applies_only_where_the_prefix_may_be_shared(tokenizer):
+    model = fused(build_tiny_model(tokenizer))
+    args = SimpleNamespace(shared_prefix_scoring=True, per_device_train_batch_size=4)
+    scoring = RowScoring(args, trl_scoring())
+    assert scoring.applies(model, False, {"pixel_values": None})
+    assert not scoring.applies(model, True, {})  # MoE aux loss
+    assert not scoring.applies(model, False, {"pixel_values": torch.zeros(1)})  # images
+    assert not RowScoring(args, trl_scoring(), distributed=True).applies(model, False, {})
+    args.shared_prefix_scoring = False  # read at each call
+    assert not scoring.applies(model, False, {})
+    args.shared_prefix_scoring = True
+    model.gradient_checkpointing_enable()
+    assert not scoring.applies(model, False, {})
+
+
+def test_row_scoring_gives_trls_logps_with_the_prefix_run_once(tokenizer):
+    torch.manual_seed(0)
+    model = fused(build_tiny_model(tokenizer))
+    questions = ["What is 12 * 34?", "What is 7 * 8, then plus 100?", "Name a prime."]
+    completions = [[40, 41, 42, 43], [50, 51], [60]]
+    input_ids, attention_mask, width, _ = trl_layout(tokenizer, questions, completions)
+    prefix_length = shared_prefix_length(input_ids, attention_mask, width)
+    assert prefix_length >= MIN_SHARED_PREFIX
+    args = SimpleNamespace(shared_prefix_scoring=True, per_device_train_batch_size=4)
+    scoring = RowScoring(args, trl_scoring())
+    calls = []
+    handle = model.model.register_forward_hook(
+        lambda m, a, kwargs, out: calls.append(kwargs["input_ids"].numel()), with_kwargs=True
+    )
+    try:
+        logps, entropies, aux = scoring.logps_and_entropies(
+            model, input_ids, attention_mask, width, compute_entropy=True
+        )
+        shared_tokens, calls[:] = sum(calls), []
+        trl_logps, trl_entropies, _ = trl_scoring()(model, input_ids, attention_mask, width, compute_entropy=True)
+        trl_tokens, calls[:] = sum(calls), []
+        args.shared_prefix_scoring = False  # TRL's own, exactly
+        off_logps, off_entropies, _ = scoring.logps_and_entropies(
+            model, input_ids, attention_mask, width, compute_entropy=True
+        )
+        assert sum(calls) == trl_tokens == input_ids.numel()
+    finally:
+        handle.remove()
+    assert aux is None and logps.shape == trl_logps.shape == (3, width)
+    torch.testing.assert_close(logps, trl_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropies, trl_entropies, atol=1e-5, rtol=1e-5)
+    assert torch.equal(off_logps, trl_logps) and torch.equal(off_entropies, trl_entropies)
+    assert shared_tokens == prefix_length + 3 * (int(attention_mask.sum(dim=1).max()) - prefix_length)
+
+
+def test_appended_rows_are_scored_by_the_policy_or_the_reference(tokenizer):
+    """`old_per_token_logps` from the policy; `ref_per_token_logps` from `ref_model`, else (PEFT) the policy with its
+    adapters disabled; each in chunks of `per_device_train_batch_size`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    policy, reference = fused(build_tiny_model(tokenizer)), fused(build_tiny_model(tokenizer, seed=1))
+    input_ids, attention_mask, width, _ = trl_layout(tokenizer, ["What is 1 + 2?", "Hi"], [[30, 31, 32], [33]])
+    args = SimpleNamespace(shared_prefix_scoring=False, per_device_train_batch_size=1)
+    scoring = RowScoring(args, trl_scoring())
+    batch_sizes = []
+
+    def score(model, *inputs, batch_size=None):
+        batch_sizes.append(batch_size)
+        return trl_scoring()(model, *inputs, batch_size=batch_size)
+
+    def appended(key, model, ref_model):
+        return scoring.appended_row_logps(
+            key, input_ids, attention_mask, width, model=model, ref_model=ref_model, score=score
+        )
+
+    with torch.no_grad():
+        policy_logps = trl_scoring()(policy, input_ids, attention_mask, width)[0]
+        reference_logps = trl_scoring()(reference, input_ids, attention_mask, width)[0]
+        assert not torch.allclose(policy_logps, reference_logps)
+        assert torch.equal(appended("old_per_token_logps", policy, reference), policy_logps)
+        assert torch.equal(appended("ref_per_token_logps", policy, reference), reference_logps)
+        assert batch_sizes == [1, 1]
+
+        adapted = fused(get_peft_model(policy, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)))
+        adapted_logps = appended("old_per_token_logps", adapted, None)
+        assert not torch.allclose(adapted_logps, policy_logps)  # the adapter is on
+        torch.testing.assert_close(appended("ref_per_token_logps", adapted, None), policy_logps)  # and off

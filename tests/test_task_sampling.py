@@ -11,7 +11,13 @@ from datasets import Dataset
 
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.alarms import history_from_episode_records
-from trl_agentic.task_sampling import AdaptiveTaskSampler, group_split_rate, split_probability
+from trl_agentic.task_sampling import (
+    AdaptiveTaskSampler,
+    draw_generation_batch,
+    group_split_rate,
+    split_probability,
+    target_levels,
+)
 from trl_agentic.tasks import build_difficulty_dataset
 from trl_agentic.tasks.calculator import make_calculator_suite
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
@@ -536,3 +542,14 @@ def test_a_group_left_unscored_releases_how_its_task_was_drawn():
     sampler.draw_task()  # a revisit now: its split is a revisit's
     sampler.observe([data[0]] * 2, [1.0, 0.0])
     assert sampler._kind_splits[1][True].episodes > 0 and sampler._drawn_as == {}
+
+
+def test_each_process_takes_its_slice_of_the_batch_drawn_now():
+    dataset = leveled({1: 4, 2: 4})
+    samplers = [AdaptiveTaskSampler(dataset, num_generations=2, tasks_per_batch=2, seed=3) for _ in range(2)]
+    batch = AdaptiveTaskSampler(dataset, num_generations=2, tasks_per_batch=2, seed=3).draw_batch()
+    slices = [draw_generation_batch(samplers[i], dataset, process_index=i, num_slots=2) for i in range(2)]
+    assert slices == [[dataset[i] for i in batch[:2]], [dataset[i] for i in batch[2:]]]
+    assert slices[0][0] == slices[0][1]  # a group's slots are one task
+    assert target_levels(samplers[0]) == tuple(samplers[0].targets) == (2,)  # the hardest level by default
+    assert target_levels(None, 3) == (3,) and target_levels(None) == ()

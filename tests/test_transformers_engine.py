@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trl_agentic.generation.engine import GenerationEngine, SamplingParams
-from trl_agentic.generation.transformers_engine import TransformersEngine, _exponential_noise, _stream_key
+from trl_agentic.generation.sampling import _exponential_noise, _stream_key
+from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
 

@@ -23,7 +23,14 @@ def test_overridden_methods_keep_their_signatures():
     assert params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
     assert params(GRPOTrainer._prepare_inputs) == ["self", "generation_batch"]
     assert params(GRPOTrainer._calculate_rewards) == ["self", "inputs", "prompts", "completions", "completion_ids_list"]
-    for name in ("_generate", "_generate_and_score_completions", "_prepare_inputs", "_calculate_rewards"):
+    for name in (
+        "_generate",
+        "_generate_and_score_completions",
+        "_prepare_inputs",
+        "_calculate_rewards",
+        "_get_per_token_logps_and_entropies",
+        "_get_train_sampler",
+    ):
         assert getattr(AgenticGRPOTrainer, name) is not getattr(GRPOTrainer, name)
 
 
@@ -52,6 +59,9 @@ def test_internals_we_rely_on():
         "logits_to_keep",
     ]
     assert hasattr(trl_utils, "shuffle_sequence_dict")
+    # Appended rows' reference logps follow TRL's rule (`shared_prefix.RowScoring.appended_row_logps`)
+    assert 'use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None)' in score
+    assert hasattr(trl_utils, "use_adapter")
     # unscorable_unless_ok names and awaits reward functions exactly as TRL does (rewards/utils.py)
     assert "is_async_callable(reward_func)" in inspect.getsource(GRPOTrainer._calculate_rewards)
     assert hasattr(trl_utils, "get_callable_name") and hasattr(trl_utils, "is_async_callable")

@@ -8,13 +8,16 @@ dropped by the micro-batch split (REFERENCES: ROLL#409).
 
 The class reads as TRL's hooks and delegates: the endpoint and the episodes to `rollouts.py` (`Rollouts`), batch
 assembly (episodes -> rows -> tensors) to `rollout/batch.py`, the asynchronous schedule to `rollout/schedule.py`
-(`AsyncSchedule`), its checkpoint state to `checkpoint_state.py` (`CheckpointState`), the episode log to
-`episode_log.py`, the `sampling/*` metrics to `task_sampling.observe_tasks`.
+(`AsyncSchedule`), scoring rows to `shared_prefix.py` (`RowScoring`), its checkpoint state to `checkpoint_state.py`
+(`CheckpointState`), the episode log and the episodes' rewards to `episode_log.py`, task sampling and the
+`sampling/*` metrics to `task_sampling.py`.
 
 TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (completions = episode messages),
 `_generate_and_score_completions` (extra rows, episode metrics, per-token advantages from per-turn rewards),
-`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_save_checkpoint` /
-`_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run that was never stopped).
+`_prepare_inputs` (row-count-agnostic split, tasks drawn as a batch is consumed), `_calculate_rewards` (checked, kept
+per episode), `_get_per_token_logps_and_entropies` (the shared prefix computed once), `_get_train_sampler` (adaptive
+sampling), `_save_checkpoint` / `_load_optimizer_and_scheduler` (the trainer's own state: a resumed run is the run
+that was never stopped).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import shuffle_sequence_dict
@@ -35,7 +37,7 @@ from .checkpoint_state import CheckpointState
 from .console import install_step_lines, quiet_known_warnings
 from .endpoint import SERVED_MODEL_NAME  # noqa: F401 - also importable from here, as before
 from .endpoint.launch import default_engine
-from .episode_log import EpisodeLog, log_episode_metrics
+from .episode_log import EpisodeLog, keep_episode_rewards, log_episode_metrics
 from .generation.engine import GenerationEngine
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
 from .rewards.utils import check_weighted_rewards
@@ -52,14 +54,11 @@ from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_mas
 from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import micro_batch_scale
 from .rollout.rows import Row
-from .rollout.schedule import AsyncSchedule, AsyncWeightSync, check_staleness, task_batches
-from .rollouts import Rollouts, check_rollout_process, log_engine_stats, trainer_inputs
-from .shared_prefix import chunked_shared_prefix_logps, shared_prefix_applies
-from .task_sampling import TaskSlots, adaptive_sampler, observe_tasks
+from .rollout.schedule import AsyncSchedule, AsyncWeightSync, behaviour_correction, check_staleness, task_batches
+from .rollouts import Rollouts, check_rollout_process, log_engine_stats, rollout_output, trainer_inputs
+from .shared_prefix import RowScoring
+from .task_sampling import TaskSlots, adaptive_sampler, draw_generation_batch, observe_tasks, target_levels
 from .trace import Episode
-
-
-logger = logging.get_logger(__name__)
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -133,6 +132,14 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # TRL's hook for custom rollouts; set after __init__ so TRL's "experimental" warning does not fire for a
         # use the package owns.
         self.rollout_func = self._rollout_episodes
+        # Scoring rows: TRL's, with their shared prefix computed once (shared_prefix.py)
+        self._scoring = RowScoring(
+            args,
+            super()._get_per_token_logps_and_entropies,
+            unwrap=self.accelerator.unwrap_model,
+            autocast=self.accelerator.autocast,
+            distributed=self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled,
+        )
         if environment_factory is not None:  # TRL's completion budget counts tool results: the agent measures them
             agent.use_tokenizer(self._tokenizer, args.max_completion_length, self.chat_template_kwargs)
 
@@ -181,17 +188,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 seed_for=self._rollouts_side.batch_seed,
             )
         self._ready_episodes: list[Episode] | None = None  # the batch being scored, from the producer
-        if args.async_rollouts and not args.use_vllm:
-            # The episodes of a batch were sampled by up to `max_staleness` earlier versions: TRL's importance-sampling
-            # correction (behaviour -> the policy at the consuming step), which TRL applies when vLLM samples.
-            self._behaviour_correction = True
-            self._last_loaded_step = -1
-            if not args.vllm_importance_sampling_correction:
-                logger.warning(
-                    "async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
-                    "earlier policy versions are trained without the importance-sampling correction."
-                )
-
+        if behaviour_correction(args):  # episodes sampled by earlier versions: TRL's importance-sampling correction
+            self._behaviour_correction, self._last_loaded_step = True, -1
         if args.async_rollouts:  # the engine takes each optimizer step's weights at once, before logs and saves
             self.add_callback(AsyncWeightSync(self._schedule))
         # Alarms (issue #11): training metrics checked against each other and a held-out split (trl_agentic/alarms/)
@@ -217,14 +215,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._own_state.task_sampler = self.task_sampler
         return TaskSlots(self.task_sampler)
 
-    def _draw_generation_batch(self, num_slots: int) -> list[dict]:
-        """This process's rows of a generation batch drawn now by the adaptive sampler (every process draws the same
-        batch, and takes its slice as accelerate's batch sampler would have: process i the i-th of the batch's
-        `num_processes` consecutive slices)."""
-        indices = self.task_sampler.draw_batch()
-        start = self.accelerator.process_index * num_slots
-        return [self.train_dataset[i] for i in indices[start : start + num_slots]]
-
     def _mode(self) -> str:
         """`"train"` or `"eval"`: the trainer module's own flag, which the engine never touches (it generates with a
         module of its own, issue 29 M1)."""
@@ -249,11 +239,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         )
 
     def _target_levels(self) -> tuple:
-        """The target difficulty: the sampler's, else `target_difficulty`, else none (a mix without a target)."""
-        sampler = getattr(self, "task_sampler", None)
-        if sampler is not None:
-            return tuple(sampler.targets)
-        return () if self.args.target_difficulty is None else (self.args.target_difficulty,)
+        return target_levels(getattr(self, "task_sampler", None), self.args.target_difficulty)
 
     # Rollout
 
@@ -266,15 +252,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         from_producer = self._ready_episodes is not None
         if from_producer:  # asynchronous rollouts: the producer ran them (`_prepare_inputs`)
             episodes, self._ready_episodes = self._ready_episodes, None
-            # The engine's work since the last step's batch (the producer never stops: taken, copied and reset at once)
-            if self.args.rollout_process:  # the child's engine's
-                stats = self._producer.take_stats()
-            elif stats is not None:
-                stats = self.engine.take_stats()
+            stats = self._rollouts_side.take_stats(self._producer)  # the engine's work since the last step's batch
         else:  # now, on the current weights (the synchronous schedule, and evaluation)
-            self._rollouts += 1
+            self._own_state.rollouts += 1  # each rollout samples from a seed of its own
             episodes = self._rollouts_side.run(
-                tasks, num_generations, stats, rollout_index=self._rollouts, step=self.state.global_step
+                tasks, num_generations, stats, rollout_index=self._own_state.rollouts, step=self.state.global_step
             )
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
             log_engine_stats(stats, self._metrics[self._mode()])
@@ -292,13 +274,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
         main_rows = self._rollouts_side.main_rows(prompts, rows_results, self.processing_class)
         self._pending_rows = rows_results
-        return {
-            "prompt_ids": [row.prompt_ids for row in main_rows],
-            "completion_ids": [row.completion_ids for row in main_rows],
-            "logprobs": [row.logprobs for row in main_rows],
-            "env_mask": [row.env_mask for row in main_rows],
-            "episodes": episodes,
-        }
+        return rollout_output(main_rows, episodes)
 
     def _generate(self, prompts: list):
         if self._behaviour_correction:  # TRL would sync a vLLM it does not have (`use_vllm`)
@@ -348,7 +324,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
         metrics = self._metrics[self._mode()]
         log_episode_metrics(episodes, rows_results, metrics, self.accelerator.gather, self.accelerator.device)
-        self._write_episode_records(episodes, rows_results, episode_advantages.tolist(), inputs)
+        self._episode_log.write(episodes, rows_results, episode_advantages.tolist(), inputs, **self._record_fields())
         self._observe_tasks(inputs, episodes)
         return output
 
@@ -379,7 +355,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             pad_id=pad_id,
             device=self.accelerator.device,
             end_ids={*self.eos_token_ids, pad_id} if self.mask_truncated_completions else None,
-            score=self._score_rows,
+            score=lambda key, *rows: self._scoring.appended_row_logps(
+                key, *rows, model=self.model, ref_model=self.ref_model, score=self._get_per_token_logps_and_entropies
+            ),
             importance_sampling=(
                 self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min,
@@ -387,15 +365,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
             ),
             gather=self.accelerator.gather,
         )
-
-    def _score_rows(self, key: str, input_ids, attention_mask, logits_to_keep) -> torch.Tensor:
-        """Appended rows' `old_per_token_logps` (the policy's) or `ref_per_token_logps` (the reference's)."""
-        if key == "ref_per_token_logps":
-            return self._reference_logps(input_ids, attention_mask, logits_to_keep)
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
-        )
-        return logps
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -408,66 +377,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **model_inputs,
     ):
-        """TRL's, with the prompt prefix the rows share (system prompt, tool schemas, the task) computed once per
-        chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`)."""
-        if not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **model_inputs,
-            )
-
-        def score_chunk(ids, mask):  # TRL's own, for a chunk whose rows share too short a prefix
-            logps, entropies, _ = super(AgenticGRPOTrainer, self)._get_per_token_logps_and_entropies(
-                model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
-            )
-            return logps, entropies
-
-        logps, entropies = chunked_shared_prefix_logps(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size,
-            compute_entropy,
-            score_chunk,
-            self.accelerator.autocast,
-        )
-        return logps, entropies, None
-
-    def _shared_prefix_scoring(self, model, compute_aux_loss: bool, model_inputs: dict) -> bool:
-        """Whether rows may be scored with their shared prefix computed once (`shared_prefix.shared_prefix_applies`)."""
-        return shared_prefix_applies(
-            self.accelerator.unwrap_model(model),
-            enabled=self.args.shared_prefix_scoring,
-            compute_aux_loss=compute_aux_loss,
-            model_inputs=model_inputs,
-            distributed=self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled,
-        )
-
-    def _reference_logps(self, input_ids, attention_mask, logits_to_keep):
-        if self.ref_model is not None:
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.ref_model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=self.args.per_device_train_batch_size,
-            )
-            return logps
-        from trl.models.utils import use_adapter
-
-        model = self.accelerator.unwrap_model(self.model)
-        with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, logits_to_keep, batch_size=self.args.per_device_train_batch_size
-            )
-        return logps
+        """TRL's, with the prompt prefix the rows share computed once per chunk (`shared_prefix.RowScoring`)."""
+        return self._scoring.logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+            **model_inputs,
+        )  # fmt: skip
 
     def _prepare_inputs(self, generation_batch):
         # TRL's schedule (generate every steps_per_generation * num_iterations micro-steps), with a split that keeps
@@ -489,7 +403,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
                     len(generation_batch), self.state.global_step, self._metrics["train"]
                 )
             elif self.args.task_sampling == "adaptive":  # drawn now, after every earlier batch's results (L2)
-                generation_batch = self._draw_generation_batch(len(generation_batch))
+                generation_batch = draw_generation_batch(
+                    self.task_sampler, self.train_dataset, self.accelerator.process_index, len(generation_batch)
+                )
             num_episodes = len(generation_batch)
             generation_batch = self._generate_and_score_completions(generation_batch)
             generation_batch = shuffle_sequence_dict(generation_batch)
@@ -510,36 +426,20 @@ class AgenticGRPOTrainer(GRPOTrainer):
         return task_batches(super()._get_train_sampler(), self.args.generation_batch_size)
 
     def _sync_engine_weights(self, version: int) -> None:
-        """After an optimizer step: the engine takes the new weights (TRL's vLLM sync, else `Rollouts.sync_weights`)."""
+        """After an optimizer step: the engine takes the new weights (`Rollouts.sync_weights`)."""
         if self._use_vllm:
-            self.vllm_generation.sync_weights()  # TRL's own sync with the vLLM server
-            self._last_loaded_step = version
-            self.engine.policy_version = version
-        else:
-            self._rollouts_side.sync_weights(version, self._producer)
-
-    def _stop_producer(self) -> None:
-        """End the producer (after `train`): episodes of batches no step will train are cancelled. A later `train`
-        starts it again from the batches it had not trained."""
-        if self._schedule is not None:
-            self._schedule.stop()
+            self._last_loaded_step = version  # TRL's record of the weights its vLLM server has
+        self._rollouts_side.sync_weights(version, self._producer, self.vllm_generation if self._use_vllm else None)
 
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
-        finally:
-            self._stop_producer()
+        finally:  # the producer stops: episodes of batches no step will train are cancelled (a later `train` resumes)
+            if self._schedule is not None:
+                self._schedule.stop()
 
     # Checkpoints: everything the trainer holds besides TRL's state (`CheckpointState`), so that a resumed run is the
     # run that was never stopped (issue 29, M4). One file per process, as transformers' RNG states.
-
-    @property
-    def _rollouts(self) -> int:  # rollouts run so far (train and eval): each samples from a seed of its own
-        return self._own_state.rollouts
-
-    @_rollouts.setter
-    def _rollouts(self, value: int) -> None:
-        self._own_state.rollouts = value
 
     @property
     def _seen_tasks(self) -> set[str]:  # the tasks drawn so far (their agent and difficulty columns, as JSON)
@@ -549,82 +449,43 @@ class AgenticGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         generate_every = self.args.steps_per_generation * self.num_iterations
-        buffered = self._buffered_inputs is not None and self._step % generate_every != 0
-        # Mid-way through a generation's updates (num_iterations > 1): its rows are saved, not regenerated
-        self._own_state.step, self._own_state.buffer = self._step, self._buffered_inputs if buffered else None
-        self._own_state.save(folder)
-        self._own_state.buffer = None
+        self._own_state.save_step(folder, self._step, self._buffered_inputs, generate_every)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called once on resume, after the dataloader (and the adaptive sampler) exist and before training begins.
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        state = self._own_state.load(checkpoint, device=self.accelerator.device)
-        if state is None:
-            return
-        self._step = self._own_state.step
-        if self._own_state.buffer is not None:
-            self._buffered_inputs, self._own_state.buffer = self._own_state.buffer, None
-        if self._schedule is not None and not state.get("async") and self.state.global_step:
-            logger.warning(
-                f"{checkpoint} was saved without asynchronous rollouts: the producer starts from the "
-                "dataset's first batch."
-            )
+        if checkpoint is not None and self._own_state.resume(
+            checkpoint, self.accelerator.device, self.state.global_step
+        ):
+            self._step = self._own_state.step
+            if self._own_state.buffer is not None:
+                self._buffered_inputs, self._own_state.buffer = self._own_state.buffer, None
 
-    # The episode log (`episode_log.py`)
+    # Rewards: TRL's, checked; the episode log (`episode_log.py`)
 
-    def _write_episode_records(
-        self,
-        episodes: list[Episode],
-        rows_results,
-        advantages: list[float | None],
-        inputs: list[dict],
-        error: str | None = None,
-    ) -> None:
-        """Append one record per episode to this rank's episode log (`log_episodes=True`); `error`: why the episodes
-        have no rewards (a reward function raised)."""
-        self._episode_log.write(
-            episodes,
-            rows_results,
-            advantages,
-            inputs,
-            step=self.state.global_step,
-            mode=self._mode(),
-            difficulty_column=self.args.difficulty_column,
-            targets=self._target_levels(),
-            error=error,
-        )
+    def _record_fields(self) -> dict:
+        """The episode log's fields of this step (`EpisodeLog.write`)."""
+        return {
+            "step": self.state.global_step,
+            "mode": self._mode(),
+            "difficulty_column": self.args.difficulty_column,
+            "targets": self._target_levels(),
+        }
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        episodes = [example["episodes"] for example in inputs]
         try:
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
             group_size = self.num_generations if self._mode() == "train" else self.num_generations_eval
             check_weighted_rewards(rewards_per_func, self.reward_weights, self.reward_func_names, group_size)
         except Exception as error:
-            release_episodes(self.agent, [example["episodes"] for example in inputs])
+            release_episodes(self.agent, episodes)
             # A reward function that raises stops the run, as in TRL: an error in the checker must not pass as a
-            # score. The step's episodes are logged first (issue 29, N4): they are what to read to fix it.
-            episodes = [example["episodes"] for example in inputs]
-            self._write_episode_records(
-                episodes, self._pending_rows, [None] * len(episodes), inputs, error=f"{type(error).__name__}: {error}"
-            )
-            if self._episode_log.folder is not None:
-                logger.error(
-                    f"A reward function raised at step {self.state.global_step}; the step's "
-                    f"{len(episodes)} episodes are in {self._episode_log.path} (`reward_error`)."
-                )
+            # score. The step's episodes are logged first: they are what to read to fix it.
+            self._episode_log.write_reward_error(error, episodes, self._pending_rows, inputs, **self._record_fields())
             raise
-        # Scored: what the agent kept for the reward functions (a harness's workspaces) can go.
-        release_episodes(self.agent, [example["episodes"] for example in inputs])
-        # Keep the local slice per episode for the episode log (TRL gathers across processes).
-        start = self.accelerator.process_index * len(prompts)
-        local = rewards_per_func[start : start + len(prompts)]
-        for example, values in zip(inputs, local.tolist(), strict=True):
-            example["episodes"].metadata["rewards"] = {
-                name: None if value != value else value  # NaN = unscorable
-                for name, value in zip(self.reward_func_names, values, strict=True)
-            }
+        release_episodes(self.agent, episodes)  # scored: what the agent kept for the rewards (workspaces) can go
+        keep_episode_rewards(episodes, rewards_per_func, self.reward_func_names, self.accelerator.process_index)
         return rewards_per_func
 
     def __del__(self):
@@ -637,5 +498,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
 
     def close(self) -> None:
         """Stop the producer, the endpoint server and the rollout thread."""
-        self._stop_producer()
+        if self._schedule is not None:
+            self._schedule.stop()
         self._rollouts_side.close()

@@ -115,3 +115,26 @@ class CheckpointState:
             self.buffer = torch.load(buffer, map_location=device, weights_only=True)
         self.load_state_dict(state, checkpoint)
         return state
+
+    def save_step(self, folder: Path, step: int, buffered_inputs, generate_every: int) -> None:
+        """`save(folder)` at TRL's micro-step `step`; `buffered_inputs` (TRL's `_buffered_inputs`) are saved when the
+        checkpoint falls mid-way through a generation's updates (`num_iterations > 1`): its rows are not regenerated.
+        `generate_every`: the micro-steps between two generations (`steps_per_generation * num_iterations`)."""
+        buffered = buffered_inputs is not None and step % generate_every != 0
+        self.step, self.buffer = step, buffered_inputs if buffered else None
+        self.save(folder)
+        self.buffer = None
+
+    def resume(self, checkpoint: str, device=None, global_step: int = 0) -> bool:
+        """`load(checkpoint)` on resume, at the optimizer step `global_step`: whether a state was restored (then `step`
+        is TRL's micro-step to resume at, `buffer` the rows to train on, if any). A checkpoint saved without
+        asynchronous rollouts, resumed with them past step 0, warns: the producer starts from the first batch."""
+        state = self.load(checkpoint, device=device)
+        if state is None:
+            return False
+        if self.schedule is not None and not state.get("async") and global_step:
+            logger.warning(
+                f"{checkpoint} was saved without asynchronous rollouts: the producer starts from the "
+                "dataset's first batch."
+            )
+        return True

@@ -83,6 +83,21 @@ class EpisodeLog:
                     record["target"] = example[column] in targets
                 f.write(json_text(record) + "\n")  # whatever the agent returned: valid JSON, never a crash
 
+    def write_reward_error(
+        self, error: Exception, episodes: list[Episode], rows_results: list[RowsResult], inputs: list[dict], **fields
+    ) -> None:
+        """A reward function raised (the run stops, as in TRL): the step's episodes are logged first, with no
+        advantage and the error as `reward_error` (issue 29, N4), and an error says where to read them. `fields`:
+        [`write`]'s keyword arguments."""
+        self.write(
+            episodes, rows_results, [None] * len(episodes), inputs, error=f"{type(error).__name__}: {error}", **fields
+        )
+        if self.folder is not None:
+            logger.error(
+                f"A reward function raised at step {fields['step']}; the step's {len(episodes)} episodes are in "
+                f"{self.path} (`reward_error`)."
+            )
+
     def state_dict(self) -> dict:
         """The log's length now, and a fingerprint of it (`None` without a log)."""
         log = self.path if self.folder is not None else None
@@ -161,3 +176,18 @@ def log_episode_metrics(
         device=device,
     )
     metrics["episodes/unscorable"].append(gather(unscorable).mean().item())
+
+
+def keep_episode_rewards(
+    episodes: list[Episode], rewards_per_func: torch.Tensor, names: list[str], process_index: int = 0
+) -> None:
+    """Keep each of this process's episodes' rewards in `episode.metadata["rewards"]` (`{name: value}`, `None` for
+    unscorable) for the episode log and the `episodes/*` metrics: `rewards_per_func` is TRL's, gathered over the
+    processes (rows of process `i` at `i * len(episodes)`), NaN where a reward function returned `None`."""
+    start = process_index * len(episodes)
+    local = rewards_per_func[start : start + len(episodes)]
+    for episode, values in zip(episodes, local.tolist(), strict=True):
+        episode.metadata["rewards"] = {
+            name: None if value != value else value  # NaN = unscorable
+            for name, value in zip(names, values, strict=True)
+        }

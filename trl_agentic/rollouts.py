@@ -236,10 +236,13 @@ class Rollouts:
             )
         return producer
 
-    def sync_weights(self, version: int, producer) -> None:
+    def sync_weights(self, version: int, producer, vllm_generation=None) -> None:
         """After an optimizer step: the engine takes the new weights (its inference copy; the rollout process's
-        staging copy). TRL's vLLM sync is the trainer's."""
-        if self.args.rollout_process:  # the shared staging copy; the child's engine takes it between decode steps
+        staging copy; with vLLM, `vllm_generation`: TRL's own sync with the vLLM server)."""
+        if vllm_generation is not None:
+            vllm_generation.sync_weights()
+            self.engine.policy_version = version
+        elif self.args.rollout_process:  # the shared staging copy; the child's engine takes it between decode steps
             producer.sync_weights(self.model(), version)
         else:
             with self.generation_model() as unwrapped_model:
@@ -248,6 +251,13 @@ class Rollouts:
                     self.engine.sync_weights(policy_version=version)
                 else:
                     self.engine.policy_version = version
+
+    def take_stats(self, producer):
+        """The engine's work since the producer's last batch was taken (the producer never stops: taken, copied and
+        reset at once): the rollout process's engine's, else the embedded engine's, else `None`."""
+        if self.args.rollout_process:
+            return producer.take_stats()
+        return self.engine.take_stats() if getattr(self.engine, "stats", None) is not None else None
 
     def main_rows(self, prompts: list, rows_results, processing_class) -> list[Row]:
         """Each episode's main row; for an agent that never called the model, a placeholder row with nothing to train."""
@@ -266,6 +276,18 @@ class Rollouts:
         """Stop the endpoint server and the rollout thread."""
         self.endpoint.stop()
         self.pool.shutdown(wait=False)
+
+
+def rollout_output(main_rows: list[Row], episodes: list[Episode]) -> dict[str, list]:
+    """TRL's `rollout_func` output: each episode's main row (its `env_mask` becomes TRL's `tool_mask`), and the
+    episodes, an extra field TRL hands to the reward functions through the inputs."""
+    return {
+        "prompt_ids": [row.prompt_ids for row in main_rows],
+        "completion_ids": [row.completion_ids for row in main_rows],
+        "logprobs": [row.logprobs for row in main_rows],
+        "env_mask": [row.env_mask for row in main_rows],
+        "episodes": episodes,
+    }
 
 
 def log_engine_stats(stats, metrics) -> None:

@@ -159,3 +159,91 @@ def chunked_shared_prefix_logps(
         all_entropies.append(entropies)
     entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
     return torch.cat(all_logps, dim=0), entropies
+
+
+class RowScoring:
+    """The trainer's scoring of rows, no trainer: TRL's `_get_per_token_logps_and_entropies` with the shared prefix
+    computed once ([`logps_and_entropies`]), and the old or reference logps of the rows appended to TRL's batch
+    ([`appended_row_logps`]).
+
+    Args:
+        args: the trainer's config, read at each call (`shared_prefix_scoring`, `per_device_train_batch_size`).
+        trl_scoring: TRL's own `_get_per_token_logps_and_entropies`, bound: used when the shared prefix does not apply,
+            and for the chunks whose rows share too short a prefix.
+        unwrap: accelerate's `unwrap_model` (the plain model, to check its gradient checkpointing and its adapters).
+        autocast: accelerate's `autocast` context, around each chunk's forward.
+        distributed: the model is wrapped for several processes (DDP, DeepSpeed or FSDP): TRL's scoring runs.
+    """
+
+    def __init__(
+        self,
+        args,
+        trl_scoring: Callable,
+        *,
+        unwrap: Callable = lambda model: model,
+        autocast: Callable = contextlib.nullcontext,
+        distributed: bool = False,
+    ):
+        self.args, self.trl_scoring = args, trl_scoring
+        self.unwrap, self.autocast, self.distributed = unwrap, autocast, distributed
+
+    def applies(self, model, compute_aux_loss: bool, model_inputs: dict) -> bool:
+        """Whether rows may be scored with their shared prefix computed once ([`shared_prefix_applies`])."""
+        return shared_prefix_applies(
+            self.unwrap(model),
+            enabled=self.args.shared_prefix_scoring,
+            compute_aux_loss=compute_aux_loss,
+            model_inputs=model_inputs,
+            distributed=self.distributed,
+        )
+
+    def logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_inputs,
+    ):
+        """TRL's `(logps, entropies, aux_loss)`, with the prompt prefix the rows share (system prompt, tool schemas, the
+        task) computed once per chunk instead of once per row (`args.shared_prefix_scoring`)."""
+        if not self.applies(model, compute_aux_loss, model_inputs):
+            return self.trl_scoring(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **model_inputs,
+            )
+
+        def score_chunk(ids, mask):  # TRL's own, for a chunk whose rows share too short a prefix
+            logps, entropies, _ = self.trl_scoring(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
+            return logps, entropies
+
+        logps, entropies = chunked_shared_prefix_logps(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, score_chunk, self.autocast
+        )
+        return logps, entropies, None
+
+    def appended_row_logps(
+        self, key: str, input_ids, attention_mask, logits_to_keep, *, model, ref_model, score: Callable
+    ) -> torch.Tensor:
+        """Appended rows' `old_per_token_logps` (the policy's) or `ref_per_token_logps` (the reference's: `ref_model`,
+        else the policy with its `"ref"` adapter, or with its adapters disabled), as TRL computes them for its rows.
+        `score` is the trainer's `_get_per_token_logps_and_entropies`."""
+        batch_size = self.args.per_device_train_batch_size
+        if key != "ref_per_token_logps":
+            return score(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)[0]
+        if ref_model is not None:
+            return score(ref_model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)[0]
+        from trl.trainer.utils import use_adapter  # (not trl.models.utils: the import failed there on TRL 1.16)
+
+        unwrapped = self.unwrap(model)
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            return score(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size)[0]

@@ -470,6 +470,22 @@ class TaskSlots(Sampler[int]):
         return len(self.sampler)
 
 
+def draw_generation_batch(sampler: AdaptiveTaskSampler, dataset, process_index: int, num_slots: int) -> list[dict]:
+    """This process's rows of a generation batch drawn now by `sampler` (every process draws the same batch, and takes
+    its slice as accelerate's batch sampler would have: process i the i-th of the batch's consecutive slices of
+    `num_slots`)."""
+    indices = sampler.draw_batch()
+    start = process_index * num_slots
+    return [dataset[i] for i in indices[start : start + num_slots]]
+
+
+def target_levels(sampler: AdaptiveTaskSampler | None, target_difficulty=None) -> tuple:
+    """The target difficulty: the sampler's, else `target_difficulty`, else none (a mix without a target)."""
+    if sampler is not None:
+        return tuple(sampler.targets)
+    return () if target_difficulty is None else (target_difficulty,)
+
+
 def observe_tasks(
     inputs: list[dict],
     episodes: list,

@@ -46,6 +46,21 @@ def task_batches(sampler, size: int) -> Iterator[list[int]]:
             yield indices[start : start + size]
 
 
+def behaviour_correction(args) -> bool:
+    """Whether TRL's importance-sampling correction (the one it applies when vLLM samples) must run for the embedded
+    engine: under `async_rollouts`, a batch's episodes were sampled by up to `max_staleness` earlier policy versions
+    (behaviour -> the policy at the consuming step). Warns when `vllm_importance_sampling_correction=False` turns it
+    off."""
+    if not args.async_rollouts or args.use_vllm:
+        return False
+    if not args.vllm_importance_sampling_correction:
+        logger.warning(
+            "async_rollouts=True with vllm_importance_sampling_correction=False: tokens sampled by "
+            "earlier policy versions are trained without the importance-sampling correction."
+        )
+    return True
+
+
 def check_staleness(
     episodes: list[Episode],
     rows_results: list[RowsResult],
