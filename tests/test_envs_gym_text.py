@@ -263,8 +263,11 @@ def test_printed_examples_show_the_reward():
         line.endswith("""-> calls ['{"action": "8"}'], reward 1""") and "(expected" not in line and "None" not in line
     )
     assert len(line) < 160
-    line = example_line({"question": "What is 2 + 3?", "tool_calls": [], "answer": "5", "expected": 5, "reward": None})
-    assert line == "e.g. 'What is 2 + 3?' -> calls [] -> '5' (expected 5), unscored"
+    line = example_line(
+        {"question": "What is 2 + 3?", "tool_calls": [], "answer": "5", "expected": 5, "reward": None,
+         "status": "limit_exceeded"}
+    )  # fmt: skip
+    assert line == "e.g. 'What is 2 + 3?' -> calls [] -> '5' (expected 5), unscored (limit_exceeded)"
 
 
 # --- TextArena, a popular library of text games ---

@@ -102,7 +102,8 @@ def held_out_before_stage(
 
 def example_line(example: dict[str, Any], width: int = 100) -> str:
     """One held-out episode as printed: its question (cut to `width` characters), its tool calls, its answer, the
-    expected answer when the task names one (an `answer` column) and its reward (`unscored` when none)."""
+    expected answer when the task names one (an `answer` column), its reward (`unscored` when none) and how it ended
+    when not `ok` (`limit_exceeded`, ...)."""
     question = example["question"]
     if len(question) > width:
         question = question[: width - 3] + "..."
@@ -112,7 +113,9 @@ def example_line(example: dict[str, Any], width: int = 100) -> str:
     if example.get("expected") is not None:
         line += f" (expected {example['expected']})"
     reward = example.get("reward")
-    return line + (f", reward {reward:g}" if reward is not None else ", unscored")
+    line += f", reward {reward:g}" if reward is not None else ", unscored"
+    status = example.get("status")
+    return line + (f" ({status})" if status not in (None, "ok") else "")
 
 
 def grpo_stage(
