@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,14 +34,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 class NumberGame:
     """A gym-style game (Gymnasium's API) that draws its number from Python's global `random` after seeding it, as
-    TextArena's games do; `pause` widens the window between the seed and the draw."""
+    TextArena's games do; `pause` widens the window between the seed and the draw, `barrier` makes every game seed
+    before any draws."""
 
-    def __init__(self, pause: float = 0.0):
-        self.pause = pause
+    def __init__(self, pause: float = 0.0, barrier=None):
+        self.pause, self.barrier = pause, barrier
 
     def reset(self, seed=None):
         random.seed(seed)
         time.sleep(self.pause)
+        if self.barrier is not None:
+            self.barrier.wait()
         self.target, self.guesses = random.randint(1, 15), 0
         return "Guess a number from 1 to 15, e.g. 7.", {}
 
@@ -142,12 +146,16 @@ def test_concurrent_games_each_draw_from_their_own_random_state():
     alone = [play(NumberGame, binary_search, seed, 4).game.target for seed in seeds]
     assert alone == [random.Random(seed).randint(1, 15) for seed in seeds]
 
+    barrier = threading.Barrier(len(seeds), timeout=60)
+
     def raw(seed):
-        game = NumberGame(pause=0.02)
+        game = NumberGame(barrier=barrier)
         game.reset(seed=seed)
         return game.target
 
-    with ThreadPoolExecutor(16) as pool:  # the hazard: games on threads draw from each other's seeding
+    with ThreadPoolExecutor(
+        16
+    ) as pool:  # the hazard: games on threads draw from each other's seeding (all seed, then draw)
         assert list(pool.map(raw, seeds)) != alone
 
     def wrapped(seed):
