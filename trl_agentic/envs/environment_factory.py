@@ -26,6 +26,9 @@ viewer and asynchronous rollouts apply as to any agent), plus the reward sources
   scoring only the episodes of exactly that class (TRL's `type(env) is cls`).
 - Reward functions receive the live instances as `environments=`, aligned with `completions`.
 
+One extension (not in TRL): an instance whose `done` attribute (or property) is `True` after a round of tool calls
+ends the episode without another model call, as a gym environment's done flag does (`gym_text.py`).
+
 Example:
 
 ```python
