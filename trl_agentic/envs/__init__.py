@@ -1,4 +1,5 @@
-"""Environments users already have, run as episodes over the endpoint: MCP tool servers (`MCPAgent`), ...
+"""Environments users already have, run as episodes over the endpoint: MCP tool servers (`MCPAgent`), gym-style text
+games (`gym_text_suite`), ...
 
 Each adapter lives in a module of its own and needs its package's extra (`pip install 'trl-agentic[mcp]'`); names are
 imported lazily, so `import trl_agentic.envs` imports none of those packages.
@@ -19,6 +20,11 @@ register_task_source("verifiers", "trl_agentic.envs.verifiers:load_verifiers_sui
 _EXPORTS = {
     "EnvironmentAgent": "environment_factory",
     "environment_suite": "environment_factory",
+    "record_demonstrations": "demonstrations",
+    "with_solver": "demonstrations",
+    "gym_text_suite": "gym_text",
+    "textarena_game": "gym_text",
+    "TextGameEnvironment": "gym_text",
     "MCPAgent": "mcp",
     "VerifiersAgent": "verifiers",
     "from_verifiers": "verifiers",

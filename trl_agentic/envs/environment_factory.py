@@ -26,6 +26,9 @@ viewer and asynchronous rollouts apply as to any agent), plus the reward sources
   scoring only the episodes of exactly that class (TRL's `type(env) is cls`).
 - Reward functions receive the live instances as `environments=`, aligned with `completions`.
 
+One extension (not in TRL): an instance whose `done` attribute (or property) is `True` after a round of tool calls
+ends the episode without another model call, as a gym environment's done flag does (`gym_text.py`).
+
 Example:
 
 ```python
@@ -109,6 +112,15 @@ def _check_environment(environment: Any, name: str | None) -> None:
             "method. Define `def reset(self, **row) -> str | None` on its class: it starts an episode from the "
             "dataset row and may return text to append to the prompt."
         )
+
+
+def environment_done(environment: Any) -> bool:
+    """Whether an environment says its episode is over: its `done` attribute (or property) is `True` (a bool, so a
+    method or any other value named `done` never ends an episode)."""
+    try:
+        return getattr(environment, "done", False) is True
+    except Exception:  # noqa: BLE001 - a property that raises is not a done flag
+        return False
 
 
 class EnvironmentResult(dict):
@@ -240,7 +252,7 @@ class EnvironmentAgent:
         if tools:  # TRL renders `tools or None`: no tool boilerplate for an environment without tools
             request["tools"] = tools
 
-        hooks = _EnvironmentTools(self, methods, request)
+        hooks = _EnvironmentTools(self, methods, request, environment)
         end = await hooks.run(client, messages)  # the one tool loop (`rollout/tool_loop.py`)
 
         result = EnvironmentResult(
@@ -250,6 +262,7 @@ class EnvironmentAgent:
             tool_failures=hooks.tool_failures,
             observation=observation if isinstance(observation, str | None) else str(observation),
             cut_at_budget=hooks.cut_at_budget,
+            ended_on_done=end.finish == "done",
         )
         result.environment = environment
         return result
@@ -318,8 +331,10 @@ class _EnvironmentTools(ToolLoop):
     `max_tool_calling_iterations` rounds of tool calls, or when tool results would overflow TRL's completion budget
     (they are dropped, `cut_at_budget`)."""
 
-    def __init__(self, agent: EnvironmentAgent, methods: Mapping[str, Callable], request: dict[str, Any]):
-        self.agent, self.methods, self._request = agent, methods, request
+    def __init__(
+        self, agent: EnvironmentAgent, methods: Mapping[str, Callable], request: dict[str, Any], environment: Any = None
+    ):
+        self.agent, self.methods, self._request, self.environment = agent, methods, request, environment
         self.tool_calls = self.tool_failures = 0
         self.iteration = 0
         self.first_prompt = None  # tokens of the first prompt: TRL's completion budget counts everything after it
@@ -327,6 +342,11 @@ class _EnvironmentTools(ToolLoop):
 
     def request(self) -> dict[str, Any]:
         return self._request
+
+    def is_completed(self) -> bool:
+        # The environment's done flag (gym's): `done is True` after a round of tool calls ends the episode without
+        # another model call (an extension of TRL's contract, where the model is asked once more).
+        return environment_done(self.environment)
 
     def is_final(self, message: Any) -> bool:
         limit = self.agent.max_tool_calling_iterations
@@ -528,35 +548,91 @@ def environment_suite(
     *,
     name: str = "environment",
     max_tool_calling_iterations: int | None = None,
+    train_dataset: Any = None,
+    solver: Callable | None = None,
+    chance_success: float | None = None,
 ):
-    """A [`TaskSuite`] running `environment_factory` on `dataset`, for `trl-agentic eval` and [`Evaluator`]: the same
-    agent and reward sources `AgenticGRPOTrainer(environment_factory=...)` trains with. Its agent sees every column
-    (they reach `reset`), and `build_dataset` returns `dataset` (its first `size` rows) whatever the split.
+    """A [`TaskSuite`] running `environment_factory`, for `trl-agentic eval`, [`Evaluator`] and, with a training split
+    and a reference solver, `trl-agentic demo --task`: the same agent and reward sources
+    `AgenticGRPOTrainer(environment_factory=...)` trains with. Its agent sees every column (they reach `reset`).
+
+    Args:
+        environment_factory, reward_funcs, max_tool_calling_iterations: as `AgenticGRPOTrainer(environment_factory=...)`
+            takes them.
+        dataset: the rows of the **eval** split (`build_dataset(split="eval")`), what `trl-agentic eval` measures.
+        name: the task's name.
+        train_dataset: the rows of the **training** split (`build_dataset(split="train")`: demonstrations, GRPO's
+            tasks). Without it the suite has no training split and asking for it raises a `ValueError` (held-out
+            success must never be measured on training tasks); a row in both splits is refused.
+        solver: a reference solver, `solver(messages, tools) -> reply` (`trl_agentic.envs.demonstrations`): its
+            successful plays against the real environment, on training rows, are the warm start's demonstrations.
+        chance_success: the success rate of random play, when known (the demo's warm start stops above it).
+
+    `build_dataset(split, size, seed)` returns the split's rows, `size` of them drawn with `seed` when the split has
+    more.
 
     Example:
 
     ```python
     >>> from trl_agentic.evaluation import Evaluator
-    >>> suite = environment_suite(MyEnv, dataset, reward_funcs=[my_reward])
-    >>> summary = Evaluator(model, tokenizer, suite, dataset, num_samples=4).evaluate(seed=0)
+    >>> suite = environment_suite(MyEnv, eval_rows, reward_funcs=[my_reward], train_dataset=train_rows, solver=solve)
+    >>> summary = Evaluator(model, tokenizer, suite, eval_rows, num_samples=4).evaluate(seed=0)
     ```
     """
     from ..tasks import TaskSuite
+    from .demonstrations import record_demonstrations
 
     agent = EnvironmentAgent(environment_factory, max_tool_calling_iterations)
     tools = [schema for schemas in agent.tool_schemas.values() for schema in schemas]
-    return TaskSuite(
+    if train_dataset is not None:
+        _check_disjoint(train_dataset, dataset, name)
+    splits = {"eval": dataset, "train": train_dataset}
+
+    def build_dataset(split: str = "train", size: int | None = None, seed: int = 0, **knobs: Any):
+        if split not in splits:
+            raise ValueError(f"split={split!r}: task {name!r} has the splits 'train' and 'eval'.")
+        rows = splits[split]
+        if rows is None:
+            raise ValueError(
+                f"Task {name!r} has no training split: environment_suite(factory, dataset) holds the eval split's rows "
+                "only (what `trl-agentic eval` measures). Pass train_dataset=... (rows not in `dataset`) to train on "
+                "it or record demonstrations; training on the eval rows would measure held-out success on training "
+                "tasks."
+            )
+        if size is None or size >= len(rows):
+            return rows
+        return rows.shuffle(seed=seed).select(range(size))
+
+    suite = TaskSuite(
         name=name,
         tools=tools,
         system_prompt="",
-        build_dataset=lambda split="train", size=None, seed=0, **knobs: (
-            dataset if size is None or size >= len(dataset) else dataset.select(range(size))
-        ),
+        build_dataset=build_dataset,
         agent=agent,
         reward_funcs=agent.reward_funcs(reward_funcs),
-        demonstrations=lambda n, seed=0: [],
+        demonstrations=lambda n, seed=0, **knobs: [],
         agent_columns=tuple(dataset.column_names),
+        chance_success=chance_success,
     )
+    if solver is not None:
+        suite.demonstrations = lambda n, seed=0, **knobs: record_demonstrations(suite, solver, n, seed, **knobs)
+    return suite
+
+
+def _check_disjoint(train_dataset: Any, eval_dataset: Any, name: str) -> None:
+    """A `ValueError` when a row (all its columns) is in both splits."""
+    if list(train_dataset.column_names) != list(eval_dataset.column_names):
+        raise ValueError(
+            f"Task {name!r}: train_dataset has the columns {train_dataset.column_names}, dataset (the eval split) "
+            f"{eval_dataset.column_names}; give both splits the same columns."
+        )
+    held_out = {json.dumps(row, sort_keys=True, default=str) for row in eval_dataset}
+    shared = [i for i, row in enumerate(train_dataset) if json.dumps(row, sort_keys=True, default=str) in held_out]
+    if shared:
+        raise ValueError(
+            f"Task {name!r}: {len(shared)} rows of train_dataset are also in dataset, the eval split (the first: row "
+            f"{shared[0]}); held-out success would be measured on training tasks. Remove them from one split."
+        )
 
 
 __all__ = [
@@ -565,6 +641,7 @@ __all__ = [
     "EnvironmentFactory",
     "EnvironmentResult",
     "environment_methods",
+    "environment_done",
     "environment_of",
     "environment_reward",
     "environment_suite",

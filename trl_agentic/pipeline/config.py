@@ -42,7 +42,10 @@ class PipelineConfig:
     short_steps, short_loss_target, short_batch_size, short_learning_rate: phase 1, the conversations without system
         prompt and tool schemas (1-3 per row), stopped once the mean loss of its last 10 steps is under the target.
     full_steps, full_batch_size, full_learning_rate: phase 2, the conversations as the agent sends them...
-    warm_start_target: ...stopped once the model solves this share of `validation_size` training-split tasks.
+    warm_start_target: ...stopped once the model solves this share of `validation_size` training-split tasks, counted
+        from the task's chance level (`TaskSuite.chance_success`): it stops at `chance + target x (1 - chance)`
+        ([`warm_start_goal`]), so a game won 27% of the time by random play does not stop at 25%, where the model has
+        learned nothing. A suite that does not state its chance level is taken as 0 (the rule is then absolute).
     warm_start_workers: chunks of a batch run at once (the same weights bit for bit: not part of the cache key).
     warm_start_check_every, warm_start_check_gate: check every N phase-2 steps; run the check's second half only
         when the first reached `gate` x the target (`0`: all at once).
@@ -237,8 +240,32 @@ def warm_start_key(config: PipelineConfig, suite, demonstrations: list[dict], va
     payload["demonstrations"] = _digest(demonstrations)
     payload["validation_tasks"] = _digest(validation)
     payload["trl_agentic"] = __version__
+    if getattr(suite, "chance_success", None):  # the stop rule counts from it (absent: the keys stay as they were)
+        payload["chance_success"] = suite.chance_success
     payload["format"] = 6  # bump when the warm-start procedure changes (6: keyed by the task's data)
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def warm_start_goal(config: PipelineConfig, suite) -> float:
+    """The warm start's stop rule: `warm_start_target` of the way from the task's chance level
+    (`suite.chance_success`, `None` taken as 0) to 100%.
+
+    Example:
+
+    ```python
+    >>> warm_start_goal(PipelineConfig(), get_task("calculator"))  # no chance level: the target itself
+    0.25
+    >>> round(warm_start_goal(PipelineConfig(), guess_suite), 3)  # chance_success=0.27
+    0.453
+    ```
+    """
+    chance = getattr(suite, "chance_success", None) or 0.0
+    if not 0.0 <= chance < 1.0:
+        raise ValueError(
+            f"Task {suite.name!r} has chance_success={chance}: expected a share in [0, 1) (the success rate of random "
+            "play)."
+        )
+    return chance + config.warm_start_target * (1.0 - chance)
 
 
 def _number_or_text(text: str) -> float | str:

@@ -70,6 +70,7 @@ class HeldOutEvaluator(Evaluator):
                     for call in turn.response_message.get("tool_calls") or []
                 ],
                 "answer": episode.result if isinstance(episode.result, str) else None,
+                "status": episode.status,
                 "expected": task.get("answer"),  # the checker's column, when the task names it `answer`
                 "reward": reward,
             }

@@ -96,11 +96,26 @@ def held_out_before_stage(
         f"{before['seconds']:.0f}s)"
     )
     for example in before["examples"][:2]:
-        info(
-            f"e.g. {example['question']!r} -> calls {example['tool_calls']} -> {example['answer']!r} "
-            f"(expected {example['expected']})"
-        )
+        info(example_line(example))
     return before
+
+
+def example_line(example: dict[str, Any], width: int = 100) -> str:
+    """One held-out episode as printed: its question (cut to `width` characters), its tool calls, its answer, the
+    expected answer when the task names one (an `answer` column), its reward (`unscored` when none) and how it ended
+    when not `ok` (`limit_exceeded`, ...)."""
+    question = example["question"]
+    if len(question) > width:
+        question = question[: width - 3] + "..."
+    line = f"e.g. {question!r} -> calls {example['tool_calls']}"
+    if example.get("answer") is not None:
+        line += f" -> {example['answer']!r}"
+    if example.get("expected") is not None:
+        line += f" (expected {example['expected']})"
+    reward = example.get("reward")
+    line += f", reward {reward:g}" if reward is not None else ", unscored"
+    status = example.get("status")
+    return line + (f" ({status})" if status not in (None, "ok") else "")
 
 
 def grpo_stage(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tasks import TaskSuite
-from .config import PipelineConfig
+from .config import PipelineConfig, warm_start_goal
 from .data import short_form_rows
 from .held_out import HeldOutEvaluator, StagedCheck
 from .plan import PipelinePlan, make_plan
@@ -78,6 +78,7 @@ def warm_start_model(plan: PipelinePlan) -> tuple[Any, Any, dict[str, Any]]:
     from ..warm_start import warm_start
 
     config, suite, use_cache, smoke = plan.config, plan.suite, plan.use_cache, plan.smoke
+    goal = warm_start_goal(config, suite)  # the target, counted from the task's chance level
     demonstrations, tasks, key = plan.demonstrations, plan.validation_tasks, plan.warm_start_key
     cache_path = (plan.cache_dir or default_cache_root() / "demo") / key
     meta_path = cache_path / "warm_start.json"
@@ -171,9 +172,15 @@ def warm_start_model(plan: PipelinePlan) -> tuple[Any, Any, dict[str, Any]]:
             for stage in stages
             if stage
         ],
-        gate=config.warm_start_check_gate * config.warm_start_target,
+        gate=config.warm_start_check_gate * goal,
     )
     checks: list[dict] = []
+    chance = getattr(suite, "chance_success", None)
+    if chance:
+        info(
+            f"phase 2 stops at {goal:.0%} success: {config.warm_start_target:.0%} of the way from the task's chance "
+            f"level ({chance:.0%}, TaskSuite.chance_success) to 100%"
+        )
     bar = progress(config.full_steps, "  SFT phase 2/2 (as the agent sends it)")
 
     def on_full_step(step: int, loss: float) -> None:
@@ -192,9 +199,9 @@ def warm_start_model(plan: PipelinePlan) -> tuple[Any, Any, dict[str, Any]]:
             )
             bar.write(
                 f"  after {step + 1} phase-2 steps: success {result['success']:.1%} on "
-                f"{result['episodes']} training-split tasks (stop at {config.warm_start_target:.0%})"
+                f"{result['episodes']} training-split tasks (stop at {goal:.0%})"
             )
-            if result["success"] >= config.warm_start_target:
+            if result["success"] >= goal:
                 raise _TargetReached
 
     try:
@@ -226,12 +233,19 @@ def warm_start_model(plan: PipelinePlan) -> tuple[Any, Any, dict[str, Any]]:
         "final_loss": {name: sum(v[-10:]) / len(v[-10:]) for name, v in losses.items() if v},
         "validation_checks": checks,
         "validation_success": checks[-1]["success"] if checks else None,
+        "stop_at_success": goal,
         "settings": dataclasses.asdict(config),
     }
     info(f"warm start done in {seconds:.0f}s ({result['phase1_steps']} + {result['phase2_steps']} SFT steps)")
-    if checks and checks[-1]["success"] < config.warm_start_target:
+    if checks and len(checks) == 1 and checks[0]["success"] >= goal and not chance and not smoke:
         info(
-            f"note: phase 2 used all {config.full_steps} steps without reaching {config.warm_start_target:.0%}; "
+            f"note: phase 2 stopped at its first check ({checks[0]['success']:.0%} success): if random play wins "
+            f"this task that often, the warm start stopped before the model learned anything; give the TaskSuite "
+            "its chance_success (the success rate of random play) and the stop rule counts from it"
+        )
+    if checks and checks[-1]["success"] < goal:
+        info(
+            f"note: phase 2 used all {config.full_steps} steps without reaching {goal:.0%}; "
             "GRPO needs some successes to amplify "
             + (SMOKE_NOTE if smoke else "(raise --set full_steps=... or --set short_steps=...)")
         )

@@ -54,6 +54,9 @@ class TaskSuite:
         target_difficulty: the level `build_dataset` draws (the difficulty the suite is for).
         reward_weights: one weight per `reward_funcs` (`None`: 1.0 each); `trl-agentic train`/`eval` use them when
             the recipe sets neither `reward_funcs` nor `reward_weights` (a verifiers rubric's weights, for one).
+        chance_success: the success rate of random play (`None`: unknown, taken as 0), e.g. 0.27 for guessing a
+            number from 1 to 15 in 4 tries; the demo pipeline's warm start stops at `warm_start_target` of the way
+            from it to 100% (`trl_agentic.pipeline.config.warm_start_goal`), not below it.
     """
 
     name: str
@@ -67,6 +70,7 @@ class TaskSuite:
     difficulty_levels: dict[float, dict[str, Any]] = field(default_factory=dict)
     target_difficulty: float | None = None
     reward_weights: list[float] | None = None
+    chance_success: float | None = None
 
 
 def build_difficulty_dataset(
