@@ -47,7 +47,8 @@ functions' `episode.result`) is `{"reward", "rewards" (one per step), "done", "s
 ("done" | "answered" | "max_turns" | "stopped"), "observations" (the reset's, then one per step, as dicts),
 "actions" (as dicts), "server" (the base URL)}`.
 
-Needs `pip install 'trl-agentic[openenv]'`. Trust model: docs/envs_openenv.md.
+Needs `pip install 'trl-agentic[openenv]'` (OpenEnv 0.10) or `'trl-agentic[openenv-core]'` (its 0.3 distribution).
+Trust model and tested versions: docs/envs_openenv.md.
 
 Example:
 
