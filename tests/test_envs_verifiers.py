@@ -21,7 +21,9 @@ import pytest
 import torch
 
 
-vf = pytest.importorskip("verifiers", reason="needs verifiers: pip install --no-deps verifiers==0.3.1 (README)")
+vf = pytest.importorskip(
+    "verifiers", reason="needs verifiers 0.3: pip install 'trl-agentic[verifiers]' (.ci/run: .venv-envs)"
+)
 
 from datasets import Dataset
 
@@ -30,7 +32,12 @@ from test_agentic_grpo_trainer import config as grpo_config  # noqa: E402
 from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.endpoint.sessions import EpisodeLimits
 from trl_agentic.envs import from_verifiers
-from trl_agentic.envs.verifiers import VerifiersResult, rubric_reward_funcs, verifiers_state
+from trl_agentic.envs.verifiers import (
+    VerifiersResult,
+    require_supported_verifiers,
+    rubric_reward_funcs,
+    verifiers_state,
+)
 from trl_agentic.evaluation import Evaluator, score_episodes
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.rows import episode_to_rows
@@ -289,6 +296,23 @@ def test_misuse_is_refused_with_how_to_fix():
     with pytest.raises(ValueError, match="no VerifiersAgent ran"):
         run_rollout(reward([[]], [[]], episodes=[ran_by_another_agent], example_id=[0]))
     assert run_rollout(reward([[]], [[]], episodes=[Episode(id="b", status="timeout")], example_id=[0])) == [None]
+
+
+def test_only_the_verifiers_releases_with_the_environment_api_are_accepted():
+    # The installed release (CI: 0.3.1, with its own requirements) is accepted: this module imported.
+    require_supported_verifiers(vf.__version__)
+    for version in ("0.3.1", "0.3.2", "0.3.10.post1"):
+        require_supported_verifiers(version)
+    # 0.4 removed vf.Environment (verifiers.v1: harness programs behind its own proxy): refused, saying what to install.
+    for version in ("0.4.0", "0.4.0rc1", "0.5.2", "1.0"):
+        with pytest.raises(
+            ImportError,
+            match=r"verifiers .* is installed, but .* runs verifiers >=0\.3\.1,<0\.4 "
+            r"\(verifiers 0\.4 removed the Environment API .*pip install 'trl-agentic\[verifiers\]'",
+        ):
+            require_supported_verifiers(version)
+    with pytest.raises(ImportError, match="older releases lack the verifiers.legacy clients"):
+        require_supported_verifiers("0.3.0")
 
 
 def test_an_agent_not_given_every_column_fails_its_episodes_saying_how_to_fix(endpoint):

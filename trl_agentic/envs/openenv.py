@@ -47,7 +47,8 @@ functions' `episode.result`) is `{"reward", "rewards" (one per step), "done", "s
 ("done" | "answered" | "max_turns" | "stopped"), "observations" (the reset's, then one per step, as dicts),
 "actions" (as dicts), "server" (the base URL)}`.
 
-Needs `pip install 'trl-agentic[openenv]'`. Trust model: docs/envs_openenv.md.
+Needs `pip install 'trl-agentic[openenv]'` (OpenEnv 0.10) or `'trl-agentic[openenv-core]'` (its 0.3 distribution).
+Trust model and tested versions: docs/envs_openenv.md.
 
 Example:
 
@@ -62,19 +63,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -83,18 +74,30 @@ import openai
 from ..endpoint import SERVED_MODEL_NAME
 from ..rollout.agents import AgentCrash, EpisodeContext, command_environment, run_in_daemon_thread
 from ..rollout.tool_loop import ToolLoop
+from .openenv_protocol import (
+    ACTION_BASE_FIELDS,
+    ACTION_FORMATS,
+    OBSERVATION_BASE_FIELDS,
+    _as_dict,
+    _decode_arguments,
+    _Protocol,
+    _protocol_from_schema,
+    default_observation_to_message,
+)
+from .openenv_server import (
+    SERVER_INHERITED_ENV,
+    SERVER_STOP_GRACE_S,
+    STDERR_TAIL,
+    _environment_error,
+    _error_code,
+    _http_url,
+    _LocalServer,
+    _parse_server,
+    _server_inherited,
+)
 
 
-ACTION_FORMATS = ("text", "tool")
 REWARD_MODES = ("sum", "last")
-# Fields every OpenEnv `Action` / `Observation` carries that are not the environment's content.
-ACTION_BASE_FIELDS = ("metadata",)
-OBSERVATION_BASE_FIELDS = ("done", "reward", "metadata")
-# What a local server inherits beyond `command_environment()`: where to find the environment's code, nothing secret.
-SERVER_INHERITED_ENV = ("PYTHONPATH", "VIRTUAL_ENV")
-STDERR_TAIL = 2000  # characters of a local server's stderr kept in an error
-SERVER_STOP_GRACE_S = 3.0  # after SIGTERM, before SIGKILL
-_ERROR_CODE = re.compile(r"\(code: ([A-Z_]+)\)\s*$")
 
 
 def openenv_reward(prompts, completions, episodes=None, **kwargs) -> list[float | None]:
@@ -205,16 +208,6 @@ def from_openenv(
         message_timeout=message_timeout,
         model=model,
     )
-
-
-@dataclass(frozen=True)
-class _Protocol:
-    """How replies become actions and observations messages, decided once from the action's schema."""
-
-    format: str
-    tools: list[dict[str, Any]] | None  # the action tool, in "tool" format
-    text_field: str | None  # the action's string field, in "text" format
-    fields: tuple[str, ...] | None  # the action's fields (without `metadata`); None: unknown, not checked here
 
 
 class OpenEnvAgent:
@@ -548,153 +541,6 @@ class _OpenEnvTurns(ToolLoop):
         return answer
 
 
-def _protocol_from_schema(
-    schema: dict[str, Any], action_format: str | None, tool_name: str | None, custom_reply: bool = False
-) -> _Protocol:
-    """`_Protocol` for an action's JSON schema.
-
-    Example:
-
-    ```python
-    >>> schema = {"title": "GuessAction", "type": "object", "required": ["guess"],
-    ...           "properties": {"guess": {"type": "integer"}, "metadata": {"type": "object"}}}
-    >>> protocol = _protocol_from_schema(schema, None, None)
-    >>> tool = protocol.tools[0]["function"]
-    >>> protocol.format, tool["name"], tool["parameters"]["properties"]
-    ('tool', 'guess', {'guess': {'type': 'integer'}})
-    ```
-    """
-    properties = {k: v for k, v in (schema.get("properties") or {}).items() if k not in ACTION_BASE_FIELDS}
-    required = [k for k in schema.get("required") or [] if k not in ACTION_BASE_FIELDS]
-    strings = [k for k in required if properties.get(k, {}).get("type") == "string"]
-    text_field = strings[0] if len(required) == 1 and strings else None
-    chosen = action_format or ("text" if text_field else "tool")
-    if chosen == "text" and text_field is None and not custom_reply:
-        raise ValueError(
-            f"action_format='text' needs an action with exactly one required string field; this one's "
-            f"required fields are {required} ({schema.get('title', 'the action')}). Use "
-            "action_format='tool', or pass reply_to_action= to build the action from the reply."
-        )
-    tools = None
-    if chosen == "tool":
-        title = schema.get("title") or "Action"
-        name = tool_name or _snake_case(title.removesuffix("Action")) or "act"
-        parameters = {"type": "object", "properties": properties, "required": required}
-        if "$defs" in schema:
-            parameters["$defs"] = schema["$defs"]
-        description = schema.get("description") or f"Take one action in the environment ({title})."
-        tools = [{"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}]
-    return _Protocol(chosen, tools, text_field, tuple(properties))
-
-
-def default_observation_to_message(observation: Any) -> str:
-    """The text that shows an observation to the model: its single field's text, else its fields as JSON (without
-    `done`, `reward` and `metadata`).
-
-    Example:
-
-    ```python
-    >>> default_observation_to_message({"prompt": "Guess a number from 1 to 8."})
-    'Guess a number from 1 to 8.'
-    >>> default_observation_to_message({"echoed_message": "hi", "message_length": 2})
-    '{"echoed_message": "hi", "message_length": 2}'
-    ```
-    """
-    fields = {k: v for k, v in _as_dict(observation).items() if k not in OBSERVATION_BASE_FIELDS}
-    if len(fields) == 1:
-        (value,) = fields.values()
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-    return json.dumps(fields, ensure_ascii=False, default=str)
-
-
-# --- local servers ----------------------------------------------------------------------------------------------
-
-
-class _LocalServer:
-    """An environment server process on a free loopback port: its own process group, a minimal environment."""
-
-    def __init__(self, command: Sequence[str], env: Mapping[str, str]):
-        self.command, self.env = list(command), dict(env)
-        self.port: int | None = None
-        self.process: subprocess.Popen | None = None
-        self._stderr = None
-        self._stopped = threading.Event()  # once: a reaped process's group id may be reused by another
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float) -> _LocalServer:
-        self.port = _free_port()
-        command = [part.replace("{port}", str(self.port)) for part in self.command]
-        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server must never block on it
-        try:
-            self.process = subprocess.Popen(
-                command,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=self._stderr,
-                start_new_session=True,
-            )
-        except OSError as error:
-            raise AgentCrash(f"could not start the environment server {command}: {error}") from error
-        deadline = time.monotonic() + timeout
-        with httpx.Client(trust_env=False, timeout=2.0) as http:
-            while not self._stopped.is_set():  # stopped meanwhile: the episode ended (its timeout)
-                if self.process.poll() is not None:
-                    tail = self.stderr_tail()
-                    self.stop()
-                    raise AgentCrash(
-                        f"the environment server {command} exited with status "
-                        f"{self.process.returncode} before answering /health",
-                        {"stderr_tail": tail},
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(f"{self.url}/health").status_code == 200:
-                        return self
-                if time.monotonic() > deadline:
-                    tail = self.stderr_tail()
-                    self.stop()
-                    raise AgentCrash(
-                        f"the environment server {command} did not answer {self.url}/health within "
-                        f"{timeout:g} s (startup_timeout)",
-                        {"stderr_tail": tail},
-                    )
-                time.sleep(0.1)
-        raise AgentCrash(f"the environment server {command} was stopped while starting")
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def stderr_tail(self) -> str:
-        if self._stderr is None:
-            return ""
-        self._stderr.seek(0, os.SEEK_END)
-        self._stderr.seek(max(0, self._stderr.tell() - STDERR_TAIL))
-        return self._stderr.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `SERVER_STOP_GRACE_S`; what it left in its group is
-        killed too. Only the first call acts."""
-        if self._stopped.is_set():
-            return
-        self._stopped.set()
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(SERVER_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)  # the group outlives its leader until its last member exits
-        process.wait()
-
-
 # Shared local servers are stopped at exit, like the MCP agent's shared servers.
 _LIVE_AGENTS: weakref.WeakSet[OpenEnvAgent] = weakref.WeakSet()
 
@@ -706,96 +552,16 @@ def _stop_shared_servers() -> None:
             agent.close()
 
 
-# --- helpers ----------------------------------------------------------------------------------------------------
-
-
-def _parse_server(server: Any, app_dir: str | None) -> tuple[str | None, list[str] | None]:
-    """(URL, None) for a running server, (None, command) for one started here."""
-    if isinstance(server, str) and re.match(r"^(https?|wss?)://", server):
-        return server.rstrip("/"), None
-    if isinstance(server, str) and re.fullmatch(r"[\w.]+:[\w.]+", server):
-        command = [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            server,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "{port}",
-            "--app-dir",
-            os.path.abspath(app_dir or os.getcwd()),
-            "--log-level",
-            "warning",
-        ]
-        return None, command
-    if app_dir is not None:
-        raise ValueError(f"app_dir={app_dir!r} is for server='package.module:app'; server={server!r} is not one.")
-    command = server.split() if isinstance(server, str) else list(server) if isinstance(server, Sequence) else None
-    if not command or not all(isinstance(part, str) for part in command):
-        raise ValueError(
-            f"server={server!r}: pass the URL of a running environment server ('http://host:port'), "
-            "its FastAPI app ('package.module:app'), or a command serving it on '{port}'."
-        )
-    if not any("{port}" in part for part in command):
-        raise ValueError(
-            f"The server command {command} needs '{{port}}' in its arguments (the free loopback port "
-            "it is to serve on), e.g. ['python', '-m', 'my_env.server.app', '--port', '{port}']."
-        )
-    return None, command
-
-
-def _server_inherited(inherit_env: bool | Sequence[str]) -> bool | list[str]:
-    return True if inherit_env is True else [*SERVER_INHERITED_ENV, *(inherit_env or ())]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _http_url(url: str) -> str:
-    return re.sub(r"^ws", "http", url)
-
-
-def _snake_case(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-
-
-def _as_dict(value: Any) -> dict[str, Any]:
-    if hasattr(value, "model_dump"):
-        return value.model_dump()
-    return dict(value) if isinstance(value, Mapping) else {"value": value}
-
-
-def _decode_arguments(arguments: str | None) -> Any:
-    if arguments is None or not arguments.strip():
-        return {}
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"the arguments are not valid JSON ({error.msg}); send a JSON object.") from None
-
-
-def _error_code(error: Exception) -> str | None:
-    # OpenEnv's client raises RuntimeError("Server error: <message> (code: <WSErrorCode>)") for an error frame.
-    match = _ERROR_CODE.search(str(error)) if isinstance(error, RuntimeError) else None
-    return match.group(1) if match else None
-
-
-def _environment_error(what: str, url: str, error: Exception) -> AgentCrash:
-    message = f"the OpenEnv environment at {url} failed on {what}: {type(error).__name__}: {error}"
-    # A session refused for capacity is an error frame, then the server closes the socket; OpenEnv's client before
-    # 0.4 often sees only the close (ConnectionClosedOK) when it comes before the frame is read.
-    closed_at_once = what == "reset" and type(error).__name__.startswith("ConnectionClosed")
-    if _error_code(error) == "CAPACITY_REACHED" or closed_at_once:
-        message += (
-            ". OpenEnv refuses a session when its server already runs max_concurrent_envs of them: serve "
-            "it with create_app(..., max_concurrent_envs=N) for N >= the episodes run at once (an environment "
-            "with SUPPORTS_CONCURRENT_SESSIONS = True), or start a server per episode (per_episode=True)."
-        )
-    return AgentCrash(message, {"environment_error": str(error)})
-
-
-__all__ = ["OpenEnvAgent", "default_observation_to_message", "from_openenv", "openenv_reward"]
+__all__ = [
+    "ACTION_BASE_FIELDS",
+    "ACTION_FORMATS",
+    "OBSERVATION_BASE_FIELDS",
+    "REWARD_MODES",
+    "SERVER_INHERITED_ENV",
+    "SERVER_STOP_GRACE_S",
+    "STDERR_TAIL",
+    "OpenEnvAgent",
+    "default_observation_to_message",
+    "from_openenv",
+    "openenv_reward",
+]

@@ -17,9 +17,12 @@ brings three things, and [`from_verifiers`] maps each onto ours:
    `State`. Group functions (plural arguments: `states`, `completions`, ...) score the episodes of one `example_id`
    together.
 
-Verified against verifiers 0.3.1 (its classic `vf.Environment` API, `verifiers.legacy`); verifiers 0.4 replaced that
-API (`verifiers.v1`) and is not supported. Needs `pip install 'trl-agentic[verifiers]'`. Which environment types run,
-and what an environment can see: docs/envs_verifiers.md.
+Verified against verifiers 0.3.1 (its classic `vf.Environment` API, `verifiers.legacy`). verifiers 0.4 removed that
+API: its `verifiers.v1` runs each rollout as a harness program (installed by `uv` into a sandbox runtime) behind
+verifiers' own model-call proxy, and importing this module with it installed raises an `ImportError` that says so
+([`require_supported_verifiers`]). Needs `pip install 'trl-agentic[verifiers]'` (`verifiers>=0.3.1,<0.4`, which
+pins `mcp<2`: install it in an environment without the `[mcp]` extra). Which environment types run, and what an
+environment can see: docs/envs_verifiers.md.
 
 Example:
 
@@ -36,6 +39,8 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,14 +52,63 @@ from ..endpoint import SERVED_MODEL_NAME
 from ..tasks import TaskSuite
 
 
+# The verifiers releases whose classic Environment API (`vf.Environment`, `env.rollout`, `verifiers.legacy`) this
+# adapter runs: [first, end).
+SUPPORTED_VERIFIERS = ("0.3.1", "0.4")
+
+
+def require_supported_verifiers(version: str) -> None:
+    """Raise an `ImportError` saying what to install when `version` (of the installed `verifiers`) is not one this
+    adapter runs.
+
+    Example:
+
+    ```python
+    >>> require_supported_verifiers("0.3.1")  # fine
+    >>> require_supported_verifiers("0.4.0")
+    Traceback (most recent call last):
+    ImportError: verifiers 0.4.0 is installed, but trl_agentic.envs.verifiers runs verifiers >=0.3.1,<0.4 ...
+    ```
+    """
+    first, end = (_release(v) for v in SUPPORTED_VERIFIERS)
+    found = _release(version)
+    if first <= found < end:
+        return
+    why = (
+        "verifiers 0.4 removed the Environment API it adapts (vf.Environment, env.rollout): verifiers.v1 runs each "
+        "rollout as a harness program that uv installs into a sandbox runtime, behind verifiers' own model-call proxy, "
+        "which trl-agentic does not drive"
+        if found >= end
+        else "older releases lack the verifiers.legacy clients it uses"
+    )
+    raise ImportError(
+        f"verifiers {version} is installed, but trl_agentic.envs.verifiers runs verifiers >={SUPPORTED_VERIFIERS[0]},"
+        f"<{SUPPORTED_VERIFIERS[1]} ({why}). Install a supported release: pip install 'trl-agentic[verifiers]' "
+        "(it pins mcp<2, so use an environment without the [mcp] extra)."
+    )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    # "0.3.1" -> (0, 3, 1); "0.4.0.dev2" / "0.4.0rc1" -> (0, 4, 0): pre-releases count as their release.
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 try:
     import verifiers as vf
-    from verifiers.legacy.clients import OpenAIChatCompletionsClient
-    from verifiers.legacy.utils.error_utils import ErrorChain
 except ImportError as error:  # pragma: no cover - the extra is missing
     raise ImportError(
         "trl_agentic.envs.verifiers needs the `verifiers` package: pip install 'trl-agentic[verifiers]'."
     ) from error
+require_supported_verifiers(getattr(vf, "__version__", None) or importlib.metadata.version("verifiers"))
+from verifiers.legacy.clients import OpenAIChatCompletionsClient  # noqa: E402 - after the version check
+from verifiers.legacy.utils.error_utils import ErrorChain  # noqa: E402
+
 
 # verifiers errors that are the policy's doing (an empty reply, a tool call the environment could not parse or run):
 # the rollout is scored, as verifiers scores it. Any other error left in `state["error"]` (the endpoint refused the
@@ -356,11 +410,13 @@ def load_verifiers_suite(env_id: str, **env_args: Any) -> VerifiersSuite:
 
 __all__ = [
     "POLICY_ERRORS",
+    "SUPPORTED_VERIFIERS",
     "VerifiersAgent",
     "VerifiersResult",
     "VerifiersSuite",
     "from_verifiers",
     "load_verifiers_suite",
+    "require_supported_verifiers",
     "rubric_reward_funcs",
     "verifiers_state",
 ]

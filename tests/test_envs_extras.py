@@ -1,0 +1,41 @@
+"""The environment packages' extras (issue 45): each installs its package's supported releases with their own
+requirements (never `--no-deps`), and CI runs the tests of those that cannot share [dev]'s environment (`mcp` < 2)
+in its second venv.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+
+tomllib = pytest.importorskip("tomllib")
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+CI = (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_environment_extras_pin_the_supported_releases():
+    assert EXTRAS["verifiers"] == ["verifiers>=0.3.1,<0.4"]  # 0.4 is refused at import (envs/verifiers.py)
+    assert EXTRAS["openenv"] == ["openenv>=0.10,<0.11"]
+    assert EXTRAS["openenv-core"] == ["openenv-core>=0.3.0,<0.4"]
+    assert EXTRAS["mcp"] == ["mcp>=2.0,<3"]  # 2.0.0 (verifiers 0.4's pin) runs it too
+    # [dev] shares the MCP agent's environment: nothing in it may need mcp<2.
+    assert not [r for r in EXTRAS["dev"] if re.match(r"(verifiers|openenv)\b(?!-core)", r)]
+
+
+def test_nothing_is_installed_without_its_requirements():
+    for path in [ROOT / ".ci" / "run", ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]:
+        assert not re.search(r"pip install[^\n]*--no-deps", path.read_text()), path.name
+
+
+def test_ci_runs_the_tests_of_the_mcp_1_extras_in_their_own_venv():
+    install = re.search(r'pip --python \.venv-envs/bin/python install -q -e "\.\[(.*?)\]"', CI)
+    assert install is not None and set(install.group(1).split(",")) == {"verifiers", "openenv"}
+    command = re.search(r"\.venv-envs/bin/python -m pytest .*", CI).group(0)
+    for test in ("tests/test_envs_verifiers.py", "tests/test_envs_openenv.py"):
+        assert test in command and (ROOT / test).exists()
+    # It comes after the main suite, which runs every other test (these two skip without their package, or run
+    # with OpenEnv's 0.3 distribution).
+    assert CI.index(".venv-envs/bin/python -m pytest") > CI.index("python -m pytest -q -x --timeout 600\n")
