@@ -142,7 +142,7 @@ def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_re
             report_to="none",
             logging_steps=1,
             save_strategy="no",
-            max_staleness=8,
+            max_staleness=0,  # after a rollback the incumbent's tokens count as fresh (`_rebase_versions`)
             seed=0,
         )
         trainer = OnlineGRPOTrainer(
@@ -179,6 +179,10 @@ def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_re
         assert {row["version"]: row["state"] for row in versions.describe()}[0] == "incumbent"
         assert served.count(0) / len(served) > 0.6  # the candidates got their canary share, no more
         assert restored  # at least one step began after a rollback (min_episodes is small enough)
+        dropped = [
+            entry["async/dropped_groups"] for entry in trainer.state.log_history if "async/dropped_groups" in entry
+        ]
+        assert dropped and not any(dropped)  # nothing the incumbent sampled counted as stale after the restore
         for weights in restored:  # and it began from the incumbent's weights
             assert all(torch.equal(weights[k], incumbent_weights[k]) for k in incumbent_weights)
 

@@ -109,6 +109,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         self._behaviour_correction = True
         self._last_loaded_step = -1
         self._published = 0
+        self._rebased: dict[int, int] = {}  # version -> the step training restarted from its weights (a rollback)
         self.add_callback(_PublishVersion(self))
 
     # Rollout: claim instead of run
@@ -139,6 +140,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         items = _grouped(items, group)
         episodes = []
         for index, (episode, rewards) in enumerate(items):
+            self._rebase_versions(episode)
             values = [r.value for r in rewards]
             episode.metadata["online_reward"] = sum(values) / len(values) if values else None
             episode.metadata["online_reward_sources"] = sorted({r.source for r in rewards})
@@ -192,10 +194,24 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
             if serving is not None and serving is not model:
                 with torch.no_grad():
                     model.load_state_dict({k: v.detach().clone() for k, v in serving.state_dict().items()})
+                # The policy is the incumbent's again: its tokens are as fresh as if sampled at this step
+                self._rebased[versions.incumbent] = self.state.global_step
                 self._metrics["train"]["online/rollbacks"].append(1.0)
                 logger.warning(
                     "Version %d was rolled back: training goes on from the incumbent's weights.", last.version
                 )
+
+    def _rebase_versions(self, episode: Episode) -> None:
+        """Staleness counts the updates between the weights that sampled a token and those that train on it. After a
+        rollback, training restarts from the incumbent's weights at step s: a token the incumbent sampled is then as
+        old as one sampled at step s, so its version reads s (in the claimed copy; the store keeps what was served)."""
+        rebased = self._rebased
+        if not rebased:
+            return
+        for turn in episode.turns:
+            turn.policy_version = rebased.get(turn.policy_version, turn.policy_version)
+            if turn.token_versions is not None:
+                turn.token_versions = [rebased.get(v, v) for v in turn.token_versions]
 
 
 def _grouped(items: list[tuple[Episode, Any]], group: int) -> list[tuple[Episode, Any]]:
