@@ -255,3 +255,44 @@ def test_mini_swe_agent_branches_token_exact(tmp_path, monkeypatch, start_server
     assert_branch_of(branch, parent, 1)
     assert branch.result["files"] == {"answer.txt": "42\n"}
     harness.release([parent, branch])
+
+
+def test_replay_metrics_and_the_sampled_flat_alarm(start_server, tokenizer):
+    """`tree/*` metrics come from the episodes (logged only when a branch ran), and `sampled_flat` fires on a batch
+    whose task's branches never replayed, not on one whose branches did."""
+    from collections import defaultdict
+
+    from trl_agentic.alarms import check_alarms
+    from trl_agentic.episode_log import log_episode_metrics
+
+    server = start_server(counting_engine(tokenizer), tokenizer)
+    agent = resolve_agent(CALCULATOR.agent)
+    tasks = build_calculator_dataset(size=2)
+    parents = [run_rollout(run_episode(server, agent, tasks[i], task_index=i, seed=i)) for i in range(2)]
+    branches = [branch_episode(server, agent, tasks[i], parents[i], 2, seed=10 + i) for i in range(2)]
+
+    async def clocked(client, task):  # the calculator agent with a request id in its prompt
+        from trl_agentic.tasks.calculator import calculator_agent
+
+        task = {**task, "prompt": [{"role": "system", "content": f"Request {uuid.uuid4().hex}."}, *task["prompt"][1:]]}
+        return await calculator_agent(client, task)
+
+    flat_parent = run_rollout(run_episode(server, resolve_agent(clocked), tasks[1], task_index=1, seed=5))
+    flat_branch = branch_episode(server, resolve_agent(clocked), tasks[1], flat_parent, 2, seed=6)
+
+    def log(episodes):
+        metrics = defaultdict(list)
+        log_episode_metrics(episodes, [episode_to_rows(e.turns) for e in episodes], metrics)
+        return {k: v[0] for k, v in metrics.items()}
+
+    assert not any(k.startswith("tree/") for k in log(parents))  # no branch: the logs are as before
+    good = log(parents + branches)
+    assert good["tree/replayed_calls"] == 2.0 and good["tree/replay_diverged"] == 0.0
+    assert good["tree/sampled_flat_tasks"] == 0.0
+    mixed = log([parents[0], branches[0], flat_parent, flat_branch])
+    assert mixed["tree/replayed_calls"] == 1.0 and mixed["tree/replay_diverged"] == 0.5
+    assert mixed["tree/sampled_flat_tasks"] == 0.5  # task 1 of the two branched tasks
+    history = {key: [(1, good[key]), (2, mixed[key])] for key in good if key.startswith("tree/")}
+    (alarm,) = check_alarms(history)
+    assert alarm.name == "sampled_flat" and alarm.step == 2 and alarm.evidence["sampled_flat_tasks"] == 0.5
+    assert check_alarms({key: points[:1] for key, points in history.items()}) == []
