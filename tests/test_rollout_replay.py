@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ScriptedEngine
 from trl_agentic.rollout.agents import resolve_agent
-from trl_agentic.rollout.replay import branch_episode, tool_replay
+from trl_agentic.rollout.replay import Branch, branch_episode, run_branches, tool_replay
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.rollout.runner import run_episode, run_rollout
 from trl_agentic.rollout.tool_loop import TOOL_REPLAY, ToolLoop
@@ -76,6 +76,18 @@ def test_calculator_agent_branches_at_every_call_without_divergence(start_server
         assert branch.status == "ok", branch.error
         assert_branch_of(branch, parent, k)
         assert branch.replay["parent"] == parent.id and branch.replay["branch_point"] == k
+
+
+def test_branches_of_several_parents_run_concurrently_in_order(start_server, tokenizer):
+    server = start_server(counting_engine(tokenizer), tokenizer)
+    agent = resolve_agent(CALCULATOR.agent)
+    tasks = build_calculator_dataset(size=2)
+    parents = [run_rollout(run_episode(server, agent, tasks[i], task_index=i, seed=i)) for i in range(2)]
+    wanted = [Branch(tasks[i], parents[i], k, seed=10 * i + k) for i in range(2) for k in (1, 2, 3)]
+    branches = run_rollout(run_branches(server, agent, wanted, max_concurrent=3))
+    for spec, branch in zip(wanted, branches, strict=True):
+        assert branch.task_index == spec.parent.task_index
+        assert_branch_of(branch, spec.parent, spec.branch_point)
 
 
 def test_replayed_tool_results_are_not_run_again(start_server, tokenizer):

@@ -18,6 +18,8 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from ..trace import Episode, ReplaySpec, Turn
@@ -80,6 +82,48 @@ async def run_branch(
     )
 
 
+@dataclass
+class Branch:
+    """One branch to run (`run_branches`): `parent` (a recorded episode of `task`) from its call `branch_point`, with
+    the branch's own `seed` and `group_index` (default: the parent's)."""
+
+    task: dict[str, Any]
+    parent: Episode
+    branch_point: int
+    seed: int | None = None
+    group_index: int | None = None
+
+
+async def run_branches(
+    server: EpisodeServer,
+    agent: EpisodeAgent,
+    branches: list[Branch],
+    *,
+    max_concurrent: int = 64,
+    timeout: float = 300.0,
+    model: str | None = None,
+) -> list[Episode]:
+    """Run `branches` concurrently, at most `max_concurrent` at once (each agent on a loop and thread of its own, as
+    `run_episodes`); returns their episodes in the order of `branches`."""
+    semaphore = asyncio.Semaphore(max_concurrent)
+
+    async def one(branch: Branch) -> Episode:
+        async with semaphore:
+            return await run_branch(
+                server,
+                agent,
+                branch.task,
+                branch.parent,
+                branch.branch_point,
+                timeout=timeout,
+                seed=branch.seed,
+                group_index=branch.group_index,
+                model=model,
+            )
+
+    return list(await asyncio.gather(*[one(branch) for branch in branches]))
+
+
 def branch_episode(
     server: EpisodeServer,
     agent: EpisodeAgent,
@@ -117,4 +161,4 @@ def branch_episode(
     )
 
 
-__all__ = ["branch_episode", "run_branch", "tool_replay"]
+__all__ = ["Branch", "branch_episode", "run_branch", "run_branches", "tool_replay"]
