@@ -69,12 +69,18 @@ class ToyPolicy:
         self.calls += 1
         rng = random.Random(sampling.seed)
         prompt = self.tokenizer.decode(prompt_ids[-4000:])
-        ran = prompt.count("<tool_response>") + prompt.count("returncode")
+        ran = prompt.count("<tool_response>")
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        if '"bash"' in prompt or "bash" in prompt[:20000] and "calculator" not in prompt:
-            command = f"echo {a} > answer.txt" if not ran else "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-            text = f"Step {a}.\n<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}})
-            text += "\n</tool_call>"
+        if "calculator" not in prompt:  # a harness: its shell tool, then its way of finishing
+            tool = "run_shell_command" if "run_shell_command" in prompt else "bash"
+            ran = "<tool_response>" in prompt[-1500:]  # the command ran: finish
+            if ran and tool == "run_shell_command":
+                text = f"Wrote {a} to answer.txt."
+            else:
+                command = f"echo {a} > answer.txt" if not ran else "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+                arguments = {"command": command, **({"description": "Write."} if tool != "bash" else {})}
+                text = f"Step {a}.\n<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments})
+                text += "\n</tool_call>"
         elif ran >= 3 or (ran and rng.random() < 0.34):
             text = f"The answer is {a * b}."
         else:
@@ -130,7 +136,8 @@ def measure(server, engine, agent, tasks, timeout: float) -> dict:
                 stats["diverged"] += 1
                 reason = branch.replay["divergence"]["reason"]
                 stats["reasons"][reason] = stats["reasons"].get(reason, 0) + 1
-            stats["exact"] += exact_prefix(branch, parent, min(k, branch.replay["replayed_calls"]))
+                stats.setdefault("example", branch.replay["divergence"])
+            stats["exact"] += not branch.replay["diverged"] and exact_prefix(branch, parent, k)
             stats.setdefault("trainable", 0)
             rows = episode_to_rows(branch.turns).rows
             stats["trainable"] += branch.status == "ok" and sum(sum(r.env_mask) for r in rows) == sum(
@@ -188,6 +195,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"{share(stats['exact'], stats['branches']):>14} {share(stats['engine_calls'], stats['calls']):>14} "
                 f"{ratio:>8.2f} {seconds:>6.1f}" + (f"  reasons {stats['reasons']}" if stats["reasons"] else "")
             )
+            if "request_context" in stats.get("example", {}):
+                example = stats["example"]
+                print(
+                    f"    first divergence: call {example['call']}, token {example['token_index']}: request "
+                    f"{example['request_context']!r}, recorded {example['recorded_context']!r}"
+                )
         print("  goals: diverged 0; token-exact 100%; engine calls = the branches' sampled calls only (< 100%);")
         print("  tokens: sampled tokens of a branch / of its parent (< 1: the replayed prefix is not sampled again).")
         if skipped:

@@ -254,7 +254,7 @@ def test_mini_swe_agent_branches_token_exact(tmp_path, monkeypatch, start_server
 
     def respond(ids):
         n = next(count)
-        if "COMPLETE_TASK" in tokenizer.decode(ids) or tokenizer.decode(ids).count("<tool_response>") >= 1:
+        if "<tool_response>" in tokenizer.decode(ids[-400:]):  # the command ran: submit
             return f"Done {n}.\n" + tool_call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
         return "I will write the file.\n" + tool_call("bash", {"command": "echo 42 > answer.txt"})
 
@@ -262,10 +262,12 @@ def test_mini_swe_agent_branches_token_exact(tmp_path, monkeypatch, start_server
     task = {"prompt": "Create a file answer.txt containing 42."}
     parent = run_rollout(run_episode(server, harness, task, timeout=120))
     assert parent.status == "ok", (parent.error, parent.metadata)
+    assert len(parent.turns) == 2 and parent.result["files"] == {"answer.txt": "42\n"}
     branch = branch_episode(server, harness, task, parent, 1, timeout=120)
     assert branch.status == "ok", (branch.error, branch.metadata)
     assert_branch_of(branch, parent, 1)
-    assert branch.result["files"] == {"answer.txt": "42\n"}
+    assert branch.result["files"] == {"answer.txt": "42\n"}  # the replayed command, run again in a new workspace
+    assert branch.result["workspace"] != parent.result["workspace"]
     harness.release([parent, branch])
 
 
@@ -308,3 +310,36 @@ def test_replay_metrics_and_the_sampled_flat_alarm(start_server, tokenizer):
     (alarm,) = check_alarms(history)
     assert alarm.name == "sampled_flat" and alarm.step == 2 and alarm.evidence["sampled_flat_tasks"] == 0.5
     assert check_alarms({key: points[:1] for key, points in history.items()}) == []
+
+
+@pytest.mark.slow
+def test_gemini_cli_branches_are_detected_as_diverging_on_their_home_path(
+    tmp_path, monkeypatch, start_server, tokenizer
+):
+    """Gemini CLI (an npm harness, the Gemini wire format; skipped when it is not installed) writes the path of its
+    home into its first prompt, and every episode of a `Harness` has a fresh one: a branch cannot replay even call 0.
+    Replay says so (the first differing token, the two paths around it) and the branch is an ordinary episode."""
+    from test_harnesses import harness_or_skip, tool_call
+
+    harness = harness_or_skip("gemini-cli")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    count = itertools.count()
+
+    def respond(prompt_ids):
+        n = next(count)
+        if "<tool_response>" in tokenizer.decode(prompt_ids[-400:]):
+            return f"Created answer.txt ({n})."
+        return tool_call("run_shell_command", {"command": "echo 42 > answer.txt", "description": "Write the file."})
+
+    server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=65536), tokenizer)
+    task = {"prompt": "Create a file answer.txt containing 42."}
+    parent = run_rollout(run_episode(server, harness, task, timeout=180))
+    assert parent.status == "ok", (parent.error, parent.metadata)
+    branch = branch_episode(server, harness, task, parent, 1, timeout=180)
+    assert branch.status == "ok", (branch.error, branch.metadata)
+    assert all(turn.wire_format == "gemini" for turn in branch.turns)
+    divergence = branch.turns[0].replay_divergence
+    assert branch.replay["diverged"] and divergence["call"] == 0 and divergence["reason"] == "prompt_mismatch"
+    assert "gemini-cli-" in divergence["request_context"] and "gemini-cli-" in divergence["recorded_context"]
+    assert branch.result["files"] == {"answer.txt": "42\n"}
+    harness.release([parent, branch])
