@@ -176,6 +176,15 @@ def log_episode_metrics(
         device=device,
     )
     metrics["episodes/unscorable"].append(gather(unscorable).mean().item())
+    # Branch episodes (issue 42, `rollout/replay.py`): one fixed-size gather on every process whatever its episodes
+    # (processes may hold different mixes), logged only when some process ran a branch: without tree rollouts the
+    # logs are as they were.
+    totals = gather(torch.tensor(replay_counts(episodes), dtype=torch.float32, device=device)).reshape(-1, 5).sum(0)
+    branches, replayed, diverged, flat, branched = totals.tolist()
+    if branches:
+        metrics["tree/replayed_calls"].append(replayed / branches)
+        metrics["tree/replay_diverged"].append(diverged / branches)
+        metrics["tree/sampled_flat_tasks"].append(flat / branched if branched else 0.0)
 
 
 def keep_episode_rewards(
@@ -191,3 +200,22 @@ def keep_episode_rewards(
             name: None if value != value else value  # NaN = unscorable
             for name, value in zip(names, values, strict=True)
         }
+
+
+def replay_counts(episodes: list[Episode]) -> list[float]:
+    """`[branches, replayed calls, diverged branches, tasks sampled flat, tasks branched]` of a batch's branch episodes
+    (`Episode.replay`). A task is sampled flat when it was branched past call 0 and none of its branches replayed a
+    single call of its parent: its agent's requests change from run to run (a clock, a random id), so every branch
+    costs a whole episode's sampling."""
+    branches = [episode for episode in episodes if episode.replay is not None]
+    by_task: dict[int, list[int]] = {}
+    for episode in branches:
+        if episode.replay["branch_point"] > 0:
+            by_task.setdefault(episode.task_index, []).append(episode.replay["replayed_calls"])
+    return [
+        float(len(branches)),
+        float(sum(episode.replay["replayed_calls"] for episode in branches)),
+        float(sum(bool(episode.replay["diverged"]) for episode in branches)),
+        float(sum(not any(replayed) for replayed in by_task.values())),
+        float(len(by_task)),
+    ]

@@ -58,6 +58,13 @@ class Turn:
             conversation's role, `"main"`, `"side_call"` or `"sub_agent"`; `spawned_by`: for a sub-agent, the turn
             whose tool call handed it its task. Decided by lineage when the episode closes (`trl_agentic.lineage`);
             `None` before, and for cancelled calls.
+        replayed: the endpoint answered this call with the recorded completion of the episode's parent (a branch
+            replays its parent's first calls, `ReplaySpec`): `prompt_ids`, `completion_ids`, `logprobs`,
+            `response_message` and the policy versions are the parent's call's, token for token, nothing was sampled
+            (training code can dedupe such a turn against its parent's).
+        replay_divergence: set on the call at which replay ended early (the request did not render to the recorded
+            call's prompt): `{"call", "reason", "token_index", "recorded_context", "request_context", ...}`; that call
+            and every later one were sampled.
     """
 
     index: int
@@ -84,6 +91,8 @@ class Turn:
     conversation: int | None = None
     role: str | None = None
     spawned_by: int | None = None
+    replayed: bool = False
+    replay_divergence: dict[str, Any] | None = None
 
     @property
     def versions(self) -> list[int]:
@@ -169,6 +178,17 @@ class Episode:
     def total_drift(self) -> int:
         return sum(turn.drift for turn in self.turns)
 
+    @property
+    def num_replayed_calls(self) -> int:
+        """Calls answered from the parent's record (a branch episode's replayed prefix, `ReplaySpec`)."""
+        return sum(turn.replayed for turn in self.turns)
+
+    @property
+    def replay(self) -> dict[str, Any] | None:
+        """What replay did in a branch episode (`metadata["replay"]`, set when it closes): `parent`, `branch_point`,
+        `replayed_calls`, `diverged`, `divergence`; `None` for an episode that was not a branch."""
+        return self.metadata.get(REPLAY_KEY)
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "turns"}
         data = jsonable(data)
@@ -187,6 +207,55 @@ class Episode:
     @classmethod
     def from_json(cls, text: str) -> Episode:
         return cls.from_dict(json.loads(text))
+
+
+REPLAY_KEY = "replay"  # `Episode.metadata` key of a branch episode's replay summary
+
+
+@dataclass
+class ReplaySpec:
+    """A recorded main line to replay, and where the branch leaves it: what a branch episode is opened with.
+
+    The endpoint answers the branch's model calls `0 .. branch_point - 1` with `calls[j]`'s recorded completion (ids,
+    logprobs, the answer message and its policy versions unchanged, nothing sampled) as long as each request renders
+    to exactly `calls[j].prompt_ids`; from call `branch_point` on, or from the first call that does not match, it
+    samples. See `docs/tree_rollouts.md`.
+
+    Args:
+        calls: the parent's model calls in the order it made them (its recorded turns, cancelled ones left out).
+        branch_point: `k`, the first call sampled fresh (`0 <= k <= len(calls)`; `0` samples everything).
+        parent_id: the parent episode's id (recorded in the branch's `metadata["replay"]`).
+    """
+
+    calls: list[Turn]
+    branch_point: int
+    parent_id: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.branch_point, int) or not 0 <= self.branch_point <= len(self.calls):
+            raise ValueError(
+                f"branch_point={self.branch_point!r} is out of range: the recorded episode made {len(self.calls)} "
+                f"model calls, so a branch point is an int in [0, {len(self.calls)}]."
+            )
+
+    @classmethod
+    def from_episode(cls, episode: Episode, branch_point: int) -> ReplaySpec:
+        """Replay `episode`'s calls before `branch_point` (its turns in order, cancelled calls left out)."""
+        calls = [turn for turn in episode.turns if turn.finish_reason != "cancelled"]
+        return cls(calls, branch_point, episode.id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "calls": [turn.to_dict() for turn in self.calls],
+            "branch_point": self.branch_point,
+            "parent_id": self.parent_id,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplaySpec:
+        return cls(
+            [Turn.from_dict(t) for t in data.get("calls") or []], data.get("branch_point"), data.get("parent_id")
+        )
 
 
 MAX_TRACE_DEPTH = 100  # nesting levels kept in a trace (request bodies are already capped at 64 by the endpoint)

@@ -1,7 +1,7 @@
 """Alarms: training signals checked against each other and against a held-out measure (issue #11).
 
 GRPO amplifies whatever the checker rewards and learns only from groups whose episodes disagree. Training reward alone
-cannot tell learning from gaming, so a run is watched for six patterns, each a pure function over metric histories
+cannot tell learning from gaming, so a run is watched for seven patterns, each a pure function over metric histories
 (`{metric: [(global_step, value), ...]}`, as logged):
 
 - `reward_hacking`: training reward rose by `reward_rise` since a held-out evaluation while held-out success gained
@@ -18,6 +18,9 @@ cannot tell learning from gaming, so a run is watched for six patterns, each a p
 - `entropy_collapse`: mean token entropy fell below `entropy_ratio` x its level at the start of training.
 - `low_split_rate`: the split rate (groups whose rewards differ, `1 - frac_reward_zero_std`) stayed below
   `min_split_rate`: most groups give GRPO nothing to learn from.
+- `sampled_flat`: with tree rollouts, some tasks' branches never replayed a call of their parent
+  (`tree/sampled_flat_tasks` > 0 at the last logged step): their agent's requests change from run to run, each branch
+  is sampled whole (`docs/tree_rollouts.md`).
 
 [`AlarmsCallback`] wires them into a `Trainer`: every log gets `alarms/<name>` (1.0 while the alarm holds, else 0.0),
 a new alarm is emitted as a [`TrainingAlarm`] warning, and `output_dir/alarms.json` lists every alarm of the run. With
@@ -49,6 +52,7 @@ from .detectors import (
     low_split_rate,
     malformed_spike,
     reward_hacking,
+    sampled_flat,
     spike,
     unscorable_spike,
 )
@@ -74,6 +78,7 @@ __all__ = [
     "history_from_log_history",
     "length_drift",
     "low_split_rate",
+    "sampled_flat",
     "malformed_spike",
     "reward_hacking",
     "spike",

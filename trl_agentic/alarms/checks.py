@@ -7,7 +7,15 @@ from collections import defaultdict
 from typing import Any
 
 from .definitions import Alarm, AlarmSettings, History, Series
-from .detectors import entropy_collapse, length_drift, low_split_rate, malformed_spike, reward_hacking, unscorable_spike
+from .detectors import (
+    entropy_collapse,
+    length_drift,
+    low_split_rate,
+    malformed_spike,
+    reward_hacking,
+    sampled_flat,
+    unscorable_spike,
+)
 
 
 def _training_success(series: dict[str, Series]) -> tuple[Series, str]:
@@ -51,7 +59,8 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
     `sampling/groups/<level>`), `unscorable` (`episodes/unscorable` when logged, else the
     share of episodes that did not end `ok`, which are unscorable unless a checker scores failures),
     `unscorable_by_level` (step -> {difficulty: (episodes, unscorable episodes, groups)}, from
-    `sampling/episodes/<level>`, `sampling/unscorable/<level>` and `sampling/groups/<level>`) and `entropy`.
+    `sampling/episodes/<level>`, `sampling/unscorable/<level>` and `sampling/groups/<level>`), `entropy`, and, with
+    tree rollouts, `sampled_flat_tasks` (`tree/sampled_flat_tasks`) and `replay_diverged` (`tree/replay_diverged`).
     """
     get = lambda name: list(history.get(name, []))  # noqa: E731
     turns = dict(get("episodes/turns_mean"))
@@ -70,6 +79,8 @@ def derived_series(history: History) -> dict[str, list[tuple[int, float]]]:
         "unscorable": unscorable,
         "unscorable_by_level": _by_level(history, "episodes", "unscorable"),
         "entropy": get("entropy"),
+        "sampled_flat_tasks": get("tree/sampled_flat_tasks"),
+        "replay_diverged": get("tree/replay_diverged"),
     }
 
 
@@ -139,5 +150,6 @@ def check_alarms(history: History, settings: AlarmSettings | None = None) -> lis
         ),
         entropy_collapse(series["entropy"], window=window, entropy_ratio=settings.entropy_ratio),
         low_split_rate(series["split_rate"], window=window, min_split_rate=settings.min_split_rate),
+        sampled_flat(series["sampled_flat_tasks"], series["replay_diverged"]),
     ]
     return [alarm for alarm in found if alarm is not None]

@@ -18,6 +18,7 @@ ALARM_NAMES = (
     "unscorable_episodes",
     "entropy_collapse",
     "low_split_rate",
+    "sampled_flat",
 )
 
 

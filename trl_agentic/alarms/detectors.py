@@ -394,3 +394,36 @@ def low_split_rate(split_rate: Series, *, window: int = 10, min_split_rate: floa
         ),
         {"split_rate": recent},
     )
+
+
+def sampled_flat(flat_tasks: Series, replay_diverged: Series = ()) -> Alarm | None:
+    """Tree rollouts on tasks whose agent never replays: at the last logged step, a share of the branched tasks had
+    no branch that replayed even one call of its parent (`tree/sampled_flat_tasks` > 0, `episode_log.replay_counts`).
+
+    Example:
+
+    ```python
+    >>> sampled_flat([(1, 0.0), (2, 0.5)]).name       # half the tasks branched at step 2 never replayed
+    'sampled_flat'
+    >>> sampled_flat([(1, 0.5), (2, 0.0)]) is None
+    True
+    ```
+    """
+    if not flat_tasks:
+        return None
+    step, share = flat_tasks[-1]
+    if share <= 0:
+        return None
+    diverged = replay_diverged[-1][1] if replay_diverged else None
+    return Alarm(
+        "sampled_flat",
+        step,
+        (
+            f"{share:.0%} of the tasks branched at step {step} were sampled flat: none of their branches replayed a "
+            "single model call of its parent, so each branch cost a whole episode's sampling and shares no prefix. "
+            "The agent's requests change from run to run (a clock, a random id, unordered tools in its prompt): each "
+            "branch's first differing turn says where (`turn.replay_divergence`, the viewer or the episode log). "
+            "Make the agent deterministic, or branch only the tasks of agents that replay."
+        ),
+        {"sampled_flat_tasks": share, **({"replay_diverged": diverged} if diverged is not None else {})},
+    )

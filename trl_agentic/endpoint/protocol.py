@@ -328,6 +328,8 @@ class OpenEpisodeRequest(BaseModel):
     max_episode_tokens: int | None = Field(default=None, ge=1)
     # The episode's seed: its calls that bring none sample from seeds derived from it and their index in the episode.
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    # A branch episode: `trl_agentic.trace.ReplaySpec.to_dict()` (the parent's calls and the branch point).
+    replay: dict[str, Any] | None = None
 
 
 class CloseEpisodeRequest(BaseModel):

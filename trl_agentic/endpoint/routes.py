@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..trace import EPISODE_STATUSES, json_text
+from ..trace import EPISODE_STATUSES, ReplaySpec, json_text
 from . import anthropic_messages, gemini
 from .admission import NO_STORE, admit, admit_user, check_admin
 from .chat_completions import serve_chat_completions
@@ -164,8 +164,14 @@ async def open_episode(request: Request):
         max_turns=_first(body.max_turns, defaults.max_turns, None),
         max_episode_tokens=_first(body.max_episode_tokens, defaults.max_episode_tokens, None),
     )
+    replay = None
+    if body.replay is not None:
+        try:
+            replay = ReplaySpec.from_dict(body.replay)
+        except (TypeError, ValueError, KeyError) as error:
+            raise APIError(400, f"Invalid request: replay: {error}", param="replay", code="invalid_request") from None
     try:
-        session = registry.open(body.task_index, body.group_index, body.metadata, limits, body.seed)
+        session = registry.open(body.task_index, body.group_index, body.metadata, limits, body.seed, replay)
     except TooManyOpenEpisodesError as error:
         raise APIError(429, str(error), "rate_limit_error", "too_many_open_episodes") from None
     base = str(request.base_url).rstrip("/")

@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from ..trace import ReplaySpec
 from .sessions import EpisodeLimits, EpisodeSession, redact_episode_ids
 
 
@@ -154,11 +155,18 @@ class EndpointServer:
         return future.result(timeout)
 
     def open_episode(
-        self, task_index=0, group_index=0, metadata=None, limits: EpisodeLimits | None = None, seed: int | None = None
+        self,
+        task_index=0,
+        group_index=0,
+        metadata=None,
+        limits: EpisodeLimits | None = None,
+        seed: int | None = None,
+        replay: ReplaySpec | None = None,
     ) -> EpisodeSession:
-        """Open an episode (`EpisodeRegistry.open`); with a `seed`, its calls sample from seeds derived from it."""
+        """Open an episode (`EpisodeRegistry.open`); with a `seed`, its calls sample from seeds derived from it; with
+        a `replay`, a branch episode that replays its parent's first calls (`trl_agentic.trace.ReplaySpec`)."""
         return self.registry.open(
-            task_index, group_index, metadata, limits or self.app.state.settings.default_limits, seed
+            task_index, group_index, metadata, limits or self.app.state.settings.default_limits, seed, replay
         )
 
     def episode_base_url(self, session: EpisodeSession) -> str:

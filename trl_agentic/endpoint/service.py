@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import inspect
 import secrets
 import time
@@ -39,6 +40,7 @@ from ..trace import Turn
 from . import SERVED_MODEL_NAME
 from .chat import ChatRenderer
 from .protocol import parse_json_body, template_message
+from .replay import divergence_context, replay_output, replayed_turn
 from .sessions import EpisodeClosedError, EpisodeLimitError, EpisodeLimits, EpisodeSession, PromptPlan
 from .streaming import AnswerStream, Delta
 
@@ -203,6 +205,10 @@ class PreparedCall:
     sampling: SamplingParams
     reserved: int  # tokens held against the episode's budget until the call finishes (`run`)
     finished: bool = False
+    # A branch episode's replayed call: the parent's recorded turn that answers it (nothing is sampled); or, on the
+    # call where replay ended early, why (`EpisodeSession.replay_call`), recorded as its turn's `replay_divergence`.
+    replayed: Turn | None = None
+    divergence: dict[str, Any] | None = None
 
     def finish(self, turns: list = ()) -> bool:
         """Release the call's admission and record `turns` (`EpisodeSession.finish_call`), once: a second finish does
@@ -423,7 +429,13 @@ class CompletionService:
             top_logprobs=conversation.top_logprobs,
         )
         reserved = sampling.max_tokens * n if budget is not None else 0
-        return PreparedCall(session, conversation, messages, plan, forced, prompt_ids, sampling, reserved)
+        replayed, divergence = session.replay_call(prompt_ids, n, sampling.max_tokens)
+        if divergence is not None and "token_index" in divergence:
+            recorded = session.replay.calls[divergence["call"]].prompt_ids
+            divergence.update(divergence_context(self.tokenizer, prompt_ids, recorded))
+        return PreparedCall(
+            session, conversation, messages, plan, forced, prompt_ids, sampling, reserved, False, replayed, divergence
+        )
 
     async def run(
         self,
@@ -455,8 +467,11 @@ class CompletionService:
         messages, tools, prompt_ids, sampling = call.messages, conversation.tools, call.prompt_ids, call.sampling
         n = conversation.n
         started = time.monotonic()
+        replayed = call.replayed
 
         def turn_of(out: GenerationOutput | None, message: dict, finish: str, malformed: bool = False) -> Turn:
+            if replayed is not None and out is not None:
+                return replayed_turn(replayed, call, time.monotonic() - started)
             return Turn(
                 index=0,
                 prompt_ids=prompt_ids,
@@ -478,20 +493,21 @@ class CompletionService:
                 requested_sampling=conversation.requested,
                 wall_time=time.monotonic() - started,
                 wire_format=conversation.wire_format,
+                replay_divergence=call.divergence,
             )
 
         parse_tools = conversation.tool_choice != "none"
         streams = [self._answer_stream(i, call, parse_tools, on_delta) for i in range(n)] if on_delta else None
-        generation = asyncio.ensure_future(
-            asyncio.gather(
-                *[
-                    engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i), on_token=streams[i].feed)
-                    if streams and self.engine_streams
-                    else engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i))
-                    for i in range(n)
-                ]
-            )
-        )
+        if replayed is not None:  # a branch's replayed call (n == 1): the parent's completion, nothing sampled
+            samples = [replay_output(replayed, streams[0].feed if streams else None)]
+        else:
+            samples = [
+                engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i), on_token=streams[i].feed)
+                if streams and self.engine_streams
+                else engine.generate(prompt_ids, _with_seed(sampling, sampling.seed, i))
+                for i in range(n)
+            ]
+        generation = asyncio.ensure_future(asyncio.gather(*samples))
         generation.add_done_callback(lambda future: future.cancelled() or future.exception())  # cancelled: unread
         watchers = {asyncio.ensure_future(_wait_for_disconnect(request))}
         if client_gone is not None:
@@ -516,6 +532,11 @@ class CompletionService:
         outputs = generation.result()
         choices, turns = [], []
         for out in outputs:
+            if replayed is not None:  # the recorded answer as it was returned (its tool-call ids included)
+                message = copy.deepcopy(replayed.response_message)
+                turns.append((turn_of(out, message, replayed.finish_reason), messages, tools, plan.keys))
+                choices.append(Choice(message, replayed.finish_reason, out, None))
+                continue
             out, stopped_text, stop = apply_stop_strings(self.tokenizer, out, conversation.stop)
             message, malformed = renderer.parse(
                 forced + out.token_ids,
@@ -562,7 +583,7 @@ class CompletionService:
             strip_content=bool(parse_tools and tools),
             hold_ids=self.hold_ids,
         )
-        if call.forced and self.engine_streams:
+        if call.forced and (self.engine_streams or call.replayed is not None):
             stream.feed(call.forced)  # the tool-call opening the prompt ends with: what the parser reads first
         return stream
 

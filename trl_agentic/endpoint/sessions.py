@@ -20,7 +20,7 @@ from typing import Any
 
 from ..generation.engine import derive_seed
 from ..lineage import label_conversations
-from ..trace import Episode, Turn
+from ..trace import REPLAY_KEY, Episode, ReplaySpec, Turn
 from .chat import ChatRenderer, common_prefix_length
 from .protocol import comparable_message, template_message
 
@@ -177,6 +177,58 @@ class EpisodeSession:
     _by_prefix: dict[bytes, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _calls: itertools.count = field(default_factory=itertools.count)  # indices of the episode's calls, in order
+    # A branch episode: the parent's calls it replays before sampling (`replay_call`); `None` for any other episode.
+    replay: ReplaySpec | None = None
+    _replay_next: int = 0  # index of the next call in the replayed main line
+    _replay_live: bool = True  # False once replay ended (the branch point reached, or a request that did not match)
+    _replay_divergence: dict | None = None
+
+    def replay_call(self, prompt_ids: list[int], choices: int, max_tokens: int) -> tuple[Turn | None, dict | None]:
+        """The recorded call that answers this call of a branch episode, or why replay ends here.
+
+        Calls take the replayed main line's indices in the order they are planned. Call `j < branch_point` is
+        replayed when its prompt ids equal recorded call `j`'s exactly (forced tool-call tokens included), it asks
+        for one choice, and the recorded completion fits its `max_tokens`. Returns `(recorded turn, None)` to replay,
+        `(None, divergence)` for the call where replay ends early (the divergence goes on its turn), `(None, None)`
+        to sample (no replay, or replay is over).
+        """
+        replay = self.replay
+        if replay is None:
+            return None, None
+        with self._lock:
+            if not self._replay_live:
+                return None, None
+            j = self._replay_next
+            self._replay_next += 1
+            if j >= replay.branch_point:
+                self._replay_live = False
+                return None, None
+            recorded = replay.calls[j]
+            expected = recorded.prompt_ids
+            divergence = None
+            if prompt_ids != expected:
+                at = common_prefix_length(prompt_ids, expected)
+                divergence = {
+                    "call": j,
+                    "reason": "prompt_mismatch",
+                    "token_index": at,
+                    "recorded_tokens": len(expected),
+                    "request_tokens": len(prompt_ids),
+                }
+            elif choices != 1:
+                divergence = {"call": j, "reason": "choices", "detail": f"the call asks for n={choices} choices"}
+            elif len(recorded.completion_ids) > max_tokens:
+                divergence = {
+                    "call": j,
+                    "reason": "max_tokens",
+                    "detail": f"the recorded completion has {len(recorded.completion_ids)} tokens, the call allows "
+                    f"{max_tokens}",
+                }
+            if divergence is None:
+                return recorded, None
+            self._replay_live = False
+            self._replay_divergence = divergence
+            return None, divergence
 
     def call_seed(self) -> int | None:
         """The seed of the episode's next model call: derived from the episode's seed and the call's index in the
@@ -384,9 +436,31 @@ class EpisodeSession:
                 self.late_turns = self.in_flight
                 if self.late_turns:
                     episode.metadata["late_turns"] = self.late_turns
+                if self.replay is not None:
+                    episode.metadata[REPLAY_KEY] = self._replay_summary()
                 # The task's prompt (given at open) decides the main line; not kept: the episode has its messages
                 label_conversations(episode, episode.metadata.pop("task_prompt", None))
             return self.episode
+
+    def _replay_summary(self) -> dict[str, Any]:
+        """A branch episode's `metadata["replay"]` (under the lock, at close)."""
+        replay = self.replay
+        replayed = sum(turn.replayed for turn in self.episode.turns)
+        divergence = self._replay_divergence
+        if divergence is None and replayed < replay.branch_point:
+            # The agent ended (or failed) before reaching the branch point: the branch is not the parent's prefix.
+            divergence = {
+                "call": replayed,
+                "reason": "ended_before_branch_point",
+                "detail": f"the episode made {replayed} matching calls of the {replay.branch_point} to replay",
+            }
+        return {
+            "parent": replay.parent_id,
+            "branch_point": replay.branch_point,
+            "replayed_calls": replayed,
+            "diverged": divergence is not None,
+            "divergence": divergence,
+        }
 
 
 KEPT_REAPED = 256  # idle-closed episodes whose traces stay retrievable (oldest dropped first)
@@ -417,13 +491,15 @@ class EpisodeRegistry:
         metadata: dict[str, Any] | None = None,
         limits: EpisodeLimits | None = None,
         seed: int | None = None,
+        replay: ReplaySpec | None = None,
     ) -> EpisodeSession:
         """Open an episode; with a `seed`, each model call that brings no seed of its own samples from a seed derived
-        from it and the call's index in the episode (`EpisodeSession.call_seed`)."""
+        from it and the call's index in the episode (`EpisodeSession.call_seed`). With a `replay`, a branch episode:
+        its first calls are answered from the recorded ones (`EpisodeSession.replay_call`)."""
         episode_id = f"ep-{secrets.token_hex(16)}"
         key = f"sk-ep-{secrets.token_urlsafe(32)}"
         episode = Episode(id=episode_id, task_index=task_index, group_index=group_index, metadata=metadata or {})
-        session = EpisodeSession(episode=episode, key=key, limits=limits or EpisodeLimits(), seed=seed)
+        session = EpisodeSession(episode=episode, key=key, limits=limits or EpisodeLimits(), seed=seed, replay=replay)
         if self.max_open is not None and len(self._by_id) >= self.max_open:
             self.reap_idle()
         with self._lock:

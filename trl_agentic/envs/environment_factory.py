@@ -331,6 +331,9 @@ class _EnvironmentTools(ToolLoop):
     `max_tool_calling_iterations` rounds of tool calls, or when tool results would overflow TRL's completion budget
     (they are dropped, `cut_at_budget`)."""
 
+    # A branch replays the model calls; the tools run again on its fresh environment, whose state they build.
+    replay_tool_results = False
+
     def __init__(
         self, agent: EnvironmentAgent, methods: Mapping[str, Callable], request: dict[str, Any], environment: Any = None
     ):

@@ -521,6 +521,9 @@ class _OpenEnvTurns(ToolLoop):
     (`OpenEnvAgent._act`), its observation the answer; the episode ends when the environment says `done`, the model
     stops acting, or after `max_turns` model calls (`record["finish"]` says which)."""
 
+    # A branch replays the model calls; the tools run again on its fresh environment, whose state they build.
+    replay_tool_results = False
+
     def __init__(self, agent: OpenEnvAgent, env: Any, url: str, protocol: _Protocol, record: dict[str, Any]):
         self.agent, self.env, self.url, self.protocol, self.record = agent, env, url, protocol, record
         self.max_turns = agent.max_turns

@@ -31,8 +31,9 @@ from typing import Any, Protocol, TypeVar
 import httpx
 
 from ..generation.engine import derive_seed
-from ..trace import Episode
+from ..trace import Episode, ReplaySpec
 from .agents import AgentCrash, EpisodeAgent, EpisodeContext
+from .tool_loop import TOOL_REPLAY, ToolReplay
 
 
 # Seconds a timed-out agent gets to end after it is cancelled (a command agent's process group is killed at once);
@@ -63,7 +64,8 @@ class EpisodeServer(Protocol):
     ) -> Any:
         """Returns a session with the episode's `key` and `episode.id`; its calls that bring no seed sample from seeds
         derived from `seed` and their index in the episode (`None`: the engine draws them). `metadata` starts the
-        episode's metadata (`task_prompt`: what lineage uses to tell the task's conversation from the others)."""
+        episode's metadata (`task_prompt`: what lineage uses to tell the task's conversation from the others).
+        Branch episodes (`rollout/replay.py`) pass `replay=ReplaySpec(...)` too: a server that replays takes it."""
 
     def close_episode(
         self, episode_id: str, status: str | None = None, result: Any = None, error: str | None = None
@@ -80,18 +82,24 @@ async def run_episode(
     model: str | None = None,
     http_client: httpx.AsyncClient | None = None,
     seed: int | None = None,
+    replay: ReplaySpec | None = None,
+    tool_replay: ToolReplay | None = None,
 ) -> Episode:
     """Open an episode, run the agent on `task` until it returns, fails or times out, and close the episode.
 
     The status is `ok`, `agent_error` (the agent raised or the command exited non-zero), `timeout`, or what the
     endpoint saw (`context_overflow`, `limit_exceeded`). The episode is always closed and returned. `model` is the
     name handed to the agent (default: the one the server answers to). `seed`: the episode's seed (its calls' seeds
-    derive from it, `EpisodeServer.open_episode`).
+    derive from it, `EpisodeServer.open_episode`). `replay` / `tool_replay`: a branch episode (`rollout/replay.py`:
+    the endpoint replays the parent's first calls, the agent's tool loop their tool results).
     """
     # The task's prompt, when it has one: the conversation that holds it is the episode's main line (lineage), whatever
     # a harness sends first (a title request, a sub-agent). Kept trainer-side: the agent never sees the metadata.
     metadata = {"task_prompt": task["prompt"]} if task.get("prompt") else None
-    session = server.open_episode(task_index=task_index, group_index=group_index, metadata=metadata, seed=seed)
+    opened = {"replay": replay} if replay is not None else {}
+    session = server.open_episode(
+        task_index=task_index, group_index=group_index, metadata=metadata, seed=seed, **opened
+    )
     context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
@@ -99,11 +107,11 @@ async def run_episode(
     # swallows the cancellation (and then takes whatever it returns for a result). On a loop and a thread of its own,
     # unless it was handed a connection pool shared with the others (bound to this loop).
     if http_client is None:
-        agent_thread = _AgentThread(agent, context, task)
+        agent_thread = _AgentThread(agent, context, task, tool_replay)
         run, cancel = agent_thread.future, agent_thread.cancel
     else:
         agent_thread = None
-        run = asyncio.ensure_future(_guarded(agent.run(context, task)))
+        run = asyncio.ensure_future(_guarded(_with_tool_replay(agent.run(context, task), tool_replay)))
         cancel = run.cancel
     try:
         await asyncio.wait({run}, timeout=timeout)
@@ -252,6 +260,14 @@ async def _guarded(coroutine: Coroutine[Any, Any, T]) -> T:
         raise _as_crash(exit_) from None
 
 
+async def _with_tool_replay(coroutine: Coroutine[Any, Any, T], tool_replay: ToolReplay | None) -> T:
+    """`coroutine` run with the episode's tool replay visible to its tool loop (`TOOL_REPLAY`, in its task's
+    context: what it starts, threads included, sees it too)."""
+    if tool_replay is not None:
+        TOOL_REPLAY.set(tool_replay)
+    return await coroutine
+
+
 def _as_crash(exception: BaseException) -> AgentCrash:
     return AgentCrash(f"the agent raised {type(exception).__name__}: {exception}")
 
@@ -260,7 +276,10 @@ class _AgentThread:
     """One episode's agent, run on an event loop of its own in a daemon thread of its own; `future` (on the caller's
     loop) gets its result or its exception. `cancel()` cancels it on its loop (it may ignore that, or be blocked)."""
 
-    def __init__(self, agent: EpisodeAgent, context: EpisodeContext, task: dict[str, Any]):
+    def __init__(
+        self, agent: EpisodeAgent, context: EpisodeContext, task: dict[str, Any], tool_replay: ToolReplay | None = None
+    ):
+        self._tool_replay = tool_replay
         self._caller = asyncio.get_running_loop()
         self.future: asyncio.Future = self._caller.create_future()
         self._lock = threading.Lock()
@@ -288,7 +307,8 @@ class _AgentThread:
             # trust_env=False: the endpoint is ours, on loopback; an HTTP(S)_PROXY / ALL_PROXY set for the agents' own
             # traffic (a cluster's proxy) sent every model call to the proxy, and every episode failed.
             async with httpx.AsyncClient(timeout=context.timeout, verify=_ssl_context(), trust_env=False) as client:
-                return await agent.run(dataclasses.replace(context, http_client=client), task)
+                run = agent.run(dataclasses.replace(context, http_client=client), task)
+                return await _with_tool_replay(run, self._tool_replay)
 
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)

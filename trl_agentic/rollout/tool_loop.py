@@ -16,13 +16,52 @@ One hooks instance plays one episode (it holds that episode's state, as verifier
 `ToolAgent` (Python functions, `tasks/agent_loop.py`), `EnvironmentAgent` (a TRL `environment_factory` instance),
 `MCPAgent` (MCP sessions) and `OpenEnvAgent` (an OpenEnv client), in `envs/`.
 
+Replay (a branch episode, `docs/tree_rollouts.md`): while the endpoint replays the parent's first model calls, the
+loop answers each replayed reply with the parent's recorded answer to it (`ToolReplay`, by call index) instead of
+running `env_response`, so tools with side effects are not run again and the branch's requests stay the parent's,
+token for token. A loop whose later steps need the state its tools built (an environment object stepped by them) sets
+`replay_tool_results = False`: its tools run again during the replayed prefix (on the branch's own fresh instance).
+
 This module imports nothing of the package: `tasks/` and `envs/` both build on it, neither imports the other for it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class ToolReplay:
+    """What a branch episode's tool loop replays: the parent's replies and the answers they got, by call index.
+
+    Args:
+        replies: the parent's assistant messages (chat shape, as the endpoint returned them), call by call.
+        answers: the messages that answered reply `j` (appended before call `j + 1`); `None` where not recorded.
+        until: replies `0 .. until - 1` are replayed by the endpoint; their answers come from the record.
+        replayed: answers returned from the record so far (counted by the loop).
+    """
+
+    replies: list[dict[str, Any]]
+    answers: list[list[dict[str, Any]] | None]
+    until: int
+    replayed: int = field(default=0)
+
+
+# The episode's tool replay, set by the runner for the agent of a branch episode (`rollout/replay.py`); the first
+# `ToolLoop.run` of the episode takes it (a nested loop, a sub-agent's, does not).
+TOOL_REPLAY: ContextVar[ToolReplay | None] = ContextVar("trl_agentic_tool_replay", default=None)
+
+
+def _same_reply(message: Any, recorded: dict[str, Any]) -> bool:
+    """Whether the client's `message` is the recorded reply: same text, same tool calls (ids, names, arguments)."""
+    calls = [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    expected = [
+        (c.get("id"), c["function"]["name"], c["function"]["arguments"]) for c in recorded.get("tool_calls") or ()
+    ]
+    return (message.content or "") == (recorded.get("content") or "") and calls == expected
 
 
 @dataclass
@@ -67,6 +106,7 @@ class ToolLoop:
     """
 
     max_turns: int | None = None
+    replay_tool_results: bool = True  # False: during a branch's replayed prefix the tools run again (see module doc)
 
     def request(self) -> dict[str, Any]:
         """The keyword arguments of the next `chat.completions.create` besides `messages`."""
@@ -97,6 +137,11 @@ class ToolLoop:
             messages: the conversation so far (typically the task's prompt).
         """
         turns, message = 0, None
+        replay = TOOL_REPLAY.get()
+        if replay is not None:
+            TOOL_REPLAY.set(None)  # this episode's loop takes it; a nested loop (a sub-agent's) replays nothing
+            if not self.replay_tool_results:
+                replay = None
         while True:
             if self.is_completed():
                 return LoopResult(message, turns, "done")
@@ -110,10 +155,18 @@ class ToolLoop:
             messages.append(message.model_dump(exclude_unset=True))
             if self.is_final(message):
                 return LoopResult(message, turns, "answered")
+            j = turns - 1
+            if replay is not None and j < replay.until and j < len(replay.answers):
+                recorded = replay.answers[j]
+                if recorded is not None and _same_reply(message, replay.replies[j]):
+                    replay.replayed += 1
+                    messages.extend(copy.deepcopy(recorded))
+                    continue
+                replay = None  # the reply is not the parent's (the endpoint stopped replaying): run the tools
             answer = await self.env_response(message, response)
             if answer is None:
                 return LoopResult(message, turns, "stopped")
             messages.extend(answer)
 
 
-__all__ = ["LoopResult", "ToolLoop"]
+__all__ = ["TOOL_REPLAY", "LoopResult", "ToolLoop", "ToolReplay"]
