@@ -282,3 +282,23 @@ def test_two_training_steps(tmp_path, tokenizer):
     assert len(records) == 4 and all(r["episode"]["status"] == "ok" for r in records)
     for metrics in trainer.state.log_history[:2]:
         assert metrics["rewards/bfcl_multi_turn_accuracy/mean"] == 0.5
+
+
+def test_trl_agentic_eval_reports_bfcls_accuracy(tmp_path, capsys):
+    # The tiny model (random weights, real chat template) on 2 held-out entries, one episode each, greedy.
+    from trl_agentic.scripts.eval import main
+
+    output = tmp_path / "eval.json"
+    spec = "bfcl:multi_turn_base?classes=GorillaFileSystem&schemas=compact&eval_fraction=0.5"
+    argv = ["--task", spec, "--model", "tiny:qwen2_5:64x2", "--size", "2", "--num-samples", "1", "--temperature", "0"]
+    assert main([*argv, "--max-tokens", "8", "--max-turns", "8", "--output", str(output), "--no-progress"]) == 0
+    written = json.loads(output.read_text())
+    assert written["episodes"] == 2 and set(written["scored_reward_funcs"]) == {"bfcl_multi_turn_accuracy"}
+    assert written["bfcl"] == {
+        "category": "multi_turn_base",
+        "accuracy": written["success"],  # BFCL's: solved entries / entries, a failed episode counts as wrong
+        "episodes": 2,
+        "comparable_with_leaderboard": False,  # a subset, compact schemas
+    }
+    rewards = [reward for task in written["per_task"] for reward in task["rewards"]]
+    assert written["success"] == sum(r == 1.0 for r in rewards) / 2

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import functools
 import hashlib
 import inspect
 import json
@@ -410,6 +411,14 @@ def split_of_entry(entry_id: str, eval_fraction: float) -> str:
     return "eval" if int.from_bytes(digest[:8], "big") / 2**64 < eval_fraction else "train"
 
 
+@functools.lru_cache(maxsize=None)
+def _load_category(category: str) -> tuple[dict[str, dict[str, Any]], dict[str, list[list[str]]]]:
+    # BFCL's entries (with their function docs) and ground truth, read once per process; nothing here mutates them.
+    entries = {entry["id"]: entry for entry in load_dataset_entry(category)}
+    ground_truth = {answer["id"]: answer["ground_truth"] for answer in load_ground_truth_entry(category)}
+    return entries, ground_truth
+
+
 @dataclass
 class BFCLSuite(TaskSuite):
     """A [`TaskSuite`] of BFCL multi-turn entries (made by [`from_bfcl`]), with the entries by id (`entries`) and
@@ -417,6 +426,22 @@ class BFCLSuite(TaskSuite):
 
     entries: dict[str, dict[str, Any]] | None = None
     split_ids: dict[str, list[str]] | None = None
+    category: str = ""
+    comparable: bool = False
+
+    def leaderboard_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """BFCL's multi-turn accuracy for `trl-agentic eval`'s summary: entries BFCL's checker says solved over entries
+        evaluated (an episode that crashed or hit a limit counts as wrong, as in BFCL), i.e. `success`; the
+        leaderboard's figure for the category when every entry ran once (`--split all --size 200 --num-samples 1`),
+        with BFCL's tool schemas (`comparable`)."""
+        return {
+            "bfcl": {
+                "category": self.category,
+                "accuracy": metrics["success"],
+                "episodes": metrics.get("episodes"),
+                "comparable_with_leaderboard": self.comparable,
+            }
+        }
 
 
 def from_bfcl(
@@ -441,8 +466,9 @@ def from_bfcl(
         step_limit: most executed steps per turn (BFCL's `MAXIMUM_STEP_LIMIT`, 20).
 
     Returns:
-        A [`BFCLSuite`]: `build_dataset(split, size, seed)` returns `size` rows of the split's entries, shuffled with
-        `seed` (each entry once per pass; more passes when `size` exceeds them), columns `prompt` (the first turn),
+        A [`BFCLSuite`]: `build_dataset(split, size, seed)` returns `size` rows of the split's entries (`"all"`: every
+        entry, for a leaderboard-comparable evaluation), shuffled with `seed` (each entry once per pass; more passes
+        when `size` exceeds them), columns `prompt` (the first turn),
         `bfcl_id`, `bfcl_category`; `agent_columns` = `("prompt", "bfcl_id")`; one reward function,
         `bfcl_multi_turn_accuracy`; `demonstrations(n, seed)` replays the ground truth of training entries.
     """
@@ -454,8 +480,7 @@ def from_bfcl(
         raise ValueError(f"schemas must be 'bfcl' or 'compact', got {schemas!r}.")
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}.")
-    entries = {entry["id"]: entry for entry in load_dataset_entry(category)}
-    ground_truth = {answer["id"]: answer["ground_truth"] for answer in load_ground_truth_entry(category)}
+    entries, ground_truth = (dict(loaded) for loaded in _load_category(category))
     if classes:
         unknown = sorted(set(classes) - set(CLASS_FILE_PATH_MAPPING))
         if unknown:
@@ -476,13 +501,14 @@ def from_bfcl(
             )
 
     def ids_for(split: str, size: int, seed: int) -> list[str]:
-        if split not in split_ids:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+        if split not in (*split_ids, "all"):
+            raise ValueError(f"split must be 'train', 'eval' or 'all' (every entry: evaluation only), got {split!r}.")
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}.")
+        ids = list(entries) if split == "all" else split_ids[split]
         rng, chosen = random.Random(f"bfcl-{split}-{seed}"), []
         while len(chosen) < size:
-            batch = sorted(split_ids[split])
+            batch = sorted(ids)
             rng.shuffle(batch)
             chosen += batch[: size - len(chosen)]
         return chosen
@@ -522,6 +548,8 @@ def from_bfcl(
         agent_columns=("prompt", "bfcl_id"),
         entries=entries,
         split_ids=split_ids,
+        category=category,
+        comparable=not classes and not compact and step_limit == MAXIMUM_STEP_LIMIT,
     )
 
 
