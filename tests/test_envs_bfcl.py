@@ -302,3 +302,23 @@ def test_trl_agentic_eval_reports_bfcls_accuracy(tmp_path, capsys):
     }
     rewards = [reward for task in written["per_task"] for reward in task["rewards"]]
     assert written["success"] == sum(r == 1.0 for r in rewards) / 2
+
+
+def test_miss_func_offers_the_held_out_functions_at_their_turn(start_server, tokenizer):
+    # multi_turn_miss_func_3: `find` and `ls` are held out until turn 1, which has no user message of its own: BFCL
+    # adds them to the tools and asks with its prompt for additional functions.
+    from bfcl_eval.constants.default_prompts import DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+
+    suite = from_bfcl("multi_turn_miss_func", classes=("GorillaFileSystem",), eval_fraction=0.5)
+    entry_id = "multi_turn_miss_func_3"
+    engine = ScriptedEngine(tokenizer, lambda prompt_ids: "Done.", max_context_length=32768)
+    endpoint = start_server(engine, tokenizer)
+    row = next(r for r in suite.build_dataset("all", size=len(suite.entries)) if r["bfcl_id"] == entry_id)
+    tasks = [{column: row[column] for column in suite.agent_columns}]
+    (episode,) = run_rollout(run_episodes(endpoint, resolve_agent(suite.agent), tasks, timeout=120))
+    assert episode.status == "ok" and episode.result["turns"] == [["Done."]] * 3
+    first, second, third = (tokenizer.decode(p) for p in engine.prompts)
+    for name in ("find", "ls"):
+        assert f'"name": "{name}"' not in first and f'"name": "{name}"' in second and f'"name": "{name}"' in third
+    assert DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC not in first and DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC in second  # fmt: skip
+    assert score_episodes(suite.reward_funcs, [row], [episode])[0] == [0.0]
