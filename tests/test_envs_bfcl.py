@@ -322,3 +322,23 @@ def test_miss_func_offers_the_held_out_functions_at_their_turn(start_server, tok
         assert f'"name": "{name}"' not in first and f'"name": "{name}"' in second and f'"name": "{name}"' in third
     assert DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC not in first and DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC in second  # fmt: skip
     assert score_episodes(suite.reward_funcs, [row], [episode])[0] == [0.0]
+
+
+def test_every_demonstration_of_a_category_is_a_play_bfcls_checker_accepts():
+    # The ground truth of all 200 multi_turn_base entries (positional arguments named, one call per message), read
+    # back from the demonstrations as the agent would have sent the calls: BFCL's checker says valid for each.
+    suite = from_bfcl("multi_turn_base")
+    from trl_agentic.envs.bfcl import _load_category, replay_ground_truth
+
+    entries, ground_truth = _load_category("multi_turn_base")
+    invalid = []
+    for entry_id, entry in entries.items():
+        turns = []
+        for message in replay_ground_truth(entry, ground_truth[entry_id], [])["messages"]:
+            if message["role"] == "user":
+                turns.append([])
+            elif message.get("tool_calls"):
+                turns[-1].append([{c["function"]["name"]: json.dumps(c["function"]["arguments"])} for c in message["tool_calls"]])  # fmt: skip
+        if not check_entry(entry, ground_truth[entry_id], turns)["valid"]:
+            invalid.append(entry_id)
+    assert len(suite.entries) == 200 and invalid == []
