@@ -26,8 +26,11 @@ def test_the_environment_extras_pin_the_supported_releases():
 
 
 def test_nothing_is_installed_without_its_requirements():
+    """Except bfcl-eval, whose pins (numpy 1.26, model SDKs) are unworkable beside [dev]: its data, backends and
+    checker are used, and [bfcl] lists what they import (issue 45 allows it, said in docs/bfcl.md)."""
     for path in [ROOT / ".ci" / "run", ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]:
-        assert not re.search(r"pip install[^\n]*--no-deps", path.read_text()), path.name
+        lines = re.findall(r"pip install[^\n]*--no-deps[^\n]*", path.read_text())
+        assert all(re.search(r"--no-deps bfcl-eval==", line) for line in lines), (path.name, lines)
 
 
 def test_ci_runs_the_tests_of_the_mcp_1_extras_in_their_own_venv():

@@ -14,10 +14,11 @@ from typing import Any
 # What `--task` accepts (train, eval, demo). Here, in a module without heavy imports, so that `--help` stays fast.
 TASK_HELP = (
     "Task: a bundled name ('calculator', 'files', 'latency'), an import path 'pkg.module:TASK', a file "
-    "'path/to/task.py:TASK' (it may import modules next to it), or 'verifiers:<env-id>'."
+    "'path/to/task.py:TASK' (it may import modules next to it), 'verifiers:<env-id>', or a BFCL multi-turn category "
+    "'bfcl:multi_turn_base' (docs/bfcl.md)."
 )
 
-# Task specs that name a task of another system by its id (`"verifiers:<env-id>"`, later `"bfcl:..."`): prefix ->
+# Task specs that name a task of another system by its id (`"verifiers:<env-id>"`, `"bfcl:<category>"`): prefix ->
 # `"pkg.module:loader"`, `loader(id) -> TaskSuite`, imported on first use. The environment adapters add theirs
 # (`trl_agentic/envs/__init__.py`), so `tasks.get_task` resolves them without importing `envs` (issue 41: no circle).
 TASK_SOURCES: dict[str, str] = {}

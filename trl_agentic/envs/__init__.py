@@ -15,6 +15,8 @@ from ..imports import register_task_source
 
 # The task specs these adapters resolve, for `get_task` (tasks/ never imports envs/): `"verifiers:<env-id>"`.
 register_task_source("verifiers", "trl_agentic.envs.verifiers:load_verifiers_suite")
+# `"bfcl:<category>[?classes=A,B&schemas=compact]"`: BFCL's multi-turn entries (docs/bfcl.md).
+register_task_source("bfcl", "trl_agentic.envs.bfcl:load_bfcl_suite")
 
 # Public name -> the module of this package that defines it.
 _EXPORTS = {
@@ -31,6 +33,8 @@ _EXPORTS = {
     "OpenEnvAgent": "openenv",
     "from_openenv": "openenv",
     "openenv_reward": "openenv",
+    "BFCLAgent": "bfcl",
+    "from_bfcl": "bfcl",
 }
 
 

@@ -54,7 +54,12 @@ def make_parser() -> argparse.ArgumentParser:
     add("--agent", help="Import path 'pkg.module:attr' of an agent replacing the task's agent.")
     add("--agent-command", help="Shell command run per episode as the agent.")
     add("--reward-funcs", nargs="+", help="Reward functions replacing the task's (bundled names or 'pkg.module:func').")
-    add("--split", default="eval", choices=["eval", "train"], help="Task split (default: eval).")
+    add(
+        "--split",
+        default="eval",
+        choices=["eval", "train", "all"],
+        help="Task split (default: eval; 'all': every task, for a suite that has it, e.g. a BFCL category).",
+    )
     add("--size", type=int, help="Tasks to evaluate (default: the recipe's eval_size, else 64).")
     add("--dataset-seed", type=int, help="Seed of the task generator (default: the recipe's dataset_seed, else 0).")
     add("--num-samples", type=int, default=4, help="Episodes per task, the n of pass@k (default: 4).")
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         episodes_path=args.episodes,
     )
     metrics = {"model": model_name, "split": args.split, "config": args.config, **metrics}
+    if hasattr(suite, "leaderboard_metrics"):  # a benchmark's own figure beside ours (BFCL: its multi-turn accuracy)
+        metrics.update(suite.leaderboard_metrics(metrics))
 
     summary = {key: value for key, value in metrics.items() if key != "per_task"}
     print(json.dumps(summary, indent=2))
