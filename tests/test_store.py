@@ -153,3 +153,17 @@ def test_kill_9_mid_traffic_loses_no_acknowledged_episode_or_reward_and_trains_n
     rest = store.claim_for_training(limit=1000, step=10**6).items
     assert not claimed_before & {e.id for e, _ in rest}  # nothing trained twice
     assert len(claimed_before) + len(rest) == len(store.rewarded_episode_ids())
+
+
+def test_a_claim_can_take_the_freshest_episodes_of_given_versions_only(location):
+    store = open_store(location)
+    for number, version in enumerate([0, 0, 1, 2, 2]):
+        ep = episode(f"ep-{number}")
+        ep.turns[0].policy_version = version
+        store.put_episode(ep, user=None, fingerprint=None)
+        store.add_reward(ep.id, 1.0, source="admin", giver="admin")
+    newest = store.claim_for_training(limit=2, step=1, versions=[1, 2], newest_first=True).items
+    assert [e.id for e, _ in newest] == ["ep-4", "ep-3"]
+    assert [e.id for e, _ in store.claim_for_training(limit=5, step=2, versions=[1, 2]).items] == ["ep-2"]
+    assert store.claim_for_training(limit=5, step=3, versions=[]).items == []
+    assert [e.id for e, _ in store.claim_for_training(limit=5, step=3).items] == ["ep-0", "ep-1"]  # any version

@@ -128,15 +128,14 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
     def _claim(self, count: int) -> list[Episode]:
         group = self.num_generations
         deadline = time.monotonic() + self.wait_timeout
-        claim = self.store.claim_for_training(limit=count, step=self.state.global_step + 1)
-        items = list(claim.items)
+        items = list(self._claim_fresh(count))
         while len(items) < count:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"Only {len(items)} rewarded episodes arrived in {self.wait_timeout:g}s; a step needs {count}."
                 )
             time.sleep(0.2)
-            items += self.store.claim_for_training(limit=count - len(items), step=self.state.global_step + 1).items
+            items += self._claim_fresh(count - len(items))
         items = _grouped(items, group)
         episodes = []
         for index, (episode, rewards) in enumerate(items):
@@ -200,6 +199,15 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
                 logger.warning(
                     "Version %d was rolled back: training goes on from the incumbent's weights.", last.version
                 )
+
+    def _claim_fresh(self, count: int) -> list:
+        """The freshest rewarded episodes within the staleness bound (when traffic outruns training, the backlog's
+        oldest episodes age out untrained and stay in the store for evaluation)."""
+        step, rebased = self.state.global_step, self._rebased
+        floor = step - self.args.max_staleness
+        fresh = [v for v in range(step + 1) if rebased.get(v, v) >= floor]
+        claim = self.store.claim_for_training(limit=count, step=step + 1, versions=fresh, newest_first=True)
+        return claim.items
 
     def _rebase_versions(self, episode: Episode) -> None:
         """Staleness counts the updates between the weights that sampled a token and those that train on it. After a

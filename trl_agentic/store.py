@@ -96,7 +96,9 @@ class EpisodeStore(Protocol):
     def episodes_of(self, user: str) -> list[str]: ...
     def add_reward(self, episode_id: str, value: float, source: str, giver: str, note: str | None = None) -> int: ...
     def rewards(self, episode_id: str) -> list[Reward]: ...
-    def claim_for_training(self, limit: int, step: int) -> Claim: ...
+    def claim_for_training(
+        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+    ) -> Claim: ...
     def release_claims_after(self, step: int) -> int: ...
 
 
@@ -116,7 +118,8 @@ CREATE TABLE IF NOT EXISTS episodes (
     status TEXT NOT NULL,
     data TEXT NOT NULL,
     stored {float} NOT NULL,
-    claim_step BIGINT
+    claim_step BIGINT,
+    version BIGINT
 );
 CREATE INDEX IF NOT EXISTS episodes_owner ON episodes(owner);
 CREATE TABLE IF NOT EXISTS rewards (
@@ -131,6 +134,12 @@ CREATE TABLE IF NOT EXISTS rewards (
 );
 CREATE INDEX IF NOT EXISTS rewards_episode ON rewards(episode_id);
 """
+
+
+def episode_version(episode: Episode) -> int | None:
+    """The version that sampled an episode's oldest token (`None`: it sampled nothing)."""
+    versions = [v for turn in episode.turns for v in (turn.token_versions or [turn.policy_version])]
+    return min(versions) if versions else None
 
 
 class SQLEpisodeStore:
@@ -185,8 +194,9 @@ class SQLEpisodeStore:
         try:
             with self._transaction() as db:
                 db.execute(
-                    "INSERT INTO episodes (id, owner, fingerprint, status, data, stored) VALUES (?, ?, ?, ?, ?, ?)",
-                    (episode.id, user, fingerprint, episode.status, data, time.time()),
+                    "INSERT INTO episodes (id, owner, fingerprint, status, data, stored, version) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (episode.id, user, fingerprint, episode.status, data, time.time(), episode_version(episode)),
                 )
         except self._integrity_error:
             raise ValueError(f"Episode {episode.id!r} is stored already.") from None
@@ -235,16 +245,33 @@ class SQLEpisodeStore:
 
     # Training
 
-    def claim_for_training(self, limit: int, step: int) -> Claim:
-        """Hand at most `limit` rewarded, unclaimed episodes (oldest first) to optimizer step `step`, with their
-        pending rewards; both are marked in the same transaction, so no other claim gets them."""
+    def claim_for_training(
+        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+    ) -> Claim:
+        """Hand at most `limit` rewarded, unclaimed episodes to optimizer step `step`, with their pending rewards;
+        both are marked in the same transaction, so no other claim gets them.
+
+        Args:
+            versions: only episodes whose oldest token was sampled by one of these versions (`None`: any); the
+                trainer passes those within its staleness bound, and older ones are never trained.
+            newest_first: the most recent episodes first (when traffic outruns training, train on the freshest),
+                else the oldest first.
+        """
         claim = Claim(step)
+        where = ""
+        params: tuple = ()
+        if versions is not None:
+            if not versions:
+                return claim
+            where = f" AND version IN ({', '.join('?' * len(versions))})"
+            params = tuple(int(v) for v in versions)
+        order = "DESC" if newest_first else "ASC"
         with self._transaction() as db:
             rows = db.execute(
                 "SELECT id, data, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
-                "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending') "
-                "ORDER BY seq LIMIT ?" + self._claim_lock,
-                (limit,),
+                "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending')"
+                f"{where} ORDER BY seq {order} LIMIT ?" + self._claim_lock,
+                (*params, limit),
             ).fetchall()
             for episode_id, data, fingerprint in rows:
                 db.execute("UPDATE episodes SET claim_step = ? WHERE id = ?", (step, episode_id))
