@@ -30,6 +30,25 @@ def test_episodes_of_one_fingerprint_form_whole_groups_and_the_rest_keep_arrival
     assert order == ["e0", "e2", "e3", "e4", "e1", "e6", "e5"]
 
 
+def online_config(tmp_path, **overrides) -> AgenticGRPOConfig:
+    """Three steps of four episodes (one group), on CPU."""
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_steps=3,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    return AgenticGRPOConfig(**{**values, **overrides})
+
+
 def users_traffic(server, keys, stop, reward_of, served):
     """Simulated users: each asks, ends its episode and gives feedback from a checker, until `stop` is set."""
 
@@ -68,21 +87,7 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
         keys = [httpx.post(f"{server.url}/admin/users", json={"name": n}, headers=admin).json()["key"] for n in "ab"]
         stop = threading.Event()
         threads = users_traffic(server, keys, stop, lambda text, version: float(len(text) % 2), [])
-        args = AgenticGRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            per_device_train_batch_size=4,
-            num_generations=4,
-            max_steps=3,
-            max_completion_length=6,
-            learning_rate=1e-2,
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            logging_steps=1,
-            save_strategy="no",
-            max_staleness=8,
-            seed=0,
-        )
+        args = online_config(tmp_path, max_staleness=8)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         trainer = OnlineGRPOTrainer(
             model,
@@ -130,21 +135,9 @@ def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_re
         keys = [httpx.post(f"{server.url}/admin/users", json={"name": n}, headers=admin).json()["key"] for n in "abc"]
         stop, served = threading.Event(), []
         threads = users_traffic(server, keys, stop, lambda text, version: 1.0 if version == 0 else 0.0, served)
-        args = AgenticGRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            per_device_train_batch_size=4,
-            num_generations=4,
-            max_steps=3,
-            max_completion_length=6,
-            learning_rate=1e-2,
-            use_cpu=True,
-            bf16=False,
-            report_to="none",
-            logging_steps=1,
-            save_strategy="no",
-            max_staleness=0,  # after a rollback the incumbent's tokens count as fresh (`_rebase_versions`)
-            seed=0,
-        )
+        args = online_config(
+            tmp_path, max_staleness=0
+        )  # after a rollback the incumbent's tokens count as fresh (`_rebase_versions`)
         trainer = OnlineGRPOTrainer(
             model,
             store,
