@@ -54,6 +54,7 @@ from .rollout.loss_weights import micro_batch_scale
 from .rollout.rows import Row
 from .rollout.schedule import AsyncSchedule, AsyncWeightSync, check_staleness, task_batches
 from .rollouts import Rollouts, check_rollout_process, log_engine_stats, trainer_inputs
+from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_applies
 from .shared_prefix import chunked_shared_prefix_logps, shared_prefix_applies
 from .task_sampling import TaskSlots, adaptive_sampler, observe_tasks
 from .trace import Episode
@@ -409,8 +410,15 @@ class AgenticGRPOTrainer(GRPOTrainer):
         **model_inputs,
     ):
         """TRL's, with the prompt prefix the rows share (system prompt, tool schemas, the task) computed once per
-        chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`)."""
-        if not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
+        chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`), or every prefix
+        the rows share computed once (`trl_agentic/prefix_tree.py`; `args.prefix_tree_training`)."""
+        tree = prefix_tree_applies(
+            self.accelerator.unwrap_model(model),
+            enabled=self.args.prefix_tree_training,
+            compute_aux_loss=compute_aux_loss,
+            model_inputs=model_inputs,
+        )
+        if not tree and not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -428,7 +436,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
             return logps, entropies
 
-        logps, entropies = chunked_shared_prefix_logps(
+        chunked = chunked_prefix_tree_logps if tree else chunked_shared_prefix_logps
+        logps, entropies = chunked(
             model,
             input_ids,
             attention_mask,

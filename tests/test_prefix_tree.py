@@ -1,0 +1,179 @@
+"""Prefix-tree training: the rows of a chunk packed into one sequence (shared tokens once, a tree attention mask) give
+TRL's loss, log-probabilities, entropies and every parameter's gradient, for every template family, with fewer tokens
+through the model."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.prefix_tree import packed_prefix_tree
+from trl_agentic.tiny_models import TEMPLATE_FAMILIES, build_tiny_model, build_tiny_tokenizer
+
+
+def never_called_agent(client, task):
+    raise AssertionError("no rollout here")
+
+
+def reward(prompts, completions, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def make_trainer(tmp_path, family: str, attn_implementation: str = "sdpa", loss_type: str = "dapo"):
+    tokenizer = build_tiny_tokenizer(family)
+    model = build_tiny_model(tokenizer)
+    model.config._attn_implementation = attn_implementation
+    trainer = AgenticGRPOTrainer(
+        model,
+        agent=never_called_agent,
+        reward_funcs=reward,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}] * 2),
+        args=AgenticGRPOConfig(
+            output_dir=str(tmp_path),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_completion_length=8,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            seed=0,
+            loss_type=loss_type,
+            epsilon=0.05,  # old logps are perturbed below: some tokens clip
+        ),
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # (set by `train()`; the loss normalizer reads it)
+    return trainer, tokenizer
+
+
+def tree_rows(tokenizer, seed: int = 0):
+    """TRL's layout of a tree of rows: two questions, each with branches that share their first turn (a tool call
+    and its result), ragged lengths, plus a row that shares nothing with the others (its first token differs) and a
+    row whose completion is masked as truncated. Returns `(input_ids, attention_mask, width, completion_mask)`."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(n):
+        return torch.randint(20, 300, (n,), generator=generator).tolist()
+
+    system = {"role": "system", "content": "You are a careful assistant. Use the tools. " * 3}
+    prompt_a, prompt_b = (
+        tokenizer.apply_chat_template(
+            [system, {"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for q in ("What is 12 * 34?", "Name a prime, then add 7 to it.")
+    )
+    turn_a, turn_b = rand(9), rand(5)  # each question's shared first turn (the trunk of its tree)
+    mid_a = rand(4)  # a second shared level under question a
+    rows = [
+        (prompt_a, turn_a + mid_a + rand(6)),
+        (prompt_a, turn_a + mid_a + rand(2)),
+        (prompt_a, turn_a + rand(7)),
+        (prompt_a, turn_a[:3]),  # a prefix of the others: ends inside the trunk
+        (prompt_b, turn_b + rand(8)),
+        (prompt_b, turn_b + rand(3)),
+        (rand(11), rand(5)),  # shares nothing, not even the first token
+        (prompt_b, rand(6)),  # masked as truncated below
+    ]
+    rows[6][0][0] = 301  # (the others draw from 20..299 and start with a template token)
+    prompt_width = max(len(p) for p, _ in rows)
+    width = max(len(c) for _, c in rows)
+    pad = tokenizer.pad_token_id
+    ids = [[pad] * (prompt_width - len(p)) + p + c + [pad] * (width - len(c)) for p, c in rows]
+    mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c)) for p, c in rows]
+    input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
+    attention_mask[7, prompt_width:] = 0
+    return input_ids, attention_mask, width, attention_mask[:, prompt_width:].clone()
+
+
+def test_packed_tree_counts_each_shared_token_once():
+    # Two rows share [5, 6]; they branch after it; a third shares nothing. Prompt: 2 columns, completion: 3.
+    input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0], [0, 4, 5, 6, 7]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    tree = packed_prefix_tree(input_ids, attention_mask, 3)
+    # Nodes in order: 5 6 7 8 | 9 | 4 5 6 7; node 6 (position 1) scores 7, a copy of it (position 9) scores 9.
+    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 5, 6, 7, 6]]
+    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 1]]
+    assert tree.shift_labels.tolist() == [[-100, 7, 8, -100, -100, 5, 6, 7, -100, 9]]
+    assert tree.index.tolist() == [[1, 2, 0], [9, 0, 0], [5, 6, 7]]
+    assert tree.scored.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
+    assert tree.real_tokens == 11 and tree.length == 10
+    attends = [row.nonzero().flatten().tolist() for row in tree.allowed]
+    assert attends == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4], [5], [5, 6], [5, 6, 7], [5, 6, 7, 8], [0, 9]]
+
+
+def test_rows_out_of_trls_layout_are_not_packed():
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    assert packed_prefix_tree(input_ids, torch.tensor([[1, 0, 1, 1]]), 2) is None  # a hole in the prompt
+    assert packed_prefix_tree(input_ids, torch.tensor([[1, 1, 0, 1]]), 2) is None  # a hole in the completion
+
+
+def loss_and_grads(trainer, inputs, tree: bool):
+    trainer.args.prefix_tree_training = tree
+    trainer.args.shared_prefix_scoring = False
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True
+        )
+    return loss.detach(), grads, logps, entropies
+
+
+@pytest.mark.parametrize(
+    "family, attn_implementation, loss_type",
+    [(family, "sdpa", "dapo") for family in TEMPLATE_FAMILIES] + [("qwen2_5", "eager", "grpo")],
+)
+def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, family, attn_implementation, loss_type):
+    trainer, tokenizer = make_trainer(tmp_path, family, attn_implementation, loss_type)
+    try:
+        input_ids, attention_mask, width, completion_mask = tree_rows(tokenizer)
+        rows = input_ids.size(0)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            trainer.args.prefix_tree_training = False
+            flat_logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, width
+            )
+        inputs = {
+            "prompt_ids": input_ids[:, :-width],
+            "prompt_mask": attention_mask[:, :-width],
+            "completion_ids": input_ids[:, -width:],
+            "completion_mask": completion_mask,
+            "advantages": torch.randn(rows, width, generator=generator),  # per-token, as turn rewards give them
+            "old_per_token_logps": flat_logps + 0.1 * torch.randn(rows, width, generator=generator),
+            "num_items_in_batch": completion_mask.sum(),
+        }
+        calls = []
+        handle = trainer.model.model.register_forward_hook(
+            lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].numel()), with_kwargs=True
+        )
+        try:
+            loss, grads, logps, entropies = loss_and_grads(trainer, inputs, tree=True)
+            tree_tokens, calls[:] = calls[0], []
+            flat_loss, flat_grads, flat_logps, flat_entropies = loss_and_grads(trainer, inputs, tree=False)
+            flat_tokens = calls[0]
+        finally:
+            handle.remove()
+    finally:
+        trainer.close()
+    assert logps.shape == flat_logps.shape == (rows, width)
+    torch.testing.assert_close(logps, flat_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropies, flat_entropies, atol=1e-5, rtol=1e-5)
+    assert (logps[completion_mask == 0] == 0).all()  # TRL's padding columns: zeros in both
+    assert loss != 0
+    torch.testing.assert_close(loss, flat_loss, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == flat_grads.keys() and len(grads) == len(list(trainer.model.parameters()))
+    for name in grads:
+        assert flat_grads[name].abs().max() > 0, name
+        torch.testing.assert_close(grads[name], flat_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    # Shared tokens went through the model once: the packed sequence is the trie's nodes plus one copy per extra branch.
+    real = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(rows)]
+    prefixes = {tuple(r[: i + 1]) for r in real for i in range(len(r))}
+    assert flat_tokens == input_ids.numel()
+    assert len(prefixes) <= tree_tokens <= len(prefixes) + rows
+    assert tree_tokens < 0.6 * sum(map(len, real))
