@@ -37,6 +37,7 @@ from .endpoint import SERVED_MODEL_NAME  # noqa: F401 - also importable from her
 from .endpoint.launch import default_engine
 from .episode_log import EpisodeLog, log_episode_metrics
 from .generation.engine import GenerationEngine
+from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_applies
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
 from .rewards.utils import check_weighted_rewards
 from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_masked_counts: importable here too
@@ -54,7 +55,6 @@ from .rollout.loss_weights import micro_batch_scale
 from .rollout.rows import Row
 from .rollout.schedule import AsyncSchedule, AsyncWeightSync, check_staleness, task_batches
 from .rollouts import Rollouts, check_rollout_process, log_engine_stats, trainer_inputs
-from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_applies
 from .shared_prefix import chunked_shared_prefix_logps, shared_prefix_applies
 from .task_sampling import TaskSlots, adaptive_sampler, observe_tasks
 from .trace import Episode

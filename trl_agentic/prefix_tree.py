@@ -145,9 +145,7 @@ def packed_prefix_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
         if first == len(path):
             continue
         nodes = torch.tensor(path) - 1
-        allowed[nodes[first:, None], nodes[None, :]] = torch.ones(len(path), len(path), dtype=torch.bool).tril()[
-            first:
-        ]
+        allowed[nodes[first:, None], nodes[None, :]] = torch.ones(len(path), len(path), dtype=torch.bool).tril()[first:]
     if copies:
         source = torch.tensor(copies)
         extra = torch.arange(num_nodes, length)
