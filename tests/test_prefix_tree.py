@@ -91,15 +91,16 @@ def test_packed_tree_counts_each_shared_token_once():
     input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0], [0, 4, 5, 6, 7]])
     attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
     tree = packed_prefix_tree(input_ids, attention_mask, 3)
-    # Nodes in order: 5 6 7 8 | 9 | 4 5 6 7; node 6 (position 1) scores 7, a copy of it (position 9) scores 9.
-    assert tree.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 5, 6, 7, 6]]
-    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 1]]
-    assert tree.shift_labels.tolist() == [[-100, 7, 8, -100, -100, 5, 6, 7, -100, 9]]
-    assert tree.index.tolist() == [[1, 2, 0], [9, 0, 0], [5, 6, 7]]
+    # Rows in sorted order (4 5 6 7 | 5 6 7 8 | 5 6 9), a node per distinct prefix: 4 5 6 7 | 5 6 7 8 | 9, then a copy
+    # of the branch point 6 (position 5 scores 7 for row 0, the copy at position 9 scores 9 for row 1).
+    assert tree.input_ids.tolist() == [[4, 5, 6, 7, 5, 6, 7, 8, 9, 6]]
+    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 2, 1]]
+    assert tree.shift_labels.tolist() == [[5, 6, 7, -100, -100, 7, 8, -100, -100, 9]]
+    assert tree.index.tolist() == [[5, 6, 0], [9, 0, 0], [0, 1, 2]]
     assert tree.scored.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
     assert tree.real_tokens == 11 and tree.length == 10
     attends = [row.nonzero().flatten().tolist() for row in tree.allowed]
-    assert attends == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 4], [5], [5, 6], [5, 6, 7], [5, 6, 7, 8], [0, 9]]
+    assert attends == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [4], [4, 5], [4, 5, 6], [4, 5, 6, 7], [4, 5, 8], [4, 9]]
 
 
 def test_rows_out_of_trls_layout_are_not_packed():

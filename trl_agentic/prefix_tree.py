@@ -66,87 +66,86 @@ class PackedTree:
         return mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)[None, None]
 
 
-def _contiguous(mask_row: list[int]) -> bool:
-    """Whether a 0/1 list is zeros, ones, zeros (one run of ones at most)."""
-    changes = sum(1 for a, b in zip(mask_row, mask_row[1:]) if a != b)
-    return changes <= 1 or (changes == 2 and mask_row[0] == 0)
-
-
 def packed_prefix_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> PackedTree | None:
     """Pack TRL's rows `[left padding | prompt | completion | right padding]` (the completion in the last
     `logits_to_keep` columns) into one sequence, a node per distinct prefix; `None` when the rows are not in that
     layout (a prompt that is not right-aligned, a hole in a completion's mask, a row with a completion but no prompt).
+
+    The rows are taken in sorted order, so each row shares with the one before it exactly its longest common prefix
+    with any earlier row, and the nodes, numbered as created, are in depth-first order: a node's subtree is the
+    contiguous range from it to `ends[node]`, and token `i` attends to token `j` exactly when `j <= i < ends[j]`.
     """
     rows, width = input_ids.shape
     device = input_ids.device
     prompt_width = width - logits_to_keep
-    ids, mask = input_ids.tolist(), attention_mask.tolist()
+    prompt_lengths = attention_mask[:, :prompt_width].sum(dim=1)
+    completion_lengths = attention_mask[:, prompt_width:].sum(dim=1)
+    columns = torch.arange(width, device=device)
+    starts = prompt_width - prompt_lengths
+    expected = (columns >= starts[:, None]) & (columns < (prompt_width + completion_lengths)[:, None])
+    if not torch.equal(expected, attention_mask.bool()):
+        return None  # holes: a prompt not right-aligned, or a completion's mask not a run from its first column
+    if bool(((prompt_lengths == 0) & (completion_lengths > 0)).any()):
+        return None  # TRL scores its first completion token from a padding column's hidden state
+    ids = input_ids.tolist()
+    prompt_lengths, completion_lengths = prompt_lengths.tolist(), completion_lengths.tolist()
+    sequences = [ids[b][prompt_width - prompt_lengths[b] : prompt_width + completion_lengths[b]] for b in range(rows)]
 
-    children: list[dict[int, int]] = [{}]  # node 0: the virtual root, above every row's first token
-    tokens, depths, parents = [-1], [-1], [-1]
-    paths, firsts, prompt_lengths, completion_lengths = [], [], [], []
-    for b in range(rows):
-        prompt_mask, completion_mask = mask[b][:prompt_width], mask[b][prompt_width:]
-        prompt_length, completion_length = sum(prompt_mask), sum(completion_mask)
-        if prompt_length and prompt_mask[prompt_width - prompt_length :].count(0):
-            return None  # the prompt's real tokens are not the last columns before the completion
-        if completion_length and (not prompt_length or completion_mask[:completion_length].count(0)):
-            return None
-        sequence = ids[b][prompt_width - prompt_length : prompt_width + completion_length]
-        node, path, first = 0, [], None
-        for depth, token in enumerate(sequence):
-            child = children[node].get(token)
-            if child is None:
-                child = len(tokens)
-                children[node][token] = child
-                children.append({})
-                tokens.append(token)
-                depths.append(depth)
-                parents.append(node)
-                if first is None:
-                    first = depth
-            path.append(child)
-            node = child
-        paths.append(path)
-        firsts.append(len(path) if first is None else first)
-        prompt_lengths.append(prompt_length)
-        completion_lengths.append(completion_length)
+    tokens: list[int] = []
+    depths: list[int] = []
+    parents: list[int] = []  # -1: a root
+    paths: list[list[int]] = [[] for _ in range(rows)]
+    previous: list[int] = []
+    previous_path: list[int] = []
+    for b in sorted(range(rows), key=lambda b: sequences[b]):
+        sequence = sequences[b]
+        common = 0
+        limit = min(len(sequence), len(previous))
+        while common < limit and sequence[common] == previous[common]:
+            common += 1
+        path = previous_path[:common]
+        parent = path[-1] if path else -1
+        for depth in range(common, len(sequence)):
+            path.append(len(tokens))
+            tokens.append(sequence[depth])
+            depths.append(depth)
+            parents.append(parent)
+            parent = path[-1]
+        paths[b], previous, previous_path = path, sequence, path
 
     # Which position scores each scored node (a token of some row's completion): its parent's, or a copy's.
-    scorer: dict[int, int] = {}  # scored node -> position (0-based, in the packed sequence)
+    num_nodes = len(tokens)
+    scorer: dict[int, int] = {}  # scored node -> position in the packed sequence
     label_of: dict[int, int] = {}  # position -> the token it scores
-    copies: list[int] = []  # copied parent per extra position
-    num_nodes = len(tokens) - 1
+    copies: list[int] = []  # the node each extra position copies
     for b in range(rows):
         path, start = paths[b], prompt_lengths[b]
-        for t in range(start, start + completion_lengths[b]):
-            node = path[t]
+        for node in path[start : start + completion_lengths[b]]:
             if node in scorer:
                 continue
-            parent = path[t - 1] - 1
-            if parent not in label_of:
-                position = parent
-            else:
+            position = parents[node]
+            if position in label_of:
                 position = num_nodes + len(copies)
-                copies.append(parent)
+                copies.append(parents[node])
             scorer[node] = position
             label_of[position] = tokens[node]
 
     length = num_nodes + len(copies)
-    node_ids = torch.tensor(tokens[1:] + [tokens[p + 1] for p in copies], dtype=input_ids.dtype)
-    positions = torch.tensor(depths[1:] + [depths[p + 1] for p in copies], dtype=torch.long)
+    node_ids = torch.tensor(tokens + [tokens[p] for p in copies], dtype=input_ids.dtype)
+    positions = torch.tensor(depths + [depths[p] for p in copies], dtype=torch.long)
     labels = torch.full((length,), -100, dtype=input_ids.dtype)
     if label_of:
         labels[torch.tensor(list(label_of))] = torch.tensor(list(label_of.values()), dtype=input_ids.dtype)
 
-    # Tree mask: each row's new nodes (a suffix of its path) attend to the row's tokens up to themselves.
+    # Tree mask from subtree ranges: node j's subtree is j .. ends[j] - 1 (depth-first numbering).
+    ends = list(range(1, num_nodes + 1))
+    for node in reversed(range(num_nodes)):
+        if parents[node] >= 0 and ends[node] > ends[parents[node]]:
+            ends[parents[node]] = ends[node]
+    order = torch.arange(num_nodes)
     allowed = torch.zeros(length, length, dtype=torch.bool)
-    for path, first in zip(paths, firsts, strict=True):
-        if first == len(path):
-            continue
-        nodes = torch.tensor(path) - 1
-        allowed[nodes[first:, None], nodes[None, :]] = torch.ones(len(path), len(path), dtype=torch.bool).tril()[first:]
-    if copies:
+    allowed[:num_nodes, :num_nodes] = (order[None, :] <= order[:, None]) & (order[:, None] < torch.tensor(ends)[None])
+    if copies:  # a copy attends to its node's ancestors and itself
         source = torch.tensor(copies)
         extra = torch.arange(num_nodes, length)
         allowed[extra] = allowed[source]
@@ -167,7 +166,7 @@ def packed_prefix_tree(input_ids: torch.Tensor, attention_mask: torch.Tensor, lo
         shift_labels=labels[None].to(device),
         index=index.to(device),
         scored=scored.to(device),
-        real_tokens=sum(len(path) for path in paths),
+        real_tokens=sum(map(len, sequences)),
     )
 
 
@@ -176,10 +175,14 @@ def prefix_tree_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(logps, entropies)` of TRL's completion columns, `(B, logits_to_keep)` (0 in TRL's padding columns), from one
     forward of the packed tree. `model` is TRL's model with its fused LM head."""
-    dtype = model.get_input_embeddings().weight.dtype
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        mask = tree.allowed[None, None]  # sdpa takes a boolean mask (True: attended) as is
+    else:
+        mask = tree.additive_mask(model.get_input_embeddings().weight.dtype)
     outputs = model(
         input_ids=tree.input_ids,
-        attention_mask=tree.additive_mask(dtype),
+        attention_mask=mask,
         position_ids=tree.position_ids,
         shift_labels=tree.shift_labels,
         fused_lm_head=True,
