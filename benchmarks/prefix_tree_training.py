@@ -9,6 +9,10 @@ loss (`_compute_loss`, DAPO, per-token advantages) forward and backward on one m
 `prefix_tree_training` (the rows packed into one prefix tree), TRL's flat rows (every row whole), and today's
 `shared_prefix_scoring` (the prompt prefix the rows share computed once). Two batches:
 
+The tree runs as trunk + tails (the trunk, the tokens two rows or more share, packed with a tree mask and its key/value
+states kept, then each row's own tail on them: what runs on one process) and as one packed forward (what runs under
+DDP, DeepSpeed, FSDP or gradient checkpointing).
+
 (a) Tree: one task, 8-turn episodes (the calculator's system prompt and tool schemas, then per turn a ~30-token
     assistant call and a ~15-token tool result), branching in two at turns 2, 4 and 6: 8 leaves, 8 rows.
     Goals: forward tokens <= 1/3 of the flat rows', step time <= 0.5x flat, gradients equal within 1e-5.
@@ -27,7 +31,7 @@ import time
 import torch
 from datasets import Dataset
 
-from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer, agentic_grpo_trainer, prefix_tree
 from trl_agentic.tasks.calculator import CALCULATOR_TOOLS, SYSTEM_PROMPT
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 
@@ -77,7 +81,18 @@ def layout(prompts: list[list[int]], completions: list[list[int]], pad: int):
     }
 
 
-MODES = {"tree": (True, False), "flat": (False, False), "shared prefix": (False, True)}
+MODES = {
+    "tree": (True, False),
+    "tree, one forward": (True, False),
+    "flat": (False, False),
+    "shared prefix": (False, True),
+}
+
+
+def force_one_forward(on: bool) -> None:
+    """`prefix_tree_training`'s one-forward mode (what runs under DDP or checkpointing) instead of trunk + tails."""
+    mode = prefix_tree.prefix_tree_mode
+    agentic_grpo_trainer.prefix_tree_mode = (lambda *a, **k: mode(*a, **k) and "packed") if on else mode
 
 
 def bench(trainer, inputs: dict, repeats: int, label: str, goals: bool) -> None:
@@ -97,6 +112,7 @@ def bench(trainer, inputs: dict, repeats: int, label: str, goals: bool) -> None:
         for _ in range(repeats):
             for mode, (tree, shared) in MODES.items():
                 trainer.args.prefix_tree_training, trainer.args.shared_prefix_scoring = tree, shared
+                force_one_forward(mode == "tree, one forward")
                 model.zero_grad()
                 calls[:] = []
                 started = time.perf_counter()
@@ -126,12 +142,15 @@ def bench(trainer, inputs: dict, repeats: int, label: str, goals: bool) -> None:
         f"  training step (TRL's loss, forward + backward): tree {step['tree'] * 1000:.0f} ms, flat "
         f"{step['flat'] * 1000:.0f} ms, shared prefix {step['shared prefix'] * 1000:.0f} ms: tree / flat "
         f"**{step['tree'] / step['flat']:.2f}x**{time_goal}, tree / shared prefix "
-        f"{step['tree'] / step['shared prefix']:.2f}x"
+        f"{step['tree'] / step['shared prefix']:.2f}x; one forward (tokens {tokens['tree, one forward']}) / flat "
+        f"{step['tree, one forward'] / step['flat']:.2f}x"
     )
     print(
         f"  old-logprob pass (no gradient): tree {score['tree'] * 1000:.0f} ms, flat {score['flat'] * 1000:.0f} ms: "
-        f"**{score['tree'] / score['flat']:.2f}x**"
+        f"**{score['tree'] / score['flat']:.2f}x**; one forward / flat {score['tree, one forward'] / score['flat']:.2f}x"
     )
+    difference = max((grads["tree, one forward"][n] - grads["flat"][n]).abs().max().item() for n in grads["flat"])
+    print(f"  max |gradient difference| one forward vs flat: {difference:.1e}")
     print(f"  max |gradient difference| tree vs flat: {difference:.1e} (goal <= 1e-5)")
 
 

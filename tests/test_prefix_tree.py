@@ -6,8 +6,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
-from trl_agentic.prefix_tree import packed_prefix_tree
+from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer, agentic_grpo_trainer
+from trl_agentic.prefix_tree import packed_prefix_tree, split_prefix_tree
 from trl_agentic.tiny_models import TEMPLATE_FAMILIES, build_tiny_model, build_tiny_tokenizer
 
 
@@ -126,10 +126,25 @@ def loss_and_grads(trainer, inputs, tree: bool):
 
 
 @pytest.mark.parametrize(
-    "family, attn_implementation, loss_type",
-    [(family, "sdpa", "dapo") for family in TEMPLATE_FAMILIES] + [("qwen2_5", "eager", "grpo")],
+    "family, attn_implementation, loss_type, mode",
+    [(family, "sdpa", "dapo", "split") for family in TEMPLATE_FAMILIES]
+    + [
+        ("qwen2_5", "eager", "grpo", "split"),
+        ("qwen2_5", "sdpa", "dapo", "packed"),
+        ("llama3_2", "eager", "grpo", "packed"),
+    ],
 )
-def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, family, attn_implementation, loss_type):
+def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, monkeypatch, family, attn_implementation, loss_type, mode):
+    """`split` (trunk, then tails on its key/value states: one process, no checkpointing) and `packed` (one forward:
+    what runs under DDP, DeepSpeed, FSDP or gradient checkpointing)."""
+    chosen = []
+    original = agentic_grpo_trainer.prefix_tree_mode
+
+    def forced_mode(*args, **kwargs):
+        chosen.append(original(*args, **kwargs))
+        return mode if chosen[-1] else None
+
+    monkeypatch.setattr(agentic_grpo_trainer, "prefix_tree_mode", forced_mode)
     trainer, tokenizer = make_trainer(tmp_path, family, attn_implementation, loss_type)
     try:
         input_ids, attention_mask, width, completion_mask = tree_rows(tokenizer)
@@ -155,13 +170,14 @@ def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, family, attn_implem
         )
         try:
             loss, grads, logps, entropies = loss_and_grads(trainer, inputs, tree=True)
-            tree_tokens, calls[:] = calls[0], []
+            tree_tokens, calls[:] = sum(calls[: len(calls) // 2]), []  # the loss's forward (then the no-grad one)
             flat_loss, flat_grads, flat_logps, flat_entropies = loss_and_grads(trainer, inputs, tree=False)
             flat_tokens = calls[0]
         finally:
             handle.remove()
     finally:
         trainer.close()
+    assert "split" in chosen  # the default here: one process, no checkpointing
     assert logps.shape == flat_logps.shape == (rows, width)
     torch.testing.assert_close(logps, flat_logps, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropies, flat_entropies, atol=1e-5, rtol=1e-5)
@@ -176,5 +192,6 @@ def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, family, attn_implem
     real = [input_ids[b][attention_mask[b].bool()].tolist() for b in range(rows)]
     prefixes = {tuple(r[: i + 1]) for r in real for i in range(len(r))}
     assert flat_tokens == input_ids.numel()
-    assert len(prefixes) <= tree_tokens <= len(prefixes) + rows
-    assert tree_tokens < 0.6 * sum(map(len, real))
+    build = split_prefix_tree if mode == "split" else packed_prefix_tree
+    assert tree_tokens == build(input_ids, attention_mask, width).length
+    assert len(prefixes) <= tree_tokens < 0.6 * sum(map(len, real))

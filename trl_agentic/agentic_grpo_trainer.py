@@ -19,6 +19,7 @@ TRL internals overridden (checked in tests/test_trl_compat.py): `_generate` (com
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from .endpoint import SERVED_MODEL_NAME  # noqa: F401 - also importable from her
 from .endpoint.launch import default_engine
 from .episode_log import EpisodeLog, log_episode_metrics
 from .generation.engine import GenerationEngine
-from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_applies
+from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_mode
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
 from .rewards.utils import check_weighted_rewards
 from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_masked_counts: importable here too
@@ -412,11 +413,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         """TRL's, with the prompt prefix the rows share (system prompt, tool schemas, the task) computed once per
         chunk instead of once per row (`trl_agentic/shared_prefix.py`; `args.shared_prefix_scoring`), or every prefix
         the rows share computed once (`trl_agentic/prefix_tree.py`; `args.prefix_tree_training`)."""
-        tree = prefix_tree_applies(
+        tree = prefix_tree_mode(
             self.accelerator.unwrap_model(model),
             enabled=self.args.prefix_tree_training,
             compute_aux_loss=compute_aux_loss,
             model_inputs=model_inputs,
+            distributed=self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled,
         )
         if not tree and not self._shared_prefix_scoring(model, compute_aux_loss, model_inputs):
             return super()._get_per_token_logps_and_entropies(
@@ -436,7 +438,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             )
             return logps, entropies
 
-        chunked = chunked_prefix_tree_logps if tree else chunked_shared_prefix_logps
+        chunked = functools.partial(chunked_prefix_tree_logps, mode=tree) if tree else chunked_shared_prefix_logps
         logps, entropies = chunked(
             model,
             input_ids,
