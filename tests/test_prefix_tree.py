@@ -195,3 +195,59 @@ def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, monkeypatch, family
     build = split_prefix_tree if mode == "split" else packed_prefix_tree
     assert tree_tokens == build(input_ids, attention_mask, width).length
     assert len(prefixes) <= tree_tokens < 0.6 * sum(map(len, real))
+
+
+def test_split_tree_runs_the_trunk_once_and_each_tail_on_it():
+    # Rows 5 6 7 8 and 5 6 9 share 5 6 (the trunk); 4 5 6 7 shares nothing (a whole tail). Prompt: 2 columns.
+    input_ids = torch.tensor([[5, 6, 7, 8, 0], [5, 6, 9, 0, 0], [0, 4, 5, 6, 7]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    tree = split_prefix_tree(input_ids, attention_mask, 3)
+    assert tree.trunk.input_ids.tolist() == [[5, 6]] and tree.trunk.shift_labels.tolist() == [[-100, -100]]
+    # Tails in row order: [copy of 6] 7 8, [copy of 6] 9, 4 5 6 7 (no branch point); right-padded to 4.
+    assert tree.tail_ids[:, :4].tolist() == [[6, 7, 8, 0], [6, 9, 0, 0], [4, 5, 6, 7]]
+    assert tree.tail_positions.tolist() == [[1, 2, 3, 4], [1, 2, 3, 3], [0, 1, 2, 3]]
+    assert tree.tail_labels.tolist() == [[7, 8, -100, -100], [9, -100, -100, -100], [5, 6, 7, -100]]
+    # Keys: [trunk 5, trunk 6 | own 0..3]. The copy of 6 sees trunk 5 and itself; 7 sees the trunk's 6, not the copy.
+    assert tree.tail_allowed[0, 0].int().tolist() == [
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],  # padding: itself only (no query without a key)
+    ]
+    assert tree.tail_allowed[2, 0, :, :2].sum() == 0  # the row that shares nothing never sees the trunk
+    trunk, tails = 2, 4  # flattened scores: [trunk 0, 1 | tail r at trunk + 4 r + j]
+    assert tree.index.tolist() == [[trunk + 0, trunk + 1, 0], [trunk + 4, 0, 0], [trunk + 8, trunk + 9, trunk + 10]]
+    assert tree.length == trunk + 3 * tails and tree.real_tokens == 11
+
+
+def test_checkpointed_models_run_one_packed_forward_with_trls_gradients(tmp_path):
+    """Checkpointed layers recompute their forward in the backward, where kept key/value states would be appended to
+    twice: the one-forward mode runs instead, with the same gradients."""
+    trainer, tokenizer = make_trainer(tmp_path, "qwen2_5")
+    try:
+        input_ids, attention_mask, width, completion_mask = tree_rows(tokenizer, seed=4)
+        trainer.model.gradient_checkpointing_enable()
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        args = dict(enabled=True, compute_aux_loss=False, model_inputs={}, distributed=False)
+        assert agentic_grpo_trainer.prefix_tree_mode(unwrapped, **args) == "packed"
+        weights = torch.linspace(-1.0, 1.0, input_ids.size(0) * width).view(-1, width) * completion_mask
+
+        def grads(tree: bool):
+            trainer.args.prefix_tree_training, trainer.args.shared_prefix_scoring = tree, False
+            trainer.model.zero_grad()
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, width)
+            (logps * weights).sum().backward()
+            return {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+        tree_grads, flat_grads = grads(True), grads(False)
+        trainer.model.gradient_checkpointing_disable()
+        assert agentic_grpo_trainer.prefix_tree_mode(unwrapped, **args) == "split"
+        assert agentic_grpo_trainer.prefix_tree_mode(unwrapped, **{**args, "distributed": True}) == "packed"
+        unwrapped.config._attn_implementation = "flash_attention_2"  # takes no custom 4D mask
+        assert agentic_grpo_trainer.prefix_tree_mode(unwrapped, **args) is None
+        unwrapped.config._attn_implementation = "sdpa"
+    finally:
+        trainer.close()
+    assert tree_grads.keys() == flat_grads.keys()
+    for name in flat_grads:
+        torch.testing.assert_close(tree_grads[name], flat_grads[name], atol=1e-5, rtol=1e-4, msg=name)
