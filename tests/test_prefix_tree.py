@@ -50,7 +50,8 @@ def make_trainer(tmp_path, family: str, attn_implementation: str = "sdpa", loss_
 def tree_rows(tokenizer, seed: int = 0):
     """TRL's layout of a tree of rows: two questions, each with branches that share their first turn (a tool call
     and its result), ragged lengths, plus a row that shares nothing with the others (its first token differs) and a
-    row whose completion is masked as truncated. Returns `(input_ids, attention_mask, width, completion_mask)`."""
+    row whose completion is masked as truncated, and a fork (its prompt holds the first turn's tokens). Returns
+    `(input_ids, attention_mask, width, completion_mask)`."""
     generator = torch.Generator().manual_seed(seed)
 
     def rand(n):
@@ -73,6 +74,7 @@ def tree_rows(tokenizer, seed: int = 0):
         (prompt_b, turn_b + rand(8)),
         (prompt_b, turn_b + rand(3)),
         (rand(11), rand(5)),  # shares nothing, not even the first token
+        (prompt_a + turn_a[:6], rand(4)),  # a fork: its prompt holds the others' completion tokens (scored there)
         (prompt_b, rand(6)),  # masked as truncated below
     ]
     rows[6][0][0] = 301  # (the others draw from 20..299 and start with a template token)
@@ -82,7 +84,7 @@ def tree_rows(tokenizer, seed: int = 0):
     ids = [[pad] * (prompt_width - len(p)) + p + c + [pad] * (width - len(c)) for p, c in rows]
     mask = [[0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c)) for p, c in rows]
     input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
-    attention_mask[7, prompt_width:] = 0
+    attention_mask[-1, prompt_width:] = 0
     return input_ids, attention_mask, width, attention_mask[:, prompt_width:].clone()
 
 
@@ -109,20 +111,26 @@ def test_rows_out_of_trls_layout_are_not_packed():
     assert packed_prefix_tree(input_ids, torch.tensor([[1, 1, 0, 1]]), 2) is None  # a hole in the completion
 
 
-def loss_and_grads(trainer, inputs, tree: bool):
+def loss_and_grads(trainer, inputs, tree: bool, calls: list):
     trainer.args.prefix_tree_training = tree
     trainer.args.shared_prefix_scoring = False
     trainer.model.zero_grad()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
+    loss_tokens = sum(calls)  # what the loss's forward ran
     grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    with torch.no_grad():
+    with torch.no_grad():  # as the old/reference passes: in chunks (of 3: some packed, some too small to pay)
         logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1), compute_entropy=True
+            trainer.model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].size(1),
+            batch_size=3,
+            compute_entropy=True,
         )
-    return loss.detach(), grads, logps, entropies
+    return loss.detach(), grads, logps, entropies, loss_tokens
 
 
 @pytest.mark.parametrize(
@@ -169,10 +177,11 @@ def test_prefix_tree_loss_and_gradients_equal_trls(tmp_path, monkeypatch, family
             lambda m, args, kwargs, out: calls.append(kwargs["input_ids"].numel()), with_kwargs=True
         )
         try:
-            loss, grads, logps, entropies = loss_and_grads(trainer, inputs, tree=True)
-            tree_tokens, calls[:] = sum(calls[: len(calls) // 2]), []  # the loss's forward (then the no-grad one)
-            flat_loss, flat_grads, flat_logps, flat_entropies = loss_and_grads(trainer, inputs, tree=False)
-            flat_tokens = calls[0]
+            loss, grads, logps, entropies, tree_tokens = loss_and_grads(trainer, inputs, True, calls)
+            calls[:] = []
+            flat_loss, flat_grads, flat_logps, flat_entropies, flat_tokens = loss_and_grads(
+                trainer, inputs, False, calls
+            )
         finally:
             handle.remove()
     finally:
