@@ -260,3 +260,46 @@ def test_checkpointed_models_run_one_packed_forward_with_trls_gradients(tmp_path
     assert tree_grads.keys() == flat_grads.keys()
     for name in flat_grads:
         torch.testing.assert_close(tree_grads[name], flat_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_training_step_with_prefix_tree_training_matches_the_flat_one(tmp_path, monkeypatch):
+    """End to end: the multi-turn tool agent's episodes (rows sharing their prompts), one step, the loss and the
+    gradient norm TRL logs, with and without `prefix_tree_training` (the same episodes: same seed, same model)."""
+    from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent
+
+    stats = {}
+    original = agentic_grpo_trainer.chunked_prefix_tree_logps
+    monkeypatch.setattr(
+        agentic_grpo_trainer,
+        "chunked_prefix_tree_logps",
+        lambda *args, **kwargs: original(*args, **kwargs, stats=stats),
+    )
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    logged = {}
+    for tree in (True, False):
+        trainer = AgenticGRPOTrainer(
+            build_tiny_model(tokenizer),
+            agent=tool_agent,
+            reward_funcs=length_reward,
+            args=config(
+                tmp_path / str(tree),
+                max_steps=1,
+                per_device_train_batch_size=4,
+                num_generations=4,
+                prefix_tree_training=tree,
+                shared_prefix_scoring=False,
+                log_episodes=False,
+            ),
+            train_dataset=dataset(2),
+            processing_class=tokenizer,
+        )
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        logged[tree] = trainer.state.log_history[0]
+    assert logged[True]["grad_norm"] > 0
+    assert 0 < stats["forward_tokens"] < 0.8 * stats["flat_tokens"]  # the loss's forward ran as trees
+    for key in ("loss", "grad_norm", "entropy", "completions/mean_length"):
+        assert logged[True][key] == pytest.approx(logged[False][key], rel=1e-4, abs=1e-6), key
