@@ -303,3 +303,58 @@ def test_a_training_step_with_prefix_tree_training_matches_the_flat_one(tmp_path
     assert 0 < stats["forward_tokens"] < 0.8 * stats["flat_tokens"]  # the loss's forward ran as trees
     for key in ("loss", "grad_norm", "entropy", "completions/mean_length"):
         assert logged[True][key] == pytest.approx(logged[False][key], rel=1e-4, abs=1e-6), key
+
+
+def test_random_trees_score_like_flat_rows():
+    """Random chunks (duplicate rows, rows that are prefixes of others, forks, truncated rows, rows sharing nothing):
+    both modes give TRL's flat log-probabilities and entropies (its fused head on the padded rows)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_agentic.prefix_tree import prefix_tree_logps, split_tree_logps
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).eval()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    generator = torch.Generator().manual_seed(5)
+
+    def draw(n):
+        return torch.randint(3, 60, (n,), generator=generator).tolist()
+
+    checked = 0
+    for _ in range(12):
+        trunk = draw(int(torch.randint(1, 12, (1,), generator=generator)))
+        rows = []
+        for _ in range(int(torch.randint(2, 7, (1,), generator=generator))):
+            kind = int(torch.randint(0, 5, (1,), generator=generator))
+            if kind == 0 and rows:
+                rows.append(list(rows[-1]))  # a duplicate
+            elif kind == 1:
+                rows.append(draw(int(torch.randint(2, 10, (1,), generator=generator))))  # shares nothing (probably)
+            else:
+                cut = int(torch.randint(1, len(trunk) + 1, (1,), generator=generator))
+                rows.append(trunk[:cut] + draw(int(torch.randint(0, 8, (1,), generator=generator))))
+        splits = [int(torch.randint(1, len(r) + 1, (1,), generator=generator)) for r in rows]  # prompt | completion
+        prompts, completions = [r[:s] for r, s in zip(rows, splits)], [r[s:] for r, s in zip(rows, splits)]
+        prompt_width, width = max(map(len, prompts)), max(1, max(map(len, completions)))
+        ids = [[0] * (prompt_width - len(p)) + p + c + [0] * (width - len(c)) for p, c in zip(prompts, completions)]
+        mask = [
+            [0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(c))
+            for p, c in zip(prompts, completions)
+        ]
+        input_ids, attention_mask = torch.tensor(ids), torch.tensor(mask)
+        if torch.rand(1, generator=generator) < 0.3:
+            attention_mask[0, prompt_width:] = 0  # truncated
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-width] = -100
+        with torch.no_grad():
+            flat = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+            flat_logps, flat_entropy = flat.log_probs[:, -width:], flat.entropy[:, -width:]
+            for build, score in ((packed_prefix_tree, prefix_tree_logps), (split_prefix_tree, split_tree_logps)):
+                tree = build(input_ids, attention_mask, width)
+                if tree is None:
+                    continue
+                logps, entropies = score(model, tree, compute_entropy=True)
+                torch.testing.assert_close(logps, flat_logps, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(entropies, flat_entropy, atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked >= 16
