@@ -166,6 +166,7 @@ LAYERS = [
         "evaluation",
         "task_sampling",
         "shared_prefix",
+        "prefix_tree",
         "plots",
         "warm_start",
         "agentic_grpo_config",

@@ -43,6 +43,13 @@ class AgenticGRPOConfig(GRPOConfig):
             Score the rows of a micro-batch with the prompt prefix they share (system prompt, tool schemas) computed
             once instead of once per row (`trl_agentic/shared_prefix.py`): the same log-probabilities as TRL's, up to
             float rounding. Used on a single process without gradient checkpointing; elsewhere TRL's own scoring runs.
+        prefix_tree_training (`bool`, *optional*, defaults to `False`):
+            Pack the rows of each chunk (the training forward's micro-batch, and the old and reference log-probability
+            passes) into a prefix tree (`trl_agentic/prefix_tree.py`): every token the rows share (the prompt of a
+            group, the turns before a fork or a tree's branch point) runs through the model once, with a tree
+            attention mask. The same log-probabilities, entropies and gradients as TRL's, up to float rounding. Needs
+            an attention that takes a 4D mask (`attn_implementation="eager"` or `"sdpa"`); a chunk that would not save
+            tokens is scored as without it. Takes precedence over `shared_prefix_scoring`.
         agent_columns (`list[str]`, *optional*, defaults to `["prompt"]`):
             Dataset columns the agent's `task` dict holds. The others (the checker's `answer`, `expected`, ...) never
             reach the agent; every column still reaches the reward functions. Bundled tasks declare theirs
@@ -286,6 +293,9 @@ class AgenticGRPOConfig(GRPOConfig):
     )
     shared_prefix_scoring: bool = field(
         default=True, metadata={"help": "Score rows with their shared prompt prefix computed once (one process)."}
+    )
+    prefix_tree_training: bool = field(
+        default=False, metadata={"help": "Pack each chunk's rows into a prefix tree: shared tokens forwarded once."}
     )
     agent_columns: list[str] = field(
         default_factory=lambda: ["prompt"], metadata={"help": "Dataset columns the agent's task holds."}

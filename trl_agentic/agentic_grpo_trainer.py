@@ -39,6 +39,7 @@ from .endpoint import SERVED_MODEL_NAME  # noqa: F401 - also importable from her
 from .endpoint.launch import default_engine
 from .episode_log import EpisodeLog, keep_episode_rewards, log_episode_metrics
 from .generation.engine import GenerationEngine
+from .prefix_tree import chunked_prefix_tree_logps, prefix_tree_mode
 from .rewards.process import batch_turn_advantage_terms, episode_token_advantages
 from .rewards.utils import check_weighted_rewards
 from .rollout.batch import (  # noqa: F401 - split_rows, importance_sampling_masked_counts: importable here too
@@ -132,13 +133,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # TRL's hook for custom rollouts; set after __init__ so TRL's "experimental" warning does not fire for a
         # use the package owns.
         self.rollout_func = self._rollout_episodes
-        # Scoring rows: TRL's, with their shared prefix computed once (shared_prefix.py)
+        # Scoring rows: TRL's, with their shared prefix computed once (shared_prefix.py), or every prefix they share
+        # (prefix_tree.py, `prefix_tree_training`)
         self._scoring = RowScoring(
             args,
             super()._get_per_token_logps_and_entropies,
             unwrap=self.accelerator.unwrap_model,
             autocast=self.accelerator.autocast,
             distributed=self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled,
+            tree_mode=prefix_tree_mode,
+            tree_logps=chunked_prefix_tree_logps,
         )
         if environment_factory is not None:  # TRL's completion budget counts tool results: the agent measures them
             agent.use_tokenizer(self._tokenizer, args.max_completion_length, self.chat_template_kwargs)

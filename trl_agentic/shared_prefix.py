@@ -12,6 +12,7 @@ left-padded layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -173,6 +174,8 @@ class RowScoring:
         unwrap: accelerate's `unwrap_model` (the plain model, to check its gradient checkpointing and its adapters).
         autocast: accelerate's `autocast` context, around each chunk's forward.
         distributed: the model is wrapped for several processes (DDP, DeepSpeed or FSDP): TRL's scoring runs.
+        tree_mode, tree_logps: prefix-tree training (`prefix_tree.prefix_tree_mode`, `chunked_prefix_tree_logps`,
+            under `args.prefix_tree_training`): every prefix the rows share computed once; `None`: not offered.
     """
 
     def __init__(
@@ -183,9 +186,12 @@ class RowScoring:
         unwrap: Callable = lambda model: model,
         autocast: Callable = contextlib.nullcontext,
         distributed: bool = False,
+        tree_mode: Callable | None = None,
+        tree_logps: Callable | None = None,
     ):
         self.args, self.trl_scoring = args, trl_scoring
         self.unwrap, self.autocast, self.distributed = unwrap, autocast, distributed
+        self.tree_mode, self.tree_logps = tree_mode, tree_logps
 
     def applies(self, model, compute_aux_loss: bool, model_inputs: dict) -> bool:
         """Whether rows may be scored with their shared prefix computed once ([`shared_prefix_applies`])."""
@@ -209,8 +215,18 @@ class RowScoring:
         **model_inputs,
     ):
         """TRL's `(logps, entropies, aux_loss)`, with the prompt prefix the rows share (system prompt, tool schemas, the
-        task) computed once per chunk instead of once per row (`args.shared_prefix_scoring`)."""
-        if not self.applies(model, compute_aux_loss, model_inputs):
+        task) computed once per chunk instead of once per row (`args.shared_prefix_scoring`), or every prefix the rows
+        share computed once (`args.prefix_tree_training`, `trl_agentic/prefix_tree.py`)."""
+        tree = None
+        if self.tree_mode is not None:
+            tree = self.tree_mode(
+                self.unwrap(model),
+                enabled=getattr(self.args, "prefix_tree_training", False),
+                compute_aux_loss=compute_aux_loss,
+                model_inputs=model_inputs,
+                distributed=self.distributed,
+            )
+        if not tree and not self.applies(model, compute_aux_loss, model_inputs):
             return self.trl_scoring(
                 model,
                 input_ids,
@@ -226,7 +242,8 @@ class RowScoring:
             logps, entropies, _ = self.trl_scoring(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
             return logps, entropies
 
-        logps, entropies = chunked_shared_prefix_logps(
+        chunked = functools.partial(self.tree_logps, mode=tree) if tree else chunked_shared_prefix_logps
+        logps, entropies = chunked(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, score_chunk, self.autocast
         )
         return logps, entropies, None
