@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--candidate-share", type=float, default=0.25)
     parser.add_argument("--min-episodes", type=int, default=24)
-    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--margin", type=float, default=0.1)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--max-episodes", type=int, default=None)
+    parser.add_argument("--wait-for-verdict", action="store_true")
     parser.add_argument("--harmful-step", type=int, default=3, help="0: no harmful update.")
     parser.add_argument("--harmful-factor", type=float, default=300.0)
     parser.add_argument("--output", default=None, help="JSON file for the figures.")
@@ -175,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
     serving = copy.deepcopy(model).eval()
     engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
-    versions = VersionManager(engine, RolloutPolicy(args.candidate_share, args.min_episodes, args.margin), args.seed)
+    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    versions = VersionManager(engine, policy, args.seed)
     store = SQLiteEpisodeStore(workdir / "store.db")
     app = create_endpoint_app(
         engine,
@@ -216,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     trainer = OnlineGRPOTrainer(
-        model, store, training, processing_class=tokenizer, versions=versions, run_on_server=server.call
+        model,
+        store,
+        training,
+        processing_class=tokenizer,
+        versions=versions,
+        run_on_server=server.call,
+        wait_for_verdict=args.wait_for_verdict,
     )
     trainer.add_callback(clock)
     try:

@@ -97,6 +97,7 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
             versions=versions,
             run_on_server=server.call,
             wait_timeout=120,
+            wait_for_verdict=True,
         )
         try:
             trainer.train()
@@ -146,6 +147,7 @@ def test_a_harmful_update_is_rolled_back_within_its_canary_share_and_training_re
             versions=versions,
             run_on_server=server.call,
             wait_timeout=120,
+            wait_for_verdict=True,
         )
         restored = []  # the weights each step started from, after a rollback it had not seen yet
         original = trainer._restore_incumbent_if_rolled_back
@@ -190,7 +192,7 @@ def test_serve_train_process_learns_from_user_traffic_and_publishes_versions(tmp
     flags = ["--train", "--store", str(tmp_path / "store.db"), "--admin-token", token, "--output-dir", str(out)]
     flags += ["--max-tokens", "6", "--max-steps", "2", "--episodes-per-step", "4", "--num-generations", "4"]
     flags += ["--min-episodes", "2", "--candidate-share", "0.5", "--margin", "1.0", "--learning-rate", "1e-2"]
-    flags += ["--log-level", "warning"]
+    flags += ["--wait-for-verdict", "--log-level", "warning"]
     process, url = start_serve(tmp_path / "serve.log", *flags)
     admin = {"Authorization": f"Bearer {token}"}
     key = httpx.post(f"{url}/admin/users", json={"name": "alice"}, headers=admin).json()["key"]

@@ -45,7 +45,7 @@ def test_the_candidate_takes_its_share_of_new_episodes_deterministically():
 
 
 def test_promotion_and_rollback_follow_the_stated_rule():
-    policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1)
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1, confidence=0.5)  # z = 0: the means alone
     manager = VersionManager(Engine(), policy, seed=0)
     manager.add_candidate(Engine(), version=1)
     for value in (1.0, 0.0, 1.0, 1.0):  # the incumbent over the candidate's window: mean 0.75
@@ -54,7 +54,7 @@ def test_promotion_and_rollback_follow_the_stated_rule():
         assert manager.record_reward(1, value) is None
     decision = manager.record_reward(1, 0.5)  # mean 0.625 >= 0.75 - 0.1? no: 0.625 < 0.65 -> rolled back
     assert (decision.action, decision.version) == ("rolled_back", 1)
-    assert "0.625" in decision.reason and "0.750" in decision.reason
+    assert "0.625" in decision.reason and "0.750" in decision.reason and "-0.125" in decision.reason
     assert manager.incumbent == 0 and manager.candidate is None
     manager.add_candidate(Engine(), version=2)
     for value in (1.0, 0.0, 1.0, 1.0):
@@ -64,6 +64,36 @@ def test_promotion_and_rollback_follow_the_stated_rule():
     assert (decision.action, decision.version, manager.incumbent) == ("promoted", 2, 2)
     table = {v["version"]: v["state"] for v in manager.describe()}
     assert table == {0: "retired", 1: "rolled_back", 2: "incumbent"}
+
+
+def test_a_noisy_trial_goes_on_until_the_difference_is_sure_and_a_harmful_candidate_is_rolled_back():
+    """At confidence 0.95 a candidate that scores 0.1 against an incumbent's 0.25 is not promoted on its first episodes
+    (at 0.5, the means alone, 8 noisy rewards let it through), and is rolled back within `max_episodes`; a candidate
+    as good as the incumbent is promoted once the difference's error is within the margin (~50 episodes here)."""
+    harmful = [1.0 if i % 10 == 0 else 0.0 for i in range(200)]  # 0.1, its first 8: 0.125
+    incumbent = [1.0 if i % 4 == 0 else 0.0 for i in range(200)]  # 0.25
+    loose = VersionManager(Engine(), RolloutPolicy(min_episodes=8, margin=0.15, confidence=0.5), seed=0)
+    loose.add_candidate(Engine(), version=1)
+    for value in incumbent:
+        loose.record_reward(0, value)
+    assert [loose.record_reward(1, v) for v in harmful[:8]][-1].action == "promoted"  # the means alone: let through
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=8, margin=0.1, confidence=0.95, max_episodes=200)
+    manager = VersionManager(Engine(), policy, seed=0)
+    manager.add_candidate(Engine(), version=1)
+    for value in incumbent:
+        manager.record_reward(0, value)
+    decisions = [manager.record_reward(1, value) for value in harmful]
+    made = [(i + 1, d.action) for i, d in enumerate(decisions) if d is not None]
+    assert len(made) == 1 and made[0][1] == "rolled_back" and 8 < made[0][0] <= 200
+    assert manager.incumbent == 0 and manager.candidate is None
+    manager.add_candidate(Engine(), version=2)
+    for value in incumbent:
+        manager.record_reward(0, value)
+    decisions = [manager.record_reward(2, value) for value in incumbent]  # as good
+    made = [(i + 1, d.action) for i, d in enumerate(decisions) if d is not None]
+    assert len(made) == 1 and made[0][1] == "promoted" and 40 <= made[0][0] <= 100 and manager.incumbent == 2
+    with pytest.raises(ValueError, match="confidence"):
+        RolloutPolicy(confidence=1.0)
 
 
 def test_a_newer_candidate_supersedes_one_still_on_trial():

@@ -70,9 +70,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         run_on_server: how to run a coroutine on the serving event loop (e.g. `EndpointServer.call`); `None` runs it
             on a loop of its own (an engine whose `start` needs no loop, as the embedded one).
         wait_timeout: seconds a step waits for enough rewarded episodes (and for a verdict) before `TimeoutError`.
-        wait_for_verdict: a step starts only once the previous step's candidate was promoted or rolled back, so that
-            one candidate is on trial at a time and no update builds on one that is then refused (`False`: steps go
-            on meanwhile; a newer candidate supersedes one still on trial).
+        wait_for_verdict: each step's weights are put on trial and the next step starts only once they were promoted
+            or rolled back (`True`: every update is vetted before the next builds on it; training runs at the pace
+            of the trials). `False` (the default): training goes on while a candidate is on trial, and a step's
+            weights are put on trial only when none is (the steps in between are vetted with the next candidate).
         reward_funcs: extra reward functions run on the claimed episodes, added to the stored reward (default none).
     """
 
@@ -85,7 +86,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         versions: VersionManager | None = None,
         run_on_server=None,
         wait_timeout: float = 3600.0,
-        wait_for_verdict: bool = True,
+        wait_for_verdict: bool = False,
         reward_funcs=None,
         **kwargs,
     ):
@@ -156,7 +157,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
     # Versions
 
     def publish(self, step: int) -> None:
-        """Save the current weights as version `step` and put them on trial at the serving side."""
+        """Save the current weights as version `step` and put them on trial at the serving side (unless another
+        candidate is on trial and `wait_for_verdict` is off: then the next idle moment's weights go)."""
+        if self.versions is not None and self.versions.candidate is not None:
+            return
         model = self.accelerator.unwrap_model(self.model)
         path = Path(self.args.output_dir) / "versions" / f"v{step}"
         model.save_pretrained(path)

@@ -9,10 +9,11 @@ endpoint then serves two versions at once:
   `x-trl-agentic-version`, the trace's `policy_version`, Chat Completions' `system_fingerprint`).
 - **The rule** (`RolloutPolicy`): once the candidate has rewards for `min_episodes` episodes, compare its mean reward
   with the incumbent's over the same period (the incumbent's episodes rewarded since the candidate arrived; its
-  all-time mean when it has none there). Candidate mean >= incumbent mean - `margin`: **promoted** (all new episodes
-  go to it; the old incumbent is retired). Otherwise **rolled back** (no new episode goes to it; an alarm is logged
-  with the reason; its weights stay where the trainer saved them, `path`). A candidate still on trial when a newer one
-  arrives is **superseded**: the newer one is what the trainer's weights are now.
+  all-time mean when it has none there), with the standard error of the difference. Shown no worse than the
+  incumbent by more than `margin` at `confidence`: **promoted** (all new episodes go to it; the old incumbent is
+  retired). Shown worse by more than `margin`, or not shown safe after `max_episodes`: **rolled back** (no new episode
+  goes to it; an alarm is logged with the numbers; its weights stay where the trainer saved them, `path`). Between
+  the two the trial goes on. A candidate still on trial when a newer one arrives is **superseded**.
 - **No request fails or stalls on a swap**: a retired or rolled-back version's engine keeps serving the episodes that
   opened on it, and is stopped only once they all closed (`sweep`, run by the app's background task).
 
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 
@@ -48,11 +51,19 @@ class RolloutPolicy:
         candidate_share: share of new episodes the candidate serves while on trial (0 < share <= 1).
         min_episodes: rewarded episodes the candidate needs before it is judged.
         margin: how much lower than the incumbent's its mean reward may be and still be promoted.
+        confidence: how sure the verdict must be (one-sided, normal approximation of the difference of the two means):
+            promoted once `diff - z * se >= -margin`, rolled back once `diff + z * se < -margin`, where `diff` is the
+            candidate's mean reward minus the incumbent's and `se` its standard error; between the two the trial goes
+            on. 0.5 (z = 0) compares the means alone.
+        max_episodes: rewarded episodes after which a candidate not shown safe is rolled back (default
+            `4 * min_episodes`): a harmful update's exposure is bounded by its share and this.
     """
 
     candidate_share: float = 0.1
     min_episodes: int = 32
     margin: float = 0.05
+    confidence: float = 0.95
+    max_episodes: int | None = None
 
     def __post_init__(self):
         if not 0 < self.candidate_share <= 1:
@@ -61,6 +72,12 @@ class RolloutPolicy:
             raise ValueError(f"min_episodes must be at least 1, not {self.min_episodes}.")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, not {self.margin}.")
+        if not 0.5 <= self.confidence < 1:
+            raise ValueError(f"confidence must be in [0.5, 1), not {self.confidence}.")
+        if self.max_episodes is None:
+            self.max_episodes = 4 * self.min_episodes
+        if self.max_episodes < self.min_episodes:
+            raise ValueError(f"max_episodes ({self.max_episodes}) must be >= min_episodes ({self.min_episodes}).")
 
 
 @dataclass
@@ -159,30 +176,39 @@ class VersionManager:
             if version != self.candidate or len(entry.rewards) < self.policy.min_episodes:
                 return None
             decision = self._decide(version, entry)
+            if decision is None:  # not sure yet: the trial goes on
+                return None
             self.decisions.append(decision)
         log = logger.warning if decision.action == "rolled_back" else logger.info
         log("[trl-agentic %s] version %d: %s", decision.action, decision.version, decision.reason)
         return decision
 
-    def _decide(self, version: int, entry: _Version) -> Decision:
-        incumbent = self._versions[self.incumbent]
-        candidate_mean = sum(entry.rewards) / len(entry.rewards)
+    def _decide(self, version: int, entry: _Version) -> Decision | None:
+        incumbent, policy = self._versions[self.incumbent], self.policy
+        candidate_mean, candidate_var = _mean_var(entry.rewards)
         reference = incumbent.window or incumbent.rewards
         over = "over the same period" if incumbent.window else "all time (none rewarded during the trial)"
         if not reference:
             self._promote(version, entry)
             return Decision("promoted", version, f"mean reward {candidate_mean:.3f}; the incumbent has none to compare")
-        incumbent_mean = sum(reference) / len(reference)
+        incumbent_mean, incumbent_var = _mean_var(reference)
+        diff = candidate_mean - incumbent_mean
+        se = math.sqrt(candidate_var / len(entry.rewards) + incumbent_var / len(reference))
+        z = NormalDist().inv_cdf(policy.confidence)
         numbers = (
             f"mean reward {candidate_mean:.3f} over {len(entry.rewards)} episodes vs the incumbent's "
-            f"{incumbent_mean:.3f} over {len(reference)} ({over}), margin {self.policy.margin:g}"
+            f"{incumbent_mean:.3f} over {len(reference)} ({over}): difference {diff:+.3f} +- {z * se:.3f} "
+            f"(confidence {policy.confidence:g}), margin {policy.margin:g}"
         )
-        if candidate_mean >= incumbent_mean - self.policy.margin:
+        if diff - z * se >= -policy.margin:
             self._promote(version, entry)
             return Decision("promoted", version, numbers)
+        if diff + z * se >= -policy.margin and len(entry.rewards) < policy.max_episodes:
+            return None
+        why = "" if diff + z * se < -policy.margin else f"; not shown safe within {policy.max_episodes} episodes"
         entry.state, self.candidate = "rolled_back", None
         kept = f"; its weights stay at {entry.path}" if entry.path else ""
-        return Decision("rolled_back", version, numbers + kept)
+        return Decision("rolled_back", version, numbers + why + kept)
 
     def _promote(self, version: int, entry: _Version) -> None:
         self._versions[self.incumbent].state = "retired"
@@ -227,3 +253,11 @@ class VersionManager:
                     entry.engine = None
         for engine in done:
             await engine.stop()
+
+
+def _mean_var(values: list[float]) -> tuple[float, float]:
+    """Mean and sample variance (0 for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)

@@ -32,6 +32,18 @@ def make_parser() -> argparse.ArgumentParser:
     group.add_argument("--min-episodes", type=int, default=32, help="Rewarded episodes before a candidate's verdict.")
     group.add_argument("--margin", type=float, default=0.05, help="How far below the incumbent a candidate may be.")
     group.add_argument(
+        "--confidence", type=float, default=0.95, help="How sure a verdict must be (0.5: compare the means alone)."
+    )
+    group.add_argument(
+        "--max-episodes", type=int, default=None, help="Rewarded episodes before an unproven candidate is rolled back."
+    )
+    group.add_argument(
+        "--wait-for-verdict",
+        action="store_true",
+        help="Each step's weights go on trial and the next step waits for the verdict (default: training goes on, "
+        "and the weights go on trial whenever no candidate is).",
+    )
+    group.add_argument(
         "--wait-timeout", type=float, default=3600.0, help="Seconds a step waits for episodes or a verdict."
     )
     group.add_argument("--seed", type=int, default=0, help="Training seed.")
@@ -68,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
-    versions = VersionManager(engine, RolloutPolicy(args.candidate_share, args.min_episodes, args.margin), args.seed)
+    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    versions = VersionManager(engine, policy, args.seed)
     store = open_store(args.store)
     admin_token, shown_token, origin = resolve_admin_token(args)
     app = build_app(args, engine, tokenizer, admin_token, store, versions)
@@ -105,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         versions=versions,
         run_on_server=server.call,
         wait_timeout=args.wait_timeout,
+        wait_for_verdict=args.wait_for_verdict,
     )
     try:
         trainer.train()
