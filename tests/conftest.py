@@ -6,6 +6,7 @@ Everything here is built locally (no Hub access) and sized for 2 CPU cores.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -69,6 +70,18 @@ def tool_transcript(question: str, steps: list[tuple[str, str]], answer: str, sy
         messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": result})
     messages.append({"role": "assistant", "content": answer})
     return messages
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (README's test command: `-n 2`) each worker gets its share of the cores, for its own torch and
+    for the processes it starts (`OMP_NUM_THREADS`, inherited): two workers of 2 intra-op threads each on 2 cores
+    spin-wait against each other (see `torch_threads`). A user's own `OMP_NUM_THREADS` is left as set."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -139,9 +152,24 @@ def _train_tool_model() -> ToolModel:
 
 
 @pytest.fixture(scope="session")
-def tool_model() -> ToolModel:
+def tool_model(tmp_path_factory) -> ToolModel:
+    """The trained tool model, once per test run: under pytest-xdist (`-n 2`) the first worker that needs it trains it
+    and saves its weights beside the workers' temporary folders, the others load them (the tokenizer is deterministic)."""
     with torch_threads(1):
-        return _train_tool_model()
+        if "PYTEST_XDIST_WORKER" not in os.environ:
+            return _train_tool_model()
+        from filelock import FileLock
+
+        shared = tmp_path_factory.getbasetemp().parent / "tool_model.pt"  # the run's folder, common to its workers
+        with FileLock(f"{shared}.lock"):
+            if not shared.is_file():
+                tool = _train_tool_model()
+                torch.save(tool.model.state_dict(), shared)
+                return tool
+            tokenizer = build_tiny_tokenizer("qwen2_5")
+            model = build_tiny_model(tokenizer)
+            model.load_state_dict(torch.load(shared))
+            return ToolModel(model.eval(), tokenizer)
 
 
 class ScriptedEngine:

@@ -76,3 +76,20 @@ def test_the_check_sees_a_subprocess_training_through_a_helper(tmp_path):
         "def test_serves():\n    subprocess.run([sys.executable, '-c', 'print(1)'])\n"
     )
     assert unmarked_subprocess_trainings(path) == ["test_example.py::test_trains"]
+
+
+def pytest_command(text: str) -> str:
+    """The `python -m pytest ...` command at the end of a line (README's install-and-test line, `.ci/run`'s last)."""
+    (command,) = re.findall(r"(python -m pytest [^\n&|;]*?)\s*$", text, re.MULTILINE)
+    return command
+
+
+def test_readme_and_quickstart_give_the_test_command_ci_runs():
+    # CONTRIBUTING's timings are measured with it: `-n 2` (pytest-xdist, in the [dev] extra) is part of it.
+    repo = TESTS.parent
+    ci = pytest_command((repo / ".ci" / "run").read_text())
+    assert pytest_command((repo / "README.md").read_text()) == ci
+    assert pytest_command((repo / "docs" / "quickstart.md").read_text()) == ci
+    if " -n " in ci:
+        dev = re.search(r"^dev = \[(.*?)^\]", (repo / "pyproject.toml").read_text(), re.MULTILINE | re.DOTALL)
+        assert '"pytest-xdist' in dev.group(1), "the [dev] extra must install pytest-xdist for `-n`"
