@@ -151,7 +151,8 @@ def test_wire_formats_are_adapters_over_the_service():
 # A new module or folder takes its place here (the test below names any that has none).
 LAYERS = [
     {"imports", "quiet", "trace", "tiny_models"},  # import nothing of the package
-    {"console", "lineage", "generation"},  # generation: the engines; lineage: calls -> conversations over trace
+    # generation: the engines; lineage: calls -> conversations over trace; sandbox: where agents' processes run
+    {"console", "lineage", "generation", "sandbox"},
     {"endpoint", "rollout"},  # peers over generation and trace: the runner talks to an EpisodeServer protocol
     {"rewards"},  # checkers' helpers, the judge, per-turn rewards over rows
     {"tasks"},  # suites: dataset + agent + checker; other systems' specs through `imports.TASK_SOURCES`

@@ -1,0 +1,83 @@
+"""How a `sandbox=` setting picks a backend and makes one sandbox per episode, or reopens one for a checker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .base import NoSandbox, Sandbox, SandboxLimits
+from .bwrap import BwrapSandbox
+from .docker import DockerSandbox
+
+
+SANDBOXES = ("auto", "bwrap", "docker", "none")
+
+
+@dataclass(frozen=True)
+class SandboxOptions:
+    """How each episode's sandbox is made (what `sandbox=` on an agent resolves to).
+
+    Args:
+        kind: `"auto"` (bubblewrap where it works, else an error that says what to install or opt into), `"bwrap"`,
+            `"docker"` or `"none"` (unsandboxed, warns once).
+        binds: host paths the command sees read-only at the same path (the agent's program, its interpreter).
+        limits: the resource limits.
+        image: the container image (`"docker"`).
+    """
+
+    kind: str = "auto"
+    binds: tuple[str, ...] = ()
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    image: str | None = None
+
+
+def resolve_kind(kind: str | None) -> str:
+    """The backend `kind` names, `"auto"` resolved: `"bwrap"` where bubblewrap runs here, else a `ValueError` that
+    says how to get one or opt out."""
+    kind = kind or "auto"
+    if kind not in SANDBOXES:
+        raise ValueError(f"sandbox={kind!r}: use one of {list(SANDBOXES)} (or a Sandbox factory).")
+    if kind != "auto":
+        return kind
+    reason = BwrapSandbox.unavailable()
+    if reason is None:
+        return "bwrap"
+    raise ValueError(
+        f"No local sandbox for the agent's commands: {reason}. Install bubblewrap (`apt-get install bubblewrap`, "
+        "`dnf install bubblewrap`) and allow user namespaces, or choose sandbox='docker', or run them unsandboxed "
+        "with sandbox='none' (they can then read this user's files and secrets; docs/trust_model.md)."
+    )
+
+
+def create_sandbox(
+    sandbox: str | Callable[..., Sandbox] | None,
+    *,
+    prefix: str = "trl-agentic-",
+    binds: Sequence[str] = (),
+    limits: SandboxLimits | None = None,
+    image: str | None = None,
+) -> Sandbox:
+    """A new sandbox for one episode: `sandbox` is a backend's name (`"auto"`, `"bwrap"`, `"docker"`, `"none"`) or a
+    factory called with the same keyword arguments (a remote backend)."""
+    if callable(sandbox):
+        return sandbox(prefix=prefix, binds=tuple(binds), limits=limits or SandboxLimits(), image=image)
+    kind = resolve_kind(sandbox)
+    if kind == "none":
+        return NoSandbox(prefix)
+    if kind == "bwrap":
+        return BwrapSandbox(prefix=prefix, binds=binds, limits=limits or SandboxLimits())
+    return DockerSandbox(prefix=prefix, binds=binds, limits=limits or SandboxLimits(), image=image)
+
+
+def open_sandbox(spec: dict[str, Any]) -> Sandbox:
+    """The sandbox an episode ran in, from its `spec()` (kept in the episode's result), for a checker to run its
+    commands in after the agent finished. Every process the agent started is dead by then: the bubblewrap backend's
+    PID namespace ended with the agent's command, the unsandboxed one's process group was killed."""
+    kind = spec.get("kind")
+    if kind == "none":
+        return NoSandbox(root=Path(spec["root"]), warn=False)
+    if kind == "bwrap":
+        return BwrapSandbox.reopen(spec)
+    raise ValueError(f"Cannot reopen a sandbox of kind {kind!r} (only 'none' and 'bwrap' ones are kept).")
