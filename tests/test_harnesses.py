@@ -18,7 +18,15 @@ import pytest
 from conftest import ScriptedEngine
 from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessNotFoundError, HarnessPreset
 from trl_agentic.rollout.runner import run_episodes
+from trl_agentic.sandbox import bwrap_unavailable
 from trl_agentic.tiny_models import build_tiny_tokenizer
+
+
+# Each episode's sandbox: the default (bubblewrap) where it works here, and unsandboxed.
+SANDBOXES = [
+    pytest.param("none", marks=pytest.mark.filterwarnings("ignore:sandbox='none'")),
+    pytest.param("bwrap", marks=pytest.mark.skipif(bwrap_unavailable() is not None, reason=str(bwrap_unavailable()))),
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +82,13 @@ def fake_preset(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.parametrize("sandbox", SANDBOXES)
 def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_scored(
-    fake_preset, tokenizer, start_server
+    fake_preset, tokenizer, start_server, sandbox
 ):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "42"), tokenizer)
-    harness = Harness("fake", binary=sys.executable, files_column="files")
+    script = str(fake_preset / "fake_harness.py")  # outside its install folder: bound by name
+    harness = Harness("fake", binary=sys.executable, files_column="files", sandbox=sandbox, binds=[script])
     tasks = [
         {
             "prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "Write 42."}],
@@ -88,7 +98,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
     [episode] = asyncio.run(run_episodes(server, harness, tasks, timeout=60))
     assert episode.status == "ok", episode.error
     result = episode.result
-    assert result["harness"] == "fake" and result["exit_code"] == 0
+    assert result["harness"] == "fake" and result["exit_code"] == 0 and result["sandbox"]["kind"] == sandbox
     assert result["files"] == {"answer.txt": "42", "notes/seed.txt": "seed"}
     report = json.loads(result["output"].strip().splitlines()[-1])
     work = Path(result["workspace"])
@@ -104,7 +114,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
 @pytest.mark.slow
 def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "no"), tokenizer)
-    harness = Harness("fake", binary=sys.executable)
+    harness = Harness("fake", binary=sys.executable, binds=[str(fake_preset / "fake_harness.py")])
     tasks = [{"prompt": "crash now"}, {"prompt": "hang for ever"}, {"prompt": "fine"}]
     crashed, hung, fine = asyncio.run(run_episodes(server, harness, tasks, timeout=8))
     assert crashed.status == "agent_error" and "exited with status 3" in crashed.error
@@ -116,7 +126,7 @@ def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(
 
 def test_kept_workspaces_stay_after_scoring(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "7"), tokenizer)
-    harness = Harness("fake", binary=sys.executable, keep_workspaces=True)
+    harness = Harness("fake", binary=sys.executable, keep_workspaces=True, binds=[str(fake_preset / "fake_harness.py")])
     [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Write 7."}], timeout=60))
     harness.release([episode])
     assert (Path(episode.result["workspace"]) / "answer.txt").read_text() == "7"

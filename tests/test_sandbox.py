@@ -410,7 +410,7 @@ def test_the_bwrap_command_line_binds_only_what_it_names(tmp_path):
         argv = sandbox.command(["true"])
         binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--ro-bind")]
         writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]
-        assert writable == [str(sandbox.root)]
+        assert writable == [str(sandbox.workspace), str(sandbox.home)]
         assert "/" not in binds and os.path.expanduser("~") not in binds and os.getcwd() not in binds
         assert "--unshare-net" in argv and "--unshare-pid" in argv and "--die-with-parent" in argv
     finally:

@@ -143,7 +143,10 @@ def snapshot(work: Path) -> dict[str, Any]:
 
 
 class LocalDirectories:
-    """A fresh `root/` with `work/` (the workspace) and `home/` under the system's temporary directory."""
+    """A fresh `root/` with `work/` (the workspace) and `home/` under the system's temporary directory (`tmpdir`: the
+    command's TMPDIR)."""
+
+    tmpdir = "/tmp"
 
     def _make_directories(self, prefix: str, root: Path | None = None) -> None:
         self.root = root or Path(tempfile.mkdtemp(prefix=prefix))
@@ -177,6 +180,7 @@ class NoSandbox(LocalDirectories, Sandbox):
                 stacklevel=3,
             )
         self._make_directories(prefix, root)
+        self.tmpdir = str(self.root)
 
     def endpoint_url(self, url: str) -> str:
         return url

@@ -3,7 +3,7 @@
 Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
 - the system's directories read-only (`/usr`, `/bin`, `/lib*`, a few files of `/etc`), the Python that runs `init.py`
   and the `binds` (the agent's program and interpreter) read-only at their own paths; nothing else of the host;
-- the episode's `root/` (`work/`, the workspace; `home/`, its HOME) writable at its own path, a private `/tmp`, its own
+- the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, a private `/tmp`, its own
   `/proc` and `/dev`;
 - its own PID namespace (`init.py`'s exit ends it: the kernel kills every process left, `setsid` and double-forked
   ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS namespaces;
@@ -31,10 +31,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
+from .binds import SYSTEM_DIRS, under
 from .process import kill_group, run_process
 
 
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What programs need of /etc: users and groups (names, `~`), name resolution of localhost, the loader's cache, TLS
 # roots, alternatives (`python3`, `editor`), the time zone. Not the rest (shadow, the host's ssh or cloud config).
 ETC_FILES = (
@@ -55,6 +55,7 @@ ETC_FILES = (
 )
 INIT_SCRIPT = Path(__file__).with_name("init.py")
 INSIDE_CONTROL = "/run/trl-agentic"
+INSIDE_SOCKETS = "/run/trl-agentic-endpoint"
 
 
 @functools.cache
@@ -76,11 +77,7 @@ def bwrap_unavailable() -> str | None:
 def _python_binds() -> list[str]:
     """What the running Python needs to run `init.py` inside (`python -I -S`: the standard library only)."""
     paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
-    return sorted(p for p in paths if not any(_under(p, d) for d in SYSTEM_DIRS))
-
-
-def _under(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
+    return sorted(p for p in paths if not any(under(p, d) for d in SYSTEM_DIRS))
 
 
 _CGROUP_WORKS: list[bool] = []  # learnt once: [] not tried, [False] no pids cgroup here
@@ -201,11 +198,14 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         self.limits = limits or SandboxLimits()
         self.binds = tuple(str(Path(b).absolute()) for b in binds)
         self._make_directories(prefix, root)
-        self.control = Path(tempfile.mkdtemp(prefix="trl-agentic-control-"))  # init.py and the endpoint socket
-        shutil.copyfile(INIT_SCRIPT, self.control / "init.py")  # read-only inside
+        # init.py and the endpoint's socket, read-only inside (out of the agent's reach: a checker's run uses init.py)
+        self.control = self.root / "control"
+        self.control.mkdir(exist_ok=True)
+        shutil.copyfile(INIT_SCRIPT, self.control / "init.py")
         self._target: tuple[str, int] | None = None
         self._port: int | None = None
         self._cgroups: list[Path] = []
+        self._sockets: Path | None = None
 
     @staticmethod
     def unavailable() -> str | None:
@@ -241,20 +241,25 @@ class BwrapSandbox(LocalDirectories, Sandbox):
             args += ["--ro-bind-try", path, path]
         args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         for path in sorted({*_python_binds(), *self.binds}, key=lambda p: p.count("/")):
-            if not any(_under(path, d) for d in SYSTEM_DIRS) and os.path.exists(path):
+            if not any(under(path, d) for d in SYSTEM_DIRS) and os.path.exists(path):
                 args += ["--ro-bind", path, path]
-        args += ["--bind", str(self.root), str(self.root)]
+        for folder in (self.workspace, self.home):
+            args += ["--bind", str(folder), str(folder)]
         args += ["--ro-bind", str(self.control), INSIDE_CONTROL]
+        if self._sockets is not None:
+            args += ["--ro-bind", str(self._sockets), INSIDE_SOCKETS]
         args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
         port = str(self._port) if self._target is not None else "-"
-        socket_path = f"{INSIDE_CONTROL}/endpoint.sock"
+        socket_path = f"{INSIDE_SOCKETS}/endpoint.sock"
         python = os.path.realpath(sys.executable)
         return [*args, "--", python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", port, socket_path, "--", *argv]
 
     async def run(self, argv, env, *, cwd=None, stdin=None, timeout=None, merge_stderr=False) -> SandboxResult:
-        server = None
+        server, self._sockets = None, None
         if self._target is not None:
-            server = await asyncio.start_unix_server(self._forward, path=str(self.control / "endpoint.sock"))
+            # A folder of its own under /tmp: a Unix socket's path has at most 107 bytes, the episode's may be longer.
+            self._sockets = Path(tempfile.mkdtemp(prefix="trl-agentic-", dir="/tmp" if os.path.isdir("/tmp") else None))
+            server = await asyncio.start_unix_server(self._forward, path=str(self._sockets / "endpoint.sock"))
         cgroup = _pids_cgroup(self.limits.processes) if self.limits.processes is not None else None
         if cgroup is not None:
             self._cgroups.append(cgroup)
@@ -272,7 +277,7 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         finally:
             if server is not None:
                 server.close()
-                (self.control / "endpoint.sock").unlink(missing_ok=True)
+                shutil.rmtree(self._sockets, ignore_errors=True)
             self._release_cgroups()
         return SandboxResult(code, out, err, held)
 
@@ -292,7 +297,6 @@ class BwrapSandbox(LocalDirectories, Sandbox):
     def destroy(self) -> None:
         self._release_cgroups()
         self._remove_directories()
-        shutil.rmtree(self.control, ignore_errors=True)
 
 
 def processes_limited() -> bool:

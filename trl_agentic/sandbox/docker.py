@@ -1,7 +1,7 @@
 """The container backend: each command of an episode runs as a fresh container (the `docker` SDK,
 `pip install 'trl-agentic[docker]'`), so that every process it started ends with it.
 
-The episode's `root/` (`work/`, `home/`) is bind-mounted read-write at its own path (the daemon runs on this machine),
+The episode's `work/` and `home/` are bind-mounted read-write at its own path (the daemon runs on this machine),
 the `binds` read-only; the container has no network (`network_mode="none"`): `init.py` (the local sandbox's, run by the
 image's `python3`) listens on 127.0.0.1 at the endpoint's port inside and forwards to a Unix socket mounted from the
 trainer's side, which connects it to the endpoint. Limits: `mem_limit`, `pids_limit`, `ulimits` (CPU, file size). It
@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -71,7 +69,8 @@ class DockerSandbox(LocalDirectories, Sandbox):
         self.client = docker.from_env()
         self.image, self.binds, self.limits = image, tuple(binds), limits or SandboxLimits()
         self._make_directories(prefix)
-        self.control = Path(tempfile.mkdtemp(prefix="trl-agentic-control-"))
+        self.control = self.root / "control"  # init.py and the endpoint's socket
+        self.control.mkdir()
         shutil.copyfile(INIT_SCRIPT, self.control / "init.py")
         self._target: tuple[str, int] | None = None
         self._port: int | None = None
@@ -83,7 +82,7 @@ class DockerSandbox(LocalDirectories, Sandbox):
         return urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
 
     def _container_kwargs(self, argv: Sequence[str], env: dict[str, str], cwd: Any) -> dict[str, Any]:
-        volumes = {str(self.root): {"bind": str(self.root), "mode": "rw"}}
+        volumes = {str(f): {"bind": str(f), "mode": "rw"} for f in (self.workspace, self.home)}
         volumes[str(self.control)] = {"bind": INSIDE_CONTROL, "mode": "rw"}
         volumes.update({b: {"bind": b, "mode": "ro"} for b in self.binds})
         port = str(self._port) if self._target is not None else "-"
@@ -115,6 +114,7 @@ class DockerSandbox(LocalDirectories, Sandbox):
             argv = ["sh", "-c", f'exec "$@" < {INSIDE_CONTROL}/stdin', "sh", *argv]
         server = None
         if self._target is not None:
+            (self.control / "endpoint.sock").unlink(missing_ok=True)
             server = await asyncio.start_unix_server(self._forward, path=str(self.control / "endpoint.sock"))
         container = await asyncio.to_thread(self.client.containers.run, **self._container_kwargs(argv, env, cwd))
         try:
@@ -134,4 +134,3 @@ class DockerSandbox(LocalDirectories, Sandbox):
 
     def destroy(self) -> None:
         self._remove_directories()
-        shutil.rmtree(self.control, ignore_errors=True)
