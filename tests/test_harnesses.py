@@ -22,6 +22,7 @@ from trl_agentic.sandbox import bwrap_unavailable
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
 
+DEFAULT_SANDBOX = "bwrap" if bwrap_unavailable() is None else "none"
 # Each episode's sandbox: the default (bubblewrap) where it works here, and unsandboxed.
 SANDBOXES = [
     pytest.param("none", marks=pytest.mark.filterwarnings("ignore:sandbox='none'")),
@@ -161,6 +162,7 @@ def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_ser
     )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert episode.result["sandbox"]["kind"] == DEFAULT_SANDBOX  # bubblewrap, where it works here
     assert len(episode.turns) == 2 and episode.num_forks == 0
     assert episode.turns[1].prompt_source == "continued"  # token-in continuation: the second call extends the first
     assert "Create a file answer.txt containing 42." in episode.messages[1]["content"]

@@ -378,6 +378,7 @@ def test_a_command_past_its_deadline_is_killed_with_its_tree(kind):
 
 
 def test_the_setting_says_what_it_picks(monkeypatch):
+    monkeypatch.delenv("TRL_AGENTIC_SANDBOX", raising=False)
     with pytest.raises(ValueError, match=r"sandbox='podman': use one of \['auto', 'bwrap', 'docker', 'none'\]"):
         resolve_kind("podman")
     assert resolve_kind("none") == "none"
@@ -390,6 +391,11 @@ def test_the_setting_says_what_it_picks(monkeypatch):
     assert "`apt-get install bubblewrap`" in str(error.value) and "sandbox='none'" in str(error.value)
     monkeypatch.setattr(bwrap, "bwrap_unavailable", lambda: None)
     assert resolve_kind("auto") == resolve_kind(None) == "bwrap"
+    monkeypatch.setenv("TRL_AGENTIC_SANDBOX", "none")  # a machine's explicit opt-in
+    assert resolve_kind("auto") == "none" and resolve_kind("bwrap") == "bwrap"
+    monkeypatch.setenv("TRL_AGENTIC_SANDBOX", "chroot")
+    with pytest.raises(ValueError, match=r"\$TRL_AGENTIC_SANDBOX='chroot': use one of \['bwrap', 'docker', 'none'\]"):
+        resolve_kind("auto")
 
 
 def test_unsandboxed_runs_warn_once(monkeypatch):

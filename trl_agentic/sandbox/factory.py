@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,21 +34,31 @@ class SandboxOptions:
     image: str | None = None
 
 
+SANDBOX_ENV = "TRL_AGENTIC_SANDBOX"  # what `"auto"` means on this machine, when set: a machine-wide opt-in
+
+
 def resolve_kind(kind: str | None) -> str:
-    """The backend `kind` names, `"auto"` resolved: `"bwrap"` where bubblewrap runs here, else a `ValueError` that
-    says how to get one or opt out."""
+    """The backend `kind` names, `"auto"` resolved: `$TRL_AGENTIC_SANDBOX` when set (e.g. `none` on a machine without
+    bubblewrap, an explicit opt-in), else `"bwrap"` where bubblewrap runs here, else a `ValueError` that says how to
+    get one or opt out."""
     kind = kind or "auto"
     if kind not in SANDBOXES:
         raise ValueError(f"sandbox={kind!r}: use one of {list(SANDBOXES)} (or a Sandbox factory).")
     if kind != "auto":
         return kind
+    configured = os.environ.get(SANDBOX_ENV)
+    if configured:
+        if configured not in SANDBOXES or configured == "auto":
+            raise ValueError(f"${SANDBOX_ENV}={configured!r}: use one of {[k for k in SANDBOXES if k != 'auto']}.")
+        return configured
     reason = BwrapSandbox.unavailable()
     if reason is None:
         return "bwrap"
     raise ValueError(
         f"No local sandbox for the agent's commands: {reason}. Install bubblewrap (`apt-get install bubblewrap`, "
         "`dnf install bubblewrap`) and allow user namespaces, or choose sandbox='docker', or run them unsandboxed "
-        "with sandbox='none' (they can then read this user's files and secrets; docs/trust_model.md)."
+        f"with sandbox='none' or ${SANDBOX_ENV}=none (they can then read this user's files and secrets; "
+        "docs/trust_model.md)."
     )
 
 
