@@ -179,7 +179,21 @@ def test_a_recipe_names_a_harness_by_its_preset():
     agent = agent_from_recipe(
         ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator")
     )
-    assert isinstance(agent, Harness) and agent.name == "mini-swe-agent"
+    assert isinstance(agent, Harness) and agent.name == "mini-swe-agent" and agent.sandbox == "auto"
+
+
+def test_a_recipe_names_the_agents_sandbox():
+    from trl_agentic.recipes import ScriptArguments, agent_from_recipe
+    from trl_agentic.rollout.agents import CommandAgent
+    from trl_agentic.tasks import get_task
+
+    args = ScriptArguments(task="calculator", agent_command="node agent.js", sandbox="bwrap", sandbox_binds=["/opt/a"])
+    agent = agent_from_recipe(args, get_task("calculator"))
+    assert isinstance(agent, CommandAgent) and (agent.sandbox, agent.binds) == ("bwrap", ("/opt/a",))
+    args = ScriptArguments(task="calculator", agent="harness:codex", sandbox="none")
+    assert agent_from_recipe(args, get_task("calculator")).sandbox == "none"
+    with pytest.raises(ValueError, match=r"sandbox='jail': use one of \['auto', 'bwrap', 'docker', 'none'\]"):
+        ScriptArguments(task="calculator", sandbox="jail")
     with pytest.raises(ValueError, match="presets are"):
         agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
 
