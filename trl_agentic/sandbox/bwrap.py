@@ -126,27 +126,30 @@ def _user_tasks() -> int:
     return count
 
 
-def _limiter(limits: SandboxLimits, cgroup: Path | None):
-    """The function run in the child between fork and exec: join the cgroup, set the rlimits (inherited by all)."""
-    rlimits = [
-        (resource.RLIMIT_CPU, limits.cpu_seconds),
-        (resource.RLIMIT_AS, limits.memory_bytes),
-        (resource.RLIMIT_FSIZE, limits.file_size_bytes),
-    ]
+def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tuple[list[str], Any]:
+    """`argv` wrapped to join the pids cgroup (`sh`: writes its pid, then `exec`s) and take the rlimits (`prlimit`,
+    util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork and exec
+    (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
+    rlimits = {"cpu": limits.cpu_seconds, "as": limits.memory_bytes, "fsize": limits.file_size_bytes}
     if cgroup is None and limits.processes is not None and os.getuid() != 0:  # root is exempt from RLIMIT_NPROC
-        rlimits.append((resource.RLIMIT_NPROC, _user_tasks() + limits.processes))
-    procs = str(cgroup / "cgroup.procs") if cgroup is not None else None
+        rlimits["nproc"] = _user_tasks() + limits.processes
+    rlimits = {name: value for name, value in rlimits.items() if value is not None}
+    preexec = None
+    prlimit = shutil.which("prlimit")
+    if prlimit is not None and rlimits:
+        argv = [prlimit, *(f"--{name}={value}" for name, value in rlimits.items()), "--", *argv]
+    elif rlimits:
+        resources = {"cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE}
+        resources["nproc"] = resource.RLIMIT_NPROC
+        pairs = [(resources[name], value) for name, value in rlimits.items()]
 
-    def apply() -> None:
-        if procs is not None:
-            fd = os.open(procs, os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-        for which, value in rlimits:
-            if value is not None:
+        def preexec() -> None:
+            for which, value in pairs:
                 resource.setrlimit(which, (value, value))
 
-    return apply
+    if cgroup is not None:
+        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+    return argv, preexec
 
 
 async def forward_to(target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -249,10 +252,12 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         if self._sockets is not None:
             args += ["--ro-bind", str(self._sockets), INSIDE_SOCKETS]
         args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
-        port = str(self._port) if self._target is not None else "-"
+        if self._target is None:  # no endpoint to forward: bwrap's own PID 1 ends the namespace with the command
+            return [*args, "--", *argv]
         socket_path = f"{INSIDE_SOCKETS}/endpoint.sock"
         python = os.path.realpath(sys.executable)
-        return [*args, "--", python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", port, socket_path, "--", *argv]
+        init = [python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", str(self._port), socket_path, "--"]
+        return [*args, "--", *init, *argv]
 
     async def run(self, argv, env, *, cwd=None, stdin=None, timeout=None, merge_stderr=False) -> SandboxResult:
         server, self._sockets = None, None
@@ -264,14 +269,15 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         if cgroup is not None:
             self._cgroups.append(cgroup)
         try:
+            command, preexec = _limited(self.command(argv, cwd), self.limits, cgroup)
             process = await asyncio.create_subprocess_exec(
-                *self.command(argv, cwd),
+                *command,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_limiter(self.limits, cgroup),
+                preexec_fn=preexec,
             )
             code, out, err, held = await asyncio.wait_for(run_process(process, stdin), timeout)
         finally:
