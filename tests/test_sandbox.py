@@ -429,3 +429,31 @@ def test_the_container_backend_says_what_it_needs():
     if DOCKER_MISSING is not None:
         with pytest.raises(RuntimeError, match="sandbox='docker': "):
             create_sandbox("docker", image=DOCKER_IMAGE)
+
+
+OPENAI_AGENT = """
+import json, os, openai
+client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=[{"role": "user", "content": "Hi."}])
+print(json.dumps({"answer": reply.choices[0].message.content, "base_url": os.environ["OPENAI_BASE_URL"]}))
+"""
+
+
+@needs_bwrap
+def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server, tmp_path):
+    from conftest import ScriptedEngine
+    from trl_agentic.rollout.agents import CommandAgent
+    from trl_agentic.rollout.runner import run_episodes, run_rollout
+    from trl_agentic.tiny_models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    server = start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine."), tokenizer)
+    script = tmp_path / "agent.py"
+    script.write_text(OPENAI_AGENT)
+    agent = CommandAgent(f"{sys.executable} {script}", sandbox="bwrap")
+    (episode,) = run_rollout(run_episodes(server, agent, [{"prompt": "p"}], timeout=60))
+    assert episode.status == "ok", (episode.error, episode.metadata)
+    assert episode.result["result"] == {"answer": "Fine.", "base_url": server.base_url}
+    (turn,) = episode.turns
+    assert tokenizer.decode(turn.completion_ids, skip_special_tokens=True) == "Fine."
+    assert [m["content"] for m in episode.messages] == ["Hi.", "Fine."]
