@@ -65,12 +65,15 @@ class HarnessPreset:
             environment, with `HOME=home`).
         task_on_stdin: the task is written to the harness's standard input (then closed) rather than being on its
             command line, for a harness that would alter it there.
+        in_sandbox: `in_sandbox(argv) -> argv`: the command line when the episode runs in a sandbox, for a harness
+            whose own sandbox cannot nest in it (Codex's: the episode's sandbox confines it instead).
     """
 
     executable: str
     install: str
     prepare: Callable[[str, str, EpisodeContext, Path, Path], tuple[list[str], dict[str, str]]]
     task_on_stdin: bool = False
+    in_sandbox: Callable[[list[str]], list[str]] | None = None
 
 
 def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
@@ -234,9 +237,16 @@ def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home:
     return [binary, "run", "--model", f"trl-agentic/{context.model}"], env
 
 
+def _codex_in_sandbox(argv: list[str]) -> list[str]:
+    # Codex's own Linux sandbox (namespaces, seccomp) cannot set itself up inside the episode's: its commands failed
+    # there and the task was never done. The episode's sandbox confines them instead (what Codex's docs advise in a
+    # container).
+    return [a if a != "workspace-write" else "danger-full-access" for a in argv]
+
+
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
     "gemini-cli": HarnessPreset("gemini", "npm install -g @google/gemini-cli", _gemini_cli),
-    "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
+    "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex, in_sandbox=_codex_in_sandbox),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
     "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
     "opencode": HarnessPreset("opencode", "npm install -g opencode-ai", _opencode, task_on_stdin=True),
@@ -344,6 +354,8 @@ class Harness:
             text = self.task_text(task)
             context = dataclasses.replace(context, base_url=sandbox.endpoint_url(context.base_url))
             argv, preset_env = self.preset.prepare(binary, text, context, work, home)
+            if self.preset.in_sandbox is not None and sandbox.kind != "none":
+                argv = self.preset.in_sandbox(argv)
             env = {
                 **command_environment(self.inherit_env),
                 **preset_env,

@@ -28,7 +28,8 @@ class SandboxLimits:
 
     Args:
         cpu_seconds: CPU time of each process, in seconds.
-        memory_bytes: address space of each process, in bytes.
+        memory_bytes: memory each process may allocate (`RLIMIT_DATA`: its heap and private writable mappings, not
+            the address space it only reserves, which a JavaScript engine's WebAssembly needs by the gigabyte), in bytes.
         processes: processes (threads included) of the sandbox at once.
         file_size_bytes: size of any file a process writes, in bytes.
     """

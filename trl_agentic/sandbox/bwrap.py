@@ -10,7 +10,7 @@ Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
 - its own network namespace, where loopback is the only interface: `init.py` listens on 127.0.0.1 at the endpoint's
   port and forwards each connection through a Unix socket (bound read-only) to the trainer's side, which connects it
   to the endpoint. No other address is reachable;
-- rlimits (CPU time, address space, file size) on every process, and its processes counted by a pids cgroup of its own
+- rlimits (CPU time, data memory, file size) on every process, and its processes counted by a pids cgroup of its own
   where one can be created (else `RLIMIT_NPROC`, per user).
 """
 
@@ -130,7 +130,7 @@ def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tup
     """`argv` wrapped to join the pids cgroup (`sh`: writes its pid, then `exec`s) and take the rlimits (`prlimit`,
     util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork and exec
     (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
-    rlimits = {"cpu": limits.cpu_seconds, "as": limits.memory_bytes, "fsize": limits.file_size_bytes}
+    rlimits = {"cpu": limits.cpu_seconds, "data": limits.memory_bytes, "fsize": limits.file_size_bytes}
     if cgroup is None and limits.processes is not None and os.getuid() != 0:  # root is exempt from RLIMIT_NPROC
         rlimits["nproc"] = _user_tasks() + limits.processes
     rlimits = {name: value for name, value in rlimits.items() if value is not None}
@@ -139,7 +139,7 @@ def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tup
     if prlimit is not None and rlimits:
         argv = [prlimit, *(f"--{name}={value}" for name, value in rlimits.items()), "--", *argv]
     elif rlimits:
-        resources = {"cpu": resource.RLIMIT_CPU, "as": resource.RLIMIT_AS, "fsize": resource.RLIMIT_FSIZE}
+        resources = {"cpu": resource.RLIMIT_CPU, "data": resource.RLIMIT_DATA, "fsize": resource.RLIMIT_FSIZE}
         resources["nproc"] = resource.RLIMIT_NPROC
         pairs = [(resources[name], value) for name, value in rlimits.items()]
 
