@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
-from .bwrap import INIT_SCRIPT, INSIDE_CONTROL
+from .bwrap import INIT_SCRIPT, INSIDE_CONTROL, INSIDE_SOCKETS
 
 
 def docker_unavailable() -> str | None:
@@ -69,8 +71,10 @@ class DockerSandbox(LocalDirectories, Sandbox):
         self.client = docker.from_env()
         self.image, self.binds, self.limits = image, tuple(binds), limits or SandboxLimits()
         self._make_directories(prefix)
-        self.control = self.root / "control"  # init.py and the endpoint's socket
+        self.control = self.root / "control"  # init.py, the command's stdin
         self.control.mkdir()
+        # The endpoint's socket: a folder of its own under /tmp (a Unix socket's path has at most 107 bytes).
+        self.sockets = Path(tempfile.mkdtemp(prefix="trl-agentic-", dir="/tmp" if os.path.isdir("/tmp") else None))
         shutil.copyfile(INIT_SCRIPT, self.control / "init.py")
         self._target: tuple[str, int] | None = None
         self._port: int | None = None
@@ -83,10 +87,11 @@ class DockerSandbox(LocalDirectories, Sandbox):
 
     def _container_kwargs(self, argv: Sequence[str], env: dict[str, str], cwd: Any) -> dict[str, Any]:
         volumes = {str(f): {"bind": str(f), "mode": "rw"} for f in (self.workspace, self.home)}
-        volumes[str(self.control)] = {"bind": INSIDE_CONTROL, "mode": "rw"}
+        volumes[str(self.control)] = {"bind": INSIDE_CONTROL, "mode": "ro"}
+        volumes[str(self.sockets)] = {"bind": INSIDE_SOCKETS, "mode": "ro"}
         volumes.update({b: {"bind": b, "mode": "ro"} for b in self.binds})
         port = str(self._port) if self._target is not None else "-"
-        command = ["python3", "-I", "-S", f"{INSIDE_CONTROL}/init.py", port, f"{INSIDE_CONTROL}/endpoint.sock", "--"]
+        command = ["python3", "-I", "-S", f"{INSIDE_CONTROL}/init.py", port, f"{INSIDE_SOCKETS}/endpoint.sock", "--"]
         from docker.types import Ulimit
 
         ulimits = []
@@ -114,8 +119,8 @@ class DockerSandbox(LocalDirectories, Sandbox):
             argv = ["sh", "-c", f'exec "$@" < {INSIDE_CONTROL}/stdin', "sh", *argv]
         server = None
         if self._target is not None:
-            (self.control / "endpoint.sock").unlink(missing_ok=True)
-            server = await asyncio.start_unix_server(self._forward, path=str(self.control / "endpoint.sock"))
+            (self.sockets / "endpoint.sock").unlink(missing_ok=True)
+            server = await asyncio.start_unix_server(self._forward, path=str(self.sockets / "endpoint.sock"))
         container = await asyncio.to_thread(self.client.containers.run, **self._container_kwargs(argv, env, cwd))
         try:
             status = await asyncio.wait_for(asyncio.to_thread(container.wait), timeout)
@@ -134,3 +139,4 @@ class DockerSandbox(LocalDirectories, Sandbox):
 
     def destroy(self) -> None:
         self._remove_directories()
+        shutil.rmtree(self.sockets, ignore_errors=True)
