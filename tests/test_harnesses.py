@@ -180,6 +180,8 @@ def test_a_recipe_names_a_harness_by_its_preset():
         ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator")
     )
     assert isinstance(agent, Harness) and agent.name == "mini-swe-agent" and agent.sandbox == "auto"
+    with pytest.raises(ValueError, match="presets are"):
+        agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
 
 
 def test_a_recipe_names_the_agents_sandbox():
@@ -187,15 +189,23 @@ def test_a_recipe_names_the_agents_sandbox():
     from trl_agentic.rollout.agents import CommandAgent
     from trl_agentic.tasks import get_task
 
-    args = ScriptArguments(task="calculator", agent_command="node agent.js", sandbox="bwrap", sandbox_binds=["/opt/a"])
+    args = ScriptArguments(task="calculator", agent_command="node agent.js", sandbox="none", sandbox_binds=["/opt/a"])
     agent = agent_from_recipe(args, get_task("calculator"))
-    assert isinstance(agent, CommandAgent) and (agent.sandbox, agent.binds) == ("bwrap", ("/opt/a",))
-    args = ScriptArguments(task="calculator", agent="harness:codex", sandbox="none")
-    assert agent_from_recipe(args, get_task("calculator")).sandbox == "none"
+    assert isinstance(agent, CommandAgent) and (agent.sandbox, agent.binds) == ("none", ("/opt/a",))
+    args = ScriptArguments(task="calculator", agent="harness:codex")
+    assert agent_from_recipe(args, get_task("calculator")).sandbox == "auto"
     with pytest.raises(ValueError, match=r"sandbox='jail': use one of \['auto', 'bwrap', 'docker', 'none'\]"):
         ScriptArguments(task="calculator", sandbox="jail")
-    with pytest.raises(ValueError, match="presets are"):
-        agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
+
+
+def test_an_agent_whose_sandbox_cannot_run_here_fails_when_made(monkeypatch):
+    import trl_agentic.sandbox.bwrap as bwrap
+    from trl_agentic.rollout.agents import CommandAgent
+
+    monkeypatch.setattr(bwrap, "bwrap_unavailable", lambda: "bubblewrap (`bwrap`) is not installed")
+    for make in (lambda: CommandAgent("true", sandbox="bwrap"), lambda: Harness("codex", sandbox="bwrap")):
+        with pytest.raises(ValueError, match=r"sandbox='bwrap': bubblewrap \(`bwrap`\) is not installed\. Install"):
+            make()
 
 
 @pytest.mark.slow

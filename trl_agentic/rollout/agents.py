@@ -30,6 +30,7 @@ import openai
 
 from ..sandbox import SandboxLimits, create_sandbox
 from ..sandbox.binds import command_binds
+from ..sandbox.factory import check_sandbox
 from ..sandbox.process import run_process  # noqa: F401 - its import path before the sandbox package
 
 
@@ -261,6 +262,9 @@ class CommandAgent:
     binds: Sequence[str] = ()
     limits: SandboxLimits | None = None
     sandbox_image: str | None = None
+
+    def __post_init__(self):
+        check_sandbox(self.sandbox)
 
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         task_json = json.dumps(task, default=str)

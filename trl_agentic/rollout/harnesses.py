@@ -46,6 +46,7 @@ from typing import Any
 from ..sandbox import SandboxLimits, create_sandbox, snapshot
 from ..sandbox.base import SNAPSHOT_FILE_LIMIT, SNAPSHOT_TOTAL_LIMIT  # noqa: F401 - their import path before sandbox/
 from ..sandbox.binds import program_binds
+from ..sandbox.factory import check_sandbox
 from .agents import AgentCrash, EpisodeContext, command_environment
 
 
@@ -303,6 +304,7 @@ class Harness:
         if self.name not in HARNESS_PRESETS:
             raise ValueError(f"Unknown harness {self.name!r}; the presets are {sorted(HARNESS_PRESETS)}.")
         self.preset = HARNESS_PRESETS[self.name]
+        check_sandbox(self.sandbox)
 
     @property
     def binary_env_var(self) -> str:

@@ -62,6 +62,27 @@ def resolve_kind(kind: str | None) -> str:
     )
 
 
+def check_sandbox(sandbox: Any) -> None:
+    """Fail early, with what to do, when the backend `sandbox` names cannot run here (checked when an agent is made,
+    not at its first episode: a backend missing there would make every episode unscorable)."""
+    if callable(sandbox):
+        return
+    kind = resolve_kind(sandbox)
+    if kind == "bwrap":
+        reason = BwrapSandbox.unavailable()
+    elif kind == "docker":
+        from .docker import docker_unavailable
+
+        reason = docker_unavailable()
+    else:
+        return
+    if reason is not None:
+        raise ValueError(
+            f"sandbox={kind!r}: {reason}. Install it, choose another backend, or run unsandboxed with "
+            "sandbox='none' (docs/sandboxes.md)."
+        )
+
+
 def create_sandbox(
     sandbox: str | Callable[..., Sandbox] | None,
     *,
