@@ -17,7 +17,15 @@ from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
 from trl_agentic.generation.engine import GenerationOutput, SamplingParams
 from trl_agentic.generation.transformers_engine import TransformersEngine
+from trl_agentic.sandbox import bwrap_unavailable
+from trl_agentic.sandbox.factory import SANDBOX_ENV
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
+
+
+# Agents' commands run in the default sandbox (bubblewrap) where it works; on a machine without it the suite opts into
+# unsandboxed runs explicitly (tests/test_sandbox.py's bubblewrap tests are skipped there, with the reason).
+if bwrap_unavailable() is not None:
+    os.environ.setdefault(SANDBOX_ENV, "none")
 
 
 # The calculator tool as a hand-written agent sends it, and as the OpenAI Agents SDK derives it from

@@ -162,7 +162,8 @@ def process_is_gone(pid: int) -> bool:
 
 
 def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tmp_path):
-    # The command answers and exits 0, but leaves a child that keeps its stdout open for 30 s.
+    # The command answers and exits 0, but leaves a child that keeps its stdout open for 30 s. Unsandboxed (host pids
+    # to check; in a sandbox the PID namespace ends with the command, tests/test_sandbox.py).
     script = tmp_path / "agent.sh"
     script.write_text(
         textwrap.dedent("""
@@ -172,7 +173,7 @@ def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tm
     """)
     )
     started = time.monotonic()
-    (episode,) = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=10)
+    (episode,) = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path), sandbox="none"), timeout=10)
     assert episode.status == "ok", episode.error
     assert episode.result["result"] == {"answer": 42} and episode.result["exit_code"] == 0
     assert time.monotonic() - started < 5
@@ -187,7 +188,7 @@ def test_timed_out_command_is_killed_with_its_process_group(server, tmp_path):
     script = tmp_path / "agent.sh"
     script.write_text('sleep 30 &\necho "$!" > child.pid\nsleep 30\n')
     started = time.monotonic()
-    episodes = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path)), timeout=1.0)
+    episodes = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path), sandbox="none"), timeout=1.0)
     assert [e.status for e in episodes] == ["timeout"]
     assert time.monotonic() - started < 4
     child = int((tmp_path / "child.pid").read_text())

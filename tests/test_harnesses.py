@@ -18,7 +18,16 @@ import pytest
 from conftest import ScriptedEngine
 from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessNotFoundError, HarnessPreset
 from trl_agentic.rollout.runner import run_episodes
+from trl_agentic.sandbox import bwrap_unavailable
 from trl_agentic.tiny_models import build_tiny_tokenizer
+
+
+DEFAULT_SANDBOX = "bwrap" if bwrap_unavailable() is None else "none"
+# Each episode's sandbox: the default (bubblewrap) where it works here, and unsandboxed.
+SANDBOXES = [
+    pytest.param("none", marks=pytest.mark.filterwarnings("ignore:sandbox='none'")),
+    pytest.param("bwrap", marks=pytest.mark.skipif(bwrap_unavailable() is not None, reason=str(bwrap_unavailable()))),
+]
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +83,13 @@ def fake_preset(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.parametrize("sandbox", SANDBOXES)
 def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_scored(
-    fake_preset, tokenizer, start_server
+    fake_preset, tokenizer, start_server, sandbox
 ):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "42"), tokenizer)
-    harness = Harness("fake", binary=sys.executable, files_column="files")
+    script = str(fake_preset / "fake_harness.py")  # outside its install folder: bound by name
+    harness = Harness("fake", binary=sys.executable, files_column="files", sandbox=sandbox, binds=[script])
     tasks = [
         {
             "prompt": [{"role": "system", "content": "ignored"}, {"role": "user", "content": "Write 42."}],
@@ -88,7 +99,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
     [episode] = asyncio.run(run_episodes(server, harness, tasks, timeout=60))
     assert episode.status == "ok", episode.error
     result = episode.result
-    assert result["harness"] == "fake" and result["exit_code"] == 0
+    assert result["harness"] == "fake" and result["exit_code"] == 0 and result["sandbox"]["kind"] == sandbox
     assert result["files"] == {"answer.txt": "42", "notes/seed.txt": "seed"}
     report = json.loads(result["output"].strip().splitlines()[-1])
     work = Path(result["workspace"])
@@ -104,7 +115,7 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
 @pytest.mark.slow
 def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "no"), tokenizer)
-    harness = Harness("fake", binary=sys.executable)
+    harness = Harness("fake", binary=sys.executable, binds=[str(fake_preset / "fake_harness.py")])
     tasks = [{"prompt": "crash now"}, {"prompt": "hang for ever"}, {"prompt": "fine"}]
     crashed, hung, fine = asyncio.run(run_episodes(server, harness, tasks, timeout=8))
     assert crashed.status == "agent_error" and "exited with status 3" in crashed.error
@@ -116,7 +127,7 @@ def test_a_crashed_or_hanging_harness_costs_its_episode_only_and_leaves_nothing(
 
 def test_kept_workspaces_stay_after_scoring(fake_preset, tokenizer, start_server):
     server = start_server(ScriptedEngine(tokenizer, lambda ids: "7"), tokenizer)
-    harness = Harness("fake", binary=sys.executable, keep_workspaces=True)
+    harness = Harness("fake", binary=sys.executable, keep_workspaces=True, binds=[str(fake_preset / "fake_harness.py")])
     [episode] = asyncio.run(run_episodes(server, harness, [{"prompt": "Write 7."}], timeout=60))
     harness.release([episode])
     assert (Path(episode.result["workspace"]) / "answer.txt").read_text() == "7"
@@ -151,6 +162,7 @@ def test_mini_swe_agent_completes_a_task_through_its_preset(tokenizer, start_ser
     )
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["files"] == {"answer.txt": "42\n"}
+    assert episode.result["sandbox"]["kind"] == DEFAULT_SANDBOX  # bubblewrap, where it works here
     assert len(episode.turns) == 2 and episode.num_forks == 0
     assert episode.turns[1].prompt_source == "continued"  # token-in continuation: the second call extends the first
     assert "Create a file answer.txt containing 42." in episode.messages[1]["content"]
@@ -167,9 +179,33 @@ def test_a_recipe_names_a_harness_by_its_preset():
     agent = agent_from_recipe(
         ScriptArguments(task="calculator", agent="harness:mini-swe-agent"), get_task("calculator")
     )
-    assert isinstance(agent, Harness) and agent.name == "mini-swe-agent"
+    assert isinstance(agent, Harness) and agent.name == "mini-swe-agent" and agent.sandbox == "auto"
     with pytest.raises(ValueError, match="presets are"):
         agent_from_recipe(ScriptArguments(task="calculator", agent="harness:nope"), get_task("calculator"))
+
+
+def test_a_recipe_names_the_agents_sandbox():
+    from trl_agentic.recipes import ScriptArguments, agent_from_recipe
+    from trl_agentic.rollout.agents import CommandAgent
+    from trl_agentic.tasks import get_task
+
+    args = ScriptArguments(task="calculator", agent_command="node agent.js", sandbox="none", sandbox_binds=["/opt/a"])
+    agent = agent_from_recipe(args, get_task("calculator"))
+    assert isinstance(agent, CommandAgent) and (agent.sandbox, agent.binds) == ("none", ("/opt/a",))
+    args = ScriptArguments(task="calculator", agent="harness:codex")
+    assert agent_from_recipe(args, get_task("calculator")).sandbox == "auto"
+    with pytest.raises(ValueError, match=r"sandbox='jail': use one of \['auto', 'bwrap', 'docker', 'none'\]"):
+        ScriptArguments(task="calculator", sandbox="jail")
+
+
+def test_an_agent_whose_sandbox_cannot_run_here_fails_when_made(monkeypatch):
+    import trl_agentic.sandbox.bwrap as bwrap
+    from trl_agentic.rollout.agents import CommandAgent
+
+    monkeypatch.setattr(bwrap, "bwrap_unavailable", lambda: "bubblewrap (`bwrap`) is not installed")
+    for make in (lambda: CommandAgent("true", sandbox="bwrap"), lambda: Harness("codex", sandbox="bwrap")):
+        with pytest.raises(ValueError, match=r"sandbox='bwrap': bubblewrap \(`bwrap`\) is not installed\. Install"):
+            make()
 
 
 @pytest.mark.slow

@@ -151,13 +151,9 @@ def test_wire_formats_are_adapters_over_the_service():
 # A new module or folder takes its place here (the test below names any that has none).
 LAYERS = [
     {"imports", "quiet", "trace", "tiny_models"},  # import nothing of the package
-    {
-        "console",
-        "lineage",
-        "generation",
-        "store",
-    },  # generation: the engines; lineage: calls -> conversations over trace;
-    # store: closed episodes, rewards and users of online training, durable (SQLite)
+    # generation: the engines; lineage: calls -> conversations over trace; sandbox: where agents' processes run;
+    # store: closed episodes, rewards and users of online training, durable (SQLite or PostgreSQL)
+    {"console", "lineage", "generation", "sandbox", "store"},
     {"endpoint", "rollout"},  # peers over generation and trace: the runner talks to an EpisodeServer protocol
     {"rewards"},  # checkers' helpers, the judge, per-turn rewards over rows
     {"tasks"},  # suites: dataset + agent + checker; other systems' specs through `imports.TASK_SOURCES`

@@ -34,6 +34,7 @@ from .imports import TASK_HELP, import_object
 from .rewards import cut_off_penalty
 from .rollout.agents import CommandAgent
 from .rollout.harnesses import Harness
+from .sandbox import SANDBOXES
 from .tasks import TaskSuite
 from .tasks.calculator import calculator_correct
 from .tasks.files import files_correct
@@ -91,6 +92,12 @@ class ScriptArguments:
         agent_command (`str`, *optional*):
             Shell command run once per episode as the agent (it gets `OPENAI_BASE_URL`, `OPENAI_API_KEY` and the task
             as JSON). Mutually exclusive with `agent`.
+        sandbox (`str`, *optional*, defaults to `"auto"`):
+            Where `agent_command` and a `harness:<preset>` agent run each episode (`trl_agentic.sandbox`): `"auto"`
+            (bubblewrap where it works, else `$TRL_AGENTIC_SANDBOX`, else an error saying what to install), `"bwrap"`,
+            `"docker"`, or `"none"` (unsandboxed: the agent can read what the trainer can; warns once).
+        sandbox_binds (`list[str]`, *optional*):
+            Host paths the sandboxed agent sees read-only, besides its program's own folder (its scripts, its data).
         reward_funcs (`list[str]`, *optional*):
             Reward functions replacing the task's: bundled names (see `trl_agentic.recipes.REWARD_FUNCS`) or import
             paths `"pkg.module:function"`. Weight them with `reward_weights`.
@@ -117,6 +124,13 @@ class ScriptArguments:
     agent_command: str | None = field(
         default=None, metadata={"help": "Shell command run per episode as the agent (exclusive with --agent)."}
     )
+    sandbox: str = field(
+        default="auto",
+        metadata={"help": f"Where agent_command / harness agents run each episode: one of {list(SANDBOXES)}."},
+    )
+    sandbox_binds: list[str] | None = field(
+        default=None, metadata={"help": "Host paths the sandboxed agent sees read-only (its scripts, its data)."}
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": "Reward functions replacing the task's: bundled names or import paths 'pkg.module:func'."},
@@ -134,6 +148,8 @@ class ScriptArguments:
                 f"Set either agent ({self.agent!r}) or agent_command ({self.agent_command!r}), not both: each replaces "
                 "the task's agent."
             )
+        if self.sandbox not in SANDBOXES:
+            raise ValueError(f"sandbox={self.sandbox!r}: use one of {list(SANDBOXES)} (docs/trust_model.md).")
         if self.train_size < 1:
             raise ValueError(f"train_size must be >= 1, got {self.train_size}.")
         if self.eval_size < 0:
@@ -221,13 +237,14 @@ def agent_from_recipe(script_args: ScriptArguments, task: TaskSuite) -> Any:
     ```python
     >>> script_args = ScriptArguments(task="calculator", agent_command="python my_agent.py")
     >>> agent_from_recipe(script_args, get_task("calculator"))
-    CommandAgent(command='python my_agent.py', env={}, cwd=None)
+    CommandAgent(command='python my_agent.py', env={}, cwd=None, inherit_env=(), sandbox='auto', binds=(), limits=None, sandbox_image=None)
     ```
     """
+    sandbox = {"sandbox": script_args.sandbox, "binds": tuple(script_args.sandbox_binds or ())}
     if script_args.agent_command is not None:
-        return CommandAgent(script_args.agent_command)
+        return CommandAgent(script_args.agent_command, **sandbox)
     if script_args.agent is not None and script_args.agent.startswith("harness:"):
-        return Harness(script_args.agent.removeprefix("harness:"))  # a CLI coding agent's preset
+        return Harness(script_args.agent.removeprefix("harness:"), **sandbox)  # a CLI coding agent's preset
     if script_args.agent is not None:
         agent = import_object(script_args.agent)
         if not callable(agent):

@@ -8,8 +8,9 @@ Contracts (see DESIGN.md):
   (`CallableAgent(fn, client="anthropic")` says so explicitly). Needs `pip install trl-agentic[anthropic]`.
 - `CommandAgent("python my_agent.py")`: a shell command per episode, with `OPENAI_BASE_URL`, `OPENAI_API_KEY` (the
   episode key), `OPENAI_MODEL`, `ANTHROPIC_BASE_URL`, `ANTHROPIC_API_KEY`, `ANTHROPIC_MODEL` and `TRL_AGENTIC_TASK`
-  (the task as JSON, also on stdin) in a minimal environment (no trainer secrets). Its exit status and the last JSON line of its stdout are recorded; when it exits, or times out,
-  its whole process group is killed.
+  (the task as JSON, also on stdin) in a minimal environment (no trainer secrets), in a sandbox (`sandbox="auto"`:
+  bubblewrap; `trl_agentic.sandbox`). Its exit status and the last JSON line of its stdout are recorded; when it
+  exits, or times out, everything it started is killed.
 The return value reaches the reward functions as `episodes[i].result`.
 """
 
@@ -19,7 +20,6 @@ import asyncio
 import inspect
 import json
 import os
-import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +27,11 @@ from typing import Any, Protocol
 
 import httpx
 import openai
+
+from ..sandbox import SandboxLimits, create_sandbox
+from ..sandbox.binds import command_binds
+from ..sandbox.factory import check_sandbox
+from ..sandbox.process import run_process  # noqa: F401 - its import path before the sandbox package
 
 
 @dataclass
@@ -200,9 +205,6 @@ def run_in_daemon_thread(fn) -> asyncio.Future:
 # What a command agent inherits from the trainer's environment unless told otherwise: enough to run programs, nothing
 # secret (an agent executing model-written shell commands could read HF_TOKEN or cloud keys, issue #9). Plus LC_*.
 INHERITED_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR", "TZ", "LANG", "LANGUAGE", "TERM")
-COMMAND_STDOUT_LIMIT = 1 << 20  # bytes of stdout kept (the tail: the result is its last JSON line)
-COMMAND_STDERR_LIMIT = 64 << 10
-COMMAND_OUTPUT_GRACE_S = 0.5  # after the command exits, how long its pipes are read before what holds them is killed
 
 
 def command_environment(inherit_env: bool | Sequence[str] = ()) -> dict[str, str]:
@@ -225,17 +227,30 @@ def command_environment(inherit_env: bool | Sequence[str] = ()) -> dict[str, str
 @dataclass
 class CommandAgent:
     """A shell command run once per episode (any language, any framework that reads `OPENAI_BASE_URL` or
-    `ANTHROPIC_BASE_URL`).
+    `ANTHROPIC_BASE_URL`), in a sandbox of its own (`trl_agentic.sandbox`, docs/trust_model.md).
 
-    The command runs in its own process group with a minimal environment: `INHERITED_ENV` (PATH, HOME, locale, ...),
-    the endpoint variables, `env`, and the trainer's variables named in `inherit_env` (`True`: all of them). When it
-    exits, whatever it left running (a background child still holding its stdout) is killed and its result is read;
-    when its episode times out, the whole group is killed.
+    The command gets a minimal environment: `INHERITED_ENV` (PATH, locale, ...), the endpoint variables, `env`, and the
+    trainer's variables named in `inherit_env` (`True`: all of them). When it exits, whatever it left running is killed
+    and its result is read; when its episode times out, everything it started is killed.
+
+    Args:
+        command: the shell command line.
+        env: extra environment variables.
+        cwd: its working directory (default: the sandbox's empty workspace; unsandboxed, the trainer's). In a sandbox
+            it is seen read-only.
+        inherit_env: names of the trainer's environment variables it also gets (`True`: all, an opt-in).
+        sandbox: `"auto"` (default: bubblewrap where it works here, else an error saying what to install or opt into),
+            `"bwrap"`, `"docker"`, `"none"` (unsandboxed: it can read what the trainer can; warns once), or a
+            sandbox factory (`trl_agentic.sandbox.create_sandbox`).
+        binds: host paths it sees read-only (its program's folder, data it reads). Added on their own: this Python's
+            environment, the command's program and the absolute paths the command line names, and `cwd`.
+        limits: its resource limits (`trl_agentic.sandbox.SandboxLimits`: CPU time, memory, processes, file size).
+        sandbox_image: the container image, for `sandbox="docker"`.
 
     Example:
 
     ```python
-    >>> agent = CommandAgent("python examples/my_agent.py", env={"AGENT_MAX_STEPS": "8"}, inherit_env=["PYTHONPATH"])
+    >>> agent = CommandAgent("python /opt/agents/my_agent.py", env={"AGENT_MAX_STEPS": "8"}, binds=["/opt/agents"])
     ```
     """
 
@@ -243,93 +258,45 @@ class CommandAgent:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     inherit_env: bool | Sequence[str] = ()
+    sandbox: Any = "auto"
+    binds: Sequence[str] = ()
+    limits: SandboxLimits | None = None
+    sandbox_image: str | None = None
+
+    def __post_init__(self):
+        check_sandbox(self.sandbox)
 
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> Any:
         task_json = json.dumps(task, default=str)
-        env = {
-            **command_environment(self.inherit_env),
-            **self.env,
-            "OPENAI_BASE_URL": context.base_url,
-            "OPENAI_API_KEY": context.api_key,
-            "OPENAI_MODEL": context.model,
-            "ANTHROPIC_BASE_URL": context.anthropic_base_url,
-            "ANTHROPIC_API_KEY": context.api_key,
-            "ANTHROPIC_MODEL": context.model,
-            "TRL_AGENTIC_TASK": task_json,
-        }
-        process = await asyncio.create_subprocess_shell(
-            self.command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            cwd=self.cwd,
-            start_new_session=True,  # own process group, so everything it started can be killed
+        binds = [*command_binds(self.command), *self.binds, *([self.cwd] if self.cwd else [])]
+        sandbox = create_sandbox(
+            self.sandbox, prefix="trl-agentic-command-", binds=binds, limits=self.limits, image=self.sandbox_image
         )
-        returncode, out, err, held = await run_process(process, task_json.encode())
-        metadata = {"exit_code": returncode, "stderr_tail": err[-2000:]}
-        if held:
+        try:
+            base_url = sandbox.endpoint_url(context.base_url)
+            anthropic_base_url = base_url.rstrip("/").removesuffix("/v1")
+            env = {
+                **command_environment(self.inherit_env),
+                **({} if sandbox.kind == "none" else {"HOME": str(sandbox.home), "TMPDIR": sandbox.tmpdir}),
+                **self.env,
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": context.api_key,
+                "OPENAI_MODEL": context.model,
+                "ANTHROPIC_BASE_URL": anthropic_base_url,
+                "ANTHROPIC_API_KEY": context.api_key,
+                "ANTHROPIC_MODEL": context.model,
+                "TRL_AGENTIC_TASK": task_json,
+            }
+            cwd = self.cwd if self.cwd is not None else (os.getcwd() if sandbox.kind == "none" else None)
+            done = await sandbox.run(["/bin/sh", "-c", self.command], env, cwd=cwd, stdin=task_json.encode())
+        finally:
+            sandbox.destroy()
+        metadata = {"exit_code": done.exit_code, "stderr_tail": done.stderr[-2000:]}
+        if done.left_processes:
             metadata["left_processes_killed"] = True
-        if returncode != 0:
-            raise AgentCrash(f"command exited with status {returncode}", metadata)
-        return {"result": _last_json_line(out), **metadata}
-
-
-async def run_process(process: asyncio.subprocess.Process, stdin: bytes | None = None) -> tuple[int, str, str, bool]:
-    """Wait for a process started in its own session (`start_new_session=True`) and read its output:
-    `(returncode, stdout tail, stderr tail, whether something it left running held its pipes)`. Its whole process
-    group is killed when it exits, and when this is cancelled (the episode's timeout)."""
-    stdout, stderr = bytearray(), bytearray()
-    readers = [asyncio.ensure_future(_read_tail(process.stdout, stdout, COMMAND_STDOUT_LIMIT))]
-    if process.stderr is not None:
-        readers.append(asyncio.ensure_future(_read_tail(process.stderr, stderr, COMMAND_STDERR_LIMIT)))
-    writers = [asyncio.ensure_future(_feed(process.stdin, stdin))] if process.stdin is not None and stdin else []
-    try:
-        # The command's own exit ends the episode, not the end of its output: a background child holding stdout
-        # used to hide the result until the timeout (issue #9). What it printed before exiting is in the pipe.
-        await _exited(process)
-        _, held = await asyncio.wait(readers, timeout=COMMAND_OUTPUT_GRACE_S)
-    finally:
-        _kill_group(process)  # what it left running, or everything on a timeout
-        for task_ in (*readers, *writers):
-            task_.cancel()
-        await _exited(process)
-        # Its pipes closed now, on this loop: each agent's loop closes when its episode ends, and a transport left to
-        # the garbage collector (it and its protocol hold each other) would close them on a closed loop.
-        process._transport.close()
-    return process.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace"), bool(held)
-
-
-async def _exited(process: asyncio.subprocess.Process) -> int:
-    # Not `process.wait()`: it also waits for the pipes to close, which a background child can hold open for ever.
-    delay = 0.005
-    while process.returncode is None:
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.05)
-    return process.returncode
-
-
-async def _read_tail(stream: asyncio.StreamReader, buffer: bytearray, limit: int) -> None:
-    while chunk := await stream.read(1 << 16):
-        buffer += chunk
-        if len(buffer) > limit:
-            del buffer[: len(buffer) - limit]
-
-
-async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
-    try:
-        stream.write(data)
-        await stream.drain()
-        stream.close()
-    except (BrokenPipeError, ConnectionResetError):  # the command does not read its stdin
-        pass
-
-
-def _kill_group(process: asyncio.subprocess.Process) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        if done.exit_code != 0:
+            raise AgentCrash(f"command exited with status {done.exit_code}", metadata)
+        return {"result": _last_json_line(done.stdout), **metadata}
 
 
 def _last_json_line(text: str) -> Any:

@@ -7,11 +7,13 @@ A harness is a program people run themselves (a coding CLI). For each episode [`
 2. writes the preset's configuration (telemetry, auto-update and analytics off, headless permissions), points the
    harness at the episode's endpoint URL and key through its documented settings, and gives it the task on its command
    line (opencode: on its standard input);
-3. runs it in its own process group with a minimal environment (no trainer secrets, as [`CommandAgent`]); when it
-   exits, or its episode times out, the whole group is killed;
-4. returns `{"harness", "exit_code", "output", "workspace", "files"}`: its exit status, the tail of its output, the
-   workspace's path (a checker can run tests in it) and a snapshot of the workspace's small text files (kept in the
-   episode log after the workspace is gone). A non-zero exit ends the episode as `agent_error`.
+3. runs it in the episode's sandbox (`sandbox="auto"`: bubblewrap, `trl_agentic.sandbox`; its own install folder
+   bound read-only) with a minimal environment (no trainer secrets, as [`CommandAgent`]); when it exits, or its
+   episode times out, everything it started is killed;
+4. returns `{"harness", "exit_code", "output", "workspace", "files", "sandbox"}`: its exit status, the tail of its
+   output, the workspace's path, a snapshot of the workspace's small text files (kept in the episode log after the
+   workspace is gone) and the sandbox's spec (a checker runs its tests there: `trl_agentic.sandbox.open_sandbox`). A
+   non-zero exit ends the episode as `agent_error`.
 
 The workspace is removed once the reward functions have scored the episode (the trainer and the evaluator call
 `release(episodes)`), or at once when the harness failed; `keep_workspaces=True` keeps them all (for the viewer or a
@@ -32,17 +34,20 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .agents import AgentCrash, EpisodeContext, command_environment, run_process
+from ..sandbox import SandboxLimits, create_sandbox, snapshot
+from ..sandbox.base import SNAPSHOT_FILE_LIMIT, SNAPSHOT_TOTAL_LIMIT  # noqa: F401 - their import path before sandbox/
+from ..sandbox.binds import program_binds
+from ..sandbox.factory import check_sandbox
+from .agents import AgentCrash, EpisodeContext, command_environment
 
 
 class HarnessNotFoundError(ValueError):
@@ -61,12 +66,15 @@ class HarnessPreset:
             environment, with `HOME=home`).
         task_on_stdin: the task is written to the harness's standard input (then closed) rather than being on its
             command line, for a harness that would alter it there.
+        in_sandbox: `in_sandbox(argv) -> argv`: the command line when the episode runs in a sandbox, for a harness
+            whose own sandbox cannot nest in it (Codex's: the episode's sandbox confines it instead).
     """
 
     executable: str
     install: str
     prepare: Callable[[str, str, EpisodeContext, Path, Path], tuple[list[str], dict[str, str]]]
     task_on_stdin: bool = False
+    in_sandbox: Callable[[list[str]], list[str]] | None = None
 
 
 def _mini_swe_agent(binary: str, task: str, context: EpisodeContext, work: Path, home: Path):
@@ -230,16 +238,21 @@ def _opencode(binary: str, task: str, context: EpisodeContext, work: Path, home:
     return [binary, "run", "--model", f"trl-agentic/{context.model}"], env
 
 
+def _codex_in_sandbox(argv: list[str]) -> list[str]:
+    # Codex's own Linux sandbox (namespaces, seccomp) cannot set itself up inside the episode's: its commands failed
+    # there and the task was never done. The episode's sandbox confines them instead (what Codex's docs advise in a
+    # container).
+    return [a if a != "workspace-write" else "danger-full-access" for a in argv]
+
+
 HARNESS_PRESETS: dict[str, HarnessPreset] = {
     "gemini-cli": HarnessPreset("gemini", "npm install -g @google/gemini-cli", _gemini_cli),
-    "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex),
+    "codex": HarnessPreset("codex", "npm install -g @openai/codex", _codex, in_sandbox=_codex_in_sandbox),
     "mini-swe-agent": HarnessPreset("mini", "pip install mini-swe-agent", _mini_swe_agent),
     "claude-code": HarnessPreset("claude", "npm install -g @anthropic-ai/claude-code", _claude_code),
     "opencode": HarnessPreset("opencode", "npm install -g opencode-ai", _opencode, task_on_stdin=True),
 }
 
-SNAPSHOT_FILE_LIMIT = 64 << 10  # bytes: larger files are listed with their size, not their text
-SNAPSHOT_TOTAL_LIMIT = 1 << 20
 OUTPUT_TAIL = 4000  # characters of the harness's output kept in the result
 
 
@@ -258,6 +271,13 @@ class Harness:
             Name it in `AgenticGRPOConfig.agent_columns` too.
         keep_workspaces: keep every episode's directory instead of removing it after scoring.
         inherit_env: names of the trainer's environment variables the harness also gets (`True`: all, an opt-in).
+        sandbox: where each episode runs: `"auto"` (default: bubblewrap where it works here, else an error saying
+            what to install or opt into), `"bwrap"`, `"docker"`, `"none"` (unsandboxed: the harness can read what
+            the trainer can; warns once), or a sandbox factory (`trl_agentic.sandbox.create_sandbox`).
+        binds: host paths the harness sees read-only, besides its own install folder and its interpreter's (found
+            from `binary`).
+        limits: resource limits of the harness's processes (`trl_agentic.sandbox.SandboxLimits`).
+        sandbox_image: the container image, for `sandbox="docker"`.
 
     Example:
 
@@ -275,11 +295,16 @@ class Harness:
     files_column: str | None = None
     keep_workspaces: bool = False
     inherit_env: bool | Sequence[str] = ()
+    sandbox: Any = "auto"
+    binds: Sequence[str] = ()
+    limits: SandboxLimits | None = None
+    sandbox_image: str | None = None
 
     def __post_init__(self):
         if self.name not in HARNESS_PRESETS:
             raise ValueError(f"Unknown harness {self.name!r}; the presets are {sorted(HARNESS_PRESETS)}.")
         self.preset = HARNESS_PRESETS[self.name]
+        check_sandbox(self.sandbox)
 
     @property
     def binary_env_var(self) -> str:
@@ -318,50 +343,47 @@ class Harness:
 
     async def run(self, context: EpisodeContext, task: dict[str, Any]) -> dict[str, Any]:
         binary = self.find_binary()
-        root = Path(tempfile.mkdtemp(prefix=f"trl-agentic-{self.name}-"))
-        work, home = root / "work", root / "home"
-        work.mkdir()
-        home.mkdir()
+        sandbox = create_sandbox(
+            self.sandbox,
+            prefix=f"trl-agentic-{self.name}-",
+            binds=[*program_binds(binary), *self.binds],
+            limits=self.limits,
+            image=self.sandbox_image,
+        )
+        work, home = sandbox.workspace, sandbox.home
         try:
             self._write_files(work, task)
             text = self.task_text(task)
+            context = dataclasses.replace(context, base_url=sandbox.endpoint_url(context.base_url))
             argv, preset_env = self.preset.prepare(binary, text, context, work, home)
+            if self.preset.in_sandbox is not None and sandbox.kind != "none":
+                argv = self.preset.in_sandbox(argv)
             env = {
                 **command_environment(self.inherit_env),
                 **preset_env,
                 **self.env,
                 "HOME": str(home),
-                "TMPDIR": str(root),
+                "TMPDIR": sandbox.tmpdir,
             }
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                *self.args,
-                stdin=asyncio.subprocess.PIPE if self.preset.task_on_stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                cwd=work,
-                start_new_session=True,
-            )
-            returncode, output, _, held = await run_process(
-                process, text.encode() if self.preset.task_on_stdin else None
-            )
+            stdin = text.encode() if self.preset.task_on_stdin else None
+            done = await sandbox.run([*argv, *self.args], env, cwd=work, stdin=stdin, merge_stderr=True)
         except BaseException:
-            self._remove(root)  # a failed start, a timeout (cancelled) or a crash: nothing will score this episode
+            self._destroy(sandbox)  # a failed start, a timeout (cancelled) or a crash: nothing will score this episode
             raise
-        metadata = {"exit_code": returncode, "output_tail": output[-OUTPUT_TAIL:]}
-        if held:
+        metadata = {"exit_code": done.exit_code, "output_tail": done.stdout[-OUTPUT_TAIL:]}
+        if done.left_processes:
             metadata["left_processes_killed"] = True
-        if returncode != 0:
-            self._remove(root)
-            raise AgentCrash(f"harness {self.name!r} exited with status {returncode}", metadata)
+        if done.exit_code != 0:
+            self._destroy(sandbox)
+            raise AgentCrash(f"harness {self.name!r} exited with status {done.exit_code}", metadata)
         return {
             "harness": self.name,
-            "exit_code": returncode,
-            "output": output[-OUTPUT_TAIL:],
+            "exit_code": done.exit_code,
+            "output": done.stdout[-OUTPUT_TAIL:],
             "workspace": str(work),
-            "files": snapshot(work),
-            **({"left_processes_killed": True} if held else {}),
+            "files": sandbox.read_files(),
+            "sandbox": sandbox.spec(),
+            **({"left_processes_killed": True} if done.left_processes else {}),
         }
 
     def release(self, episodes: Sequence[Any]) -> None:
@@ -397,23 +419,9 @@ class Harness:
         if not self.keep_workspaces:
             shutil.rmtree(root, ignore_errors=True)
 
-
-def snapshot(work: Path) -> dict[str, Any]:
-    """The workspace's files: `{relative path: text}` for small UTF-8 files, `{"size": n}` for the others."""
-    files: dict[str, Any] = {}
-    total = 0
-    for path in sorted(p for p in work.rglob("*") if p.is_file() and not p.is_symlink()):
-        relative = path.relative_to(work).as_posix()
-        size = path.stat().st_size
-        if size <= SNAPSHOT_FILE_LIMIT and total + size <= SNAPSHOT_TOTAL_LIMIT:
-            try:
-                files[relative] = path.read_text(encoding="utf-8")
-                total += size
-                continue
-            except UnicodeDecodeError:
-                pass
-        files[relative] = {"size": size}
-    return files
+    def _destroy(self, sandbox: Any) -> None:
+        if not self.keep_workspaces:
+            sandbox.destroy()
 
 
 def release_episodes(agent: Any, episodes: Sequence[Any]) -> None:

@@ -1,0 +1,315 @@
+"""The local sandbox: Linux namespaces through bubblewrap (`bwrap`), no daemon, no root.
+
+Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
+- the system's directories read-only (`/usr`, `/bin`, `/lib*`, a few files of `/etc`), the Python that runs `init.py`
+  and the `binds` (the agent's program and interpreter) read-only at their own paths; nothing else of the host;
+- the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, a private `/tmp`, its own
+  `/proc` and `/dev`;
+- its own PID namespace (`init.py`'s exit ends it: the kernel kills every process left, `setsid` and double-forked
+  ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS namespaces;
+- its own network namespace, where loopback is the only interface: `init.py` listens on 127.0.0.1 at the endpoint's
+  port and forwards each connection through a Unix socket (bound read-only) to the trainer's side, which connects it
+  to the endpoint. No other address is reachable;
+- rlimits (CPU time, data memory, file size) on every process, and its processes counted by a pids cgroup of its own
+  where one can be created (else `RLIMIT_NPROC`, per user).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
+from .binds import SYSTEM_DIRS, under
+from .process import kill_group, run_process
+
+
+# What programs need of /etc: users and groups (names, `~`), name resolution of localhost, the loader's cache, TLS
+# roots, alternatives (`python3`, `editor`), the time zone. Not the rest (shadow, the host's ssh or cloud config).
+ETC_FILES = (
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/host.conf",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+    "/etc/pki",
+    "/etc/alternatives",
+    "/etc/localtime",
+    "/etc/mime.types",
+)
+INIT_SCRIPT = Path(__file__).with_name("init.py")
+INSIDE_CONTROL = "/run/trl-agentic"
+INSIDE_SOCKETS = "/run/trl-agentic-endpoint"
+
+
+@functools.cache
+def bwrap_unavailable() -> str | None:
+    """`None` when bubblewrap can make a sandbox here (tried once per process), else why not."""
+    binary = shutil.which("bwrap")
+    if binary is None:
+        return "bubblewrap (`bwrap`) is not installed"
+    probe = [binary, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc", "true"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"`bwrap` failed to start ({error})"
+    if done.returncode != 0:
+        return f"`bwrap` cannot create namespaces here (user namespaces refused?): {done.stderr.strip()[:300]}"
+    return None
+
+
+def _python_binds() -> list[str]:
+    """What the running Python needs to run `init.py` inside (`python -I -S`: the standard library only)."""
+    paths = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    return sorted(p for p in paths if not any(under(p, d) for d in SYSTEM_DIRS))
+
+
+_CGROUP_WORKS: list[bool] = []  # learnt once: [] not tried, [False] no pids cgroup here
+
+
+def _pids_cgroup(limit: int) -> Path | None:
+    """A new pids cgroup limited to `limit` processes, or `None` where none can be created (no writable hierarchy)."""
+    if _CGROUP_WORKS == [False]:
+        return None
+    candidates = [Path("/sys/fs/cgroup/pids")]  # cgroup v1
+    try:  # cgroup v2: under this process's own cgroup, where it is delegated
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                candidates.append(Path("/sys/fs/cgroup") / line[3:].lstrip("/"))
+    except OSError:
+        pass
+    for base in candidates:
+        if not (base / "cgroup.procs").exists():
+            continue
+        group = base / f"trl-agentic-{uuid.uuid4().hex[:12]}"
+        try:
+            group.mkdir()
+            (group / "pids.max").write_text(str(limit))
+        except OSError:
+            try:
+                group.rmdir()
+            except OSError:
+                pass
+            continue
+        _CGROUP_WORKS[:] = [True]
+        return group
+    _CGROUP_WORKS[:] = [False]
+    return None
+
+
+def _user_tasks() -> int:
+    """Processes and threads of this user now (what `RLIMIT_NPROC` counts)."""
+    uid, count = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tuple[list[str], Any]:
+    """`argv` wrapped to join the pids cgroup (`sh`: writes its pid, then `exec`s) and take the rlimits (`prlimit`,
+    util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork and exec
+    (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
+    rlimits = {"cpu": limits.cpu_seconds, "data": limits.memory_bytes, "fsize": limits.file_size_bytes}
+    if cgroup is None and limits.processes is not None and os.getuid() != 0:  # root is exempt from RLIMIT_NPROC
+        rlimits["nproc"] = _user_tasks() + limits.processes
+    rlimits = {name: value for name, value in rlimits.items() if value is not None}
+    preexec = None
+    prlimit = shutil.which("prlimit")
+    if prlimit is not None and rlimits:
+        argv = [prlimit, *(f"--{name}={value}" for name, value in rlimits.items()), "--", *argv]
+    elif rlimits:
+        resources = {"cpu": resource.RLIMIT_CPU, "data": resource.RLIMIT_DATA, "fsize": resource.RLIMIT_FSIZE}
+        resources["nproc"] = resource.RLIMIT_NPROC
+        pairs = [(resources[name], value) for name, value in rlimits.items()]
+
+        def preexec() -> None:
+            for which, value in pairs:
+                resource.setrlimit(which, (value, value))
+
+    if cgroup is not None:
+        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+    return argv, preexec
+
+
+async def forward_to(target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Carry one connection from inside a sandbox (its Unix socket's side) to `target` (the endpoint), both ways."""
+    try:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*target)
+    except OSError:
+        writer.close()
+        return
+
+    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(1 << 16):
+                sink.write(data)
+                await sink.drain()
+            if sink.can_write_eof():
+                sink.write_eof()
+        except (ConnectionError, OSError):
+            pass
+
+    try:
+        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
+    finally:
+        writer.close()
+        upstream_writer.close()
+
+
+class BwrapSandbox(LocalDirectories, Sandbox):
+    """A bubblewrap sandbox (see the module's docstring for what it isolates).
+
+    Args:
+        prefix: the name prefix of its directory under the system's temporary directory.
+        binds: host paths the commands see read-only at the same path (a harness's install, an agent's script).
+        limits: resource limits of each command.
+    """
+
+    kind = "bwrap"
+
+    def __init__(
+        self,
+        prefix: str = "trl-agentic-",
+        binds: Sequence[str] = (),
+        limits: SandboxLimits | None = None,
+        root: Path | None = None,
+    ):
+        reason = bwrap_unavailable()
+        if reason is not None:
+            raise RuntimeError(f"sandbox='bwrap': {reason}.")
+        self.limits = limits or SandboxLimits()
+        self.binds = tuple(str(Path(b).absolute()) for b in binds)
+        self._make_directories(prefix, root)
+        # init.py and the endpoint's socket, read-only inside (out of the agent's reach: a checker's run uses init.py)
+        self.control = self.root / "control"
+        self.control.mkdir(exist_ok=True)
+        shutil.copyfile(INIT_SCRIPT, self.control / "init.py")
+        self._target: tuple[str, int] | None = None
+        self._port: int | None = None
+        self._cgroups: list[Path] = []
+        self._sockets: Path | None = None
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """`None` when bubblewrap can make a sandbox here, else why not."""
+        return bwrap_unavailable()
+
+    @classmethod
+    def reopen(cls, spec: dict[str, Any]) -> BwrapSandbox:
+        limits = SandboxLimits(**spec.get("limits", {}))
+        return cls(binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]))
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "root": str(self.root), "binds": list(self.binds), "limits": dict(vars(self.limits))}
+
+    def endpoint_url(self, url: str) -> str:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._target, self._port = (parts.hostname or "127.0.0.1", port), port
+        return urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
+
+    def command(self, argv: Sequence[str], cwd: str | Path | None = None) -> list[str]:
+        """The `bwrap` command line that runs `argv` in this sandbox."""
+        args = ["bwrap", "--die-with-parent", "--new-session"]
+        args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try"]
+        if os.getuid() != 0:
+            args += ["--unshare-user"]
+        for folder in SYSTEM_DIRS:
+            if os.path.islink(folder):
+                args += ["--symlink", os.readlink(folder), folder]
+            elif os.path.isdir(folder):
+                args += ["--ro-bind", folder, folder]
+        for path in ETC_FILES:
+            args += ["--ro-bind-try", path, path]
+        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        for path in sorted({*_python_binds(), *self.binds}, key=lambda p: p.count("/")):
+            if not any(under(path, d) for d in SYSTEM_DIRS) and os.path.exists(path):
+                args += ["--ro-bind", path, path]
+        for folder in (self.workspace, self.home):
+            args += ["--bind", str(folder), str(folder)]
+        args += ["--ro-bind", str(self.control), INSIDE_CONTROL]
+        if self._sockets is not None:
+            args += ["--ro-bind", str(self._sockets), INSIDE_SOCKETS]
+        args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
+        if self._target is None:  # no endpoint to forward: bwrap's own PID 1 ends the namespace with the command
+            return [*args, "--", *argv]
+        socket_path = f"{INSIDE_SOCKETS}/endpoint.sock"
+        python = os.path.realpath(sys.executable)
+        init = [python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", str(self._port), socket_path, "--"]
+        return [*args, "--", *init, *argv]
+
+    async def run(self, argv, env, *, cwd=None, stdin=None, timeout=None, merge_stderr=False) -> SandboxResult:
+        server, self._sockets = None, None
+        if self._target is not None:
+            # A folder of its own under /tmp: a Unix socket's path has at most 107 bytes, the episode's may be longer.
+            self._sockets = Path(tempfile.mkdtemp(prefix="trl-agentic-", dir="/tmp" if os.path.isdir("/tmp") else None))
+            server = await asyncio.start_unix_server(self._forward, path=str(self._sockets / "endpoint.sock"))
+        cgroup = _pids_cgroup(self.limits.processes) if self.limits.processes is not None else None
+        if cgroup is not None:
+            self._cgroups.append(cgroup)
+        try:
+            command, preexec = _limited(self.command(argv, cwd), self.limits, cgroup)
+            process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT if merge_stderr else asyncio.subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+            code, out, err, held = await asyncio.wait_for(run_process(process, stdin), timeout)
+        finally:
+            if server is not None:
+                server.close()
+                shutil.rmtree(self._sockets, ignore_errors=True)
+            self._release_cgroups()
+        return SandboxResult(code, out, err, held)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await forward_to(self._target, reader, writer)
+
+    def _release_cgroups(self) -> None:
+        for group in list(self._cgroups):
+            try:
+                for pid in (group / "cgroup.procs").read_text().split():
+                    kill_group(int(pid))  # nothing should be left: the PID namespace ended with the command
+                group.rmdir()
+                self._cgroups.remove(group)
+            except OSError:
+                pass
+
+    def destroy(self) -> None:
+        self._release_cgroups()
+        self._remove_directories()
+
+
+def processes_limited() -> bool:
+    """Whether `SandboxLimits.processes` binds here: a pids cgroup can be created, or this user is not root (root is
+    exempt from `RLIMIT_NPROC`)."""
+    group = _pids_cgroup(1 << 20)
+    if group is not None:
+        group.rmdir()
+        return True
+    return os.getuid() != 0
