@@ -259,10 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         mixed += len({turn.policy_version for turn in episode.turns}) > 1
     harmful = None
     if args.harmful_step:
-        verdict = next((d for d in versions.decisions if d.version == args.harmful_step), None)
-        served = rows.get(args.harmful_step, {}).get("episodes", 0)
+        # the first version published from weights that hold the harmful update (steps go on while a candidate is on
+        # trial, so the step's own weights may not be published)
+        carrier = min((v for v in rows if v >= args.harmful_step), default=None)
+        verdict = next((d for d in versions.decisions if d.version == carrier), None)
+        served = rows.get(carrier, {}).get("episodes", 0)
         share = served / max(1, len(traffic.episodes))
-        harmful = {"verdict": verdict and verdict.action, "served_episodes": served, "share_of_all": share}
+        harmful = {
+            "version": carrier,
+            "verdict": verdict and verdict.action,
+            "served_episodes": served,
+            "share_of_all": share,
+        }
 
     figures = {
         "minutes": wall / 60,
