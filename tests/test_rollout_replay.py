@@ -228,7 +228,9 @@ def test_a_harness_branch_runs_again_in_a_fresh_workspace(tmp_path, monkeypatch,
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     count = itertools.count()
     server = start_server(ScriptedEngine(tokenizer, lambda ids: f"Step {next(count)}."), tokenizer)
-    harness = Harness("multi", binary=sys.executable, keep_workspaces=True)
+    harness = Harness(
+        "multi", binary=sys.executable, keep_workspaces=True, binds=[str(script)]
+    )  # (sandboxed by default)
     task = {"prompt": "Write two steps."}
     parent = run_rollout(run_episode(server, harness, task, timeout=120))
     assert parent.status == "ok", (parent.error, parent.metadata)
