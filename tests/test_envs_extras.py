@@ -41,4 +41,4 @@ def test_ci_runs_the_tests_of_the_mcp_1_extras_in_their_own_venv():
         assert test in command and (ROOT / test).exists()
     # It comes after the main suite, which runs every other test (these two skip without their package, or run
     # with OpenEnv's 0.3 distribution).
-    assert CI.index(".venv-envs/bin/python -m pytest") > CI.index("python -m pytest -q -x --timeout 600\n")
+    assert CI.index(".venv-envs/bin/python -m pytest") > CI.index("\npython -m pytest -q -x --timeout 600")

@@ -79,8 +79,9 @@ def test_the_check_sees_a_subprocess_training_through_a_helper(tmp_path):
 
 
 def pytest_command(text: str) -> str:
-    """The `python -m pytest ...` command at the end of a line (README's install-and-test line, `.ci/run`'s last)."""
-    (command,) = re.findall(r"(python -m pytest [^\n&|;]*?)\s*$", text, re.MULTILINE)
+    """The `python -m pytest ...` command at the end of a line (README's install-and-test line, `.ci/run`'s), not the
+    second venv's (`.venv-envs/bin/python -m pytest ...`, the environments that need mcp<2)."""
+    (command,) = re.findall(r"(?:^|&& )(python -m pytest [^\n&|;]*?)\s*$", text, re.MULTILINE)
     return command
 
 
