@@ -109,7 +109,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         # rollouts apply it (behaviour policy -> the policy at the consuming step).
         self._behaviour_correction = True
         self._last_loaded_step = -1
-        self._published = 0
+        self._handled_decisions = 0  # the versions' decisions already acted on (a rollback restores weights)
         self._rebased: dict[int, int] = {}  # version -> the step training restarted from its weights (a rollback)
         self.add_callback(_PublishVersion(self))
 
@@ -164,7 +164,6 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         path = Path(self.args.output_dir) / "versions" / f"v{step}"
         model.save_pretrained(path)
-        self._published += 1
         if self.versions is None:
             return
         serving = copy.deepcopy(model).eval()
@@ -188,7 +187,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         if versions is None or not versions.decisions:
             return
         last = versions.decisions[-1]
-        if getattr(self, "_handled_decisions", 0) == len(versions.decisions):
+        if self._handled_decisions == len(versions.decisions):
             return
         self._handled_decisions = len(versions.decisions)
         model = self.accelerator.unwrap_model(self.model)
