@@ -17,7 +17,8 @@ CI = (ROOT / ".ci" / "run").read_text()
 
 
 def test_the_environment_extras_pin_the_supported_releases():
-    assert EXTRAS["verifiers"] == ["verifiers>=0.3.1,<0.4"]  # 0.4 is refused at import (envs/verifiers.py)
+    assert EXTRAS["verifiers"] == ["verifiers>=0.4,<0.5", "uv>=0.5"]  # the current release (envs/verifiers_v1.py)
+    assert EXTRAS["verifiers-legacy"] == ["verifiers>=0.3.1,<0.4"]  # its 0.3 API (envs/verifiers_legacy.py)
     assert EXTRAS["openenv"] == ["openenv>=0.10,<0.11"]
     assert EXTRAS["openenv-core"] == ["openenv-core>=0.3.0,<0.4"]
     assert EXTRAS["mcp"] == ["mcp>=2.0,<3"]  # 2.0.0 (verifiers 0.4's pin) runs it too
@@ -35,10 +36,19 @@ def test_nothing_is_installed_without_its_requirements():
 
 def test_ci_runs_the_tests_of_the_mcp_1_extras_in_their_own_venv():
     install = re.search(r'pip --python \.venv-envs/bin/python install -q -e "\.\[(.*?)\]"', CI)
-    assert install is not None and set(install.group(1).split(",")) == {"verifiers", "openenv"}
+    assert install is not None and set(install.group(1).split(",")) == {"verifiers-legacy", "openenv"}
     command = re.search(r"\.venv-envs/bin/python -m pytest .*", CI).group(0)
     for test in ("tests/test_envs_verifiers.py", "tests/test_envs_openenv.py"):
         assert test in command and (ROOT / test).exists()
     # It comes after the main suite, which runs every other test (these two skip without their package, or run
     # with OpenEnv's 0.3 distribution).
     assert CI.index(".venv-envs/bin/python -m pytest") > CI.index("\npython -m pytest -q -x --timeout 600")
+
+
+def test_ci_runs_verifiers_0_4_in_a_third_venv_with_uv_on_path():
+    # verifiers 0.4 pins openai<3 (beside [dev]'s openai-agents, openai 3) and mcp==2.0.0 (beside verifiers 0.3's mcp<2).
+    install = re.search(r'pip --python \.venv-vf/bin/python install -q -e "\.\[(.*?)\]"', CI)
+    assert install is not None and install.group(1) == "verifiers"
+    command = re.search(r'PATH="\$PWD/\.venv-vf/bin:\$PATH" \.venv-vf/bin/python -m pytest .*', CI).group(0)
+    assert "tests/test_envs_verifiers_v1.py" in command and (ROOT / "tests/test_envs_verifiers_v1.py").exists()
+    assert CI.index(".venv-vf/bin/python -m pytest") > CI.index("\npython -m pytest -q -x --timeout 600")

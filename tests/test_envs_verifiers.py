@@ -22,8 +22,10 @@ import torch
 
 
 vf = pytest.importorskip(
-    "verifiers", reason="needs verifiers 0.3: pip install 'trl-agentic[verifiers]' (.ci/run: .venv-envs)"
+    "verifiers", reason="needs verifiers 0.3: pip install 'trl-agentic[verifiers-legacy]' (.ci/run: .venv-envs)"
 )
+if not vf.__version__.startswith("0.3"):
+    pytest.skip(f"needs verifiers 0.3 (installed: {vf.__version__})", allow_module_level=True)
 
 from datasets import Dataset
 
@@ -31,11 +33,12 @@ from conftest import ScriptedEngine  # noqa: E402
 from test_agentic_grpo_trainer import config as grpo_config  # noqa: E402
 from trl_agentic import AgenticGRPOTrainer
 from trl_agentic.endpoint.sessions import EpisodeLimits
-from trl_agentic.envs import from_verifiers
+from trl_agentic.envs import from_verifiers, verifiers_legacy
 from trl_agentic.envs.verifiers import (
     VerifiersResult,
     require_supported_verifiers,
     rubric_reward_funcs,
+    uses_legacy_api,
     verifiers_state,
 )
 from trl_agentic.evaluation import Evaluator, score_episodes
@@ -298,17 +301,21 @@ def test_misuse_is_refused_with_how_to_fix():
     assert run_rollout(reward([[]], [[]], episodes=[Episode(id="b", status="timeout")], example_id=[0])) == [None]
 
 
-def test_only_the_verifiers_releases_with_the_environment_api_are_accepted():
-    # The installed release (CI: 0.3.1, with its own requirements) is accepted: this module imported.
+def test_only_the_verifiers_releases_an_adapter_runs_are_accepted():
+    # The installed release (CI: 0.3.1, with its own requirements) is accepted and runs the 0.3 adapter.
     require_supported_verifiers(vf.__version__)
-    for version in ("0.3.1", "0.3.2", "0.3.10.post1"):
+    assert uses_legacy_api(vf.__version__) and from_verifiers is verifiers_legacy.from_verifiers
+    for version in (
+        "0.3.1",
+        "0.3.2",
+        "0.3.10.post1",
+        "0.4.0",
+    ):  # 0.4: verifiers_v1.py (tests/test_envs_verifiers_v1.py)
         require_supported_verifiers(version)
-    # 0.4 removed vf.Environment (verifiers.v1: harness programs behind its own proxy): refused, saying what to install.
-    for version in ("0.4.0", "0.4.0rc1", "0.5.2", "1.0"):
+    for version in ("0.5.2", "1.0"):
         with pytest.raises(
             ImportError,
-            match=r"verifiers .* is installed, but .* runs verifiers >=0\.3\.1,<0\.4 "
-            r"\(verifiers 0\.4 removed the Environment API .*pip install 'trl-agentic\[verifiers\]'",
+            match=r"verifiers .* is installed, but .* runs verifiers >=0\.3\.1,<0\.5 .*pip install 'trl-agentic\[verifiers\]'",
         ):
             require_supported_verifiers(version)
     with pytest.raises(ImportError, match="older releases lack the verifiers.legacy clients"):

@@ -45,6 +45,18 @@ class EpisodeContext:
     # The episode's connection pool on its agent's event loop (or one shared by the episodes of a rollout run on one
     # loop, `run_episodes(http_client=...)`); agents must not close it.
     http_client: httpx.AsyncClient | None = None
+    # The episode's id: its path route, `path_base_url`, names the episode by URL alone (no key), for clients whose
+    # key is one per process (an environment variable) rather than one per episode.
+    episode_id: str | None = None
+
+    @property
+    def path_base_url(self) -> str:
+        """The episode's own `/v1` base URL, `<server>/episodes/<episode id>/v1`: the endpoint admits a call there
+        by its path, whatever key it sends (a placeholder such as `EMPTY` is fine; another episode's key is refused).
+        """
+        if self.episode_id is None:
+            raise ValueError("This EpisodeContext has no episode_id, so it has no path route.")
+        return f"{self.base_url.rstrip('/').removesuffix('/v1')}/episodes/{self.episode_id}/v1"
 
     @property
     def anthropic_base_url(self) -> str:

@@ -100,7 +100,9 @@ async def run_episode(
     session = server.open_episode(
         task_index=task_index, group_index=group_index, metadata=metadata, seed=seed, **opened
     )
-    context = EpisodeContext(server.base_url, session.key, model or server.served_model_name, timeout, http_client)
+    context = EpisodeContext(
+        server.base_url, session.key, model or server.served_model_name, timeout, http_client, session.episode.id
+    )
     status, result, error, metadata = "ok", None, None, {}
     started = time.monotonic()
     # A future of its own rather than `asyncio.wait_for`, which waits for the cancelled agent to end, forever if it
