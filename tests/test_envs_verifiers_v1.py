@@ -35,6 +35,7 @@ from trl_agentic.envs import from_verifiers
 from trl_agentic.envs.verifiers import (
     TASK_COLUMN,
     VerifiersResult,
+    load_verifiers_suite,
     require_supported_verifiers,
     task_from_row,
     uses_legacy_api,
@@ -44,6 +45,7 @@ from trl_agentic.evaluation import score_episodes
 from trl_agentic.rollout.agents import EpisodeContext, resolve_agent
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.rollout.runner import run_episodes, run_rollout
+from trl_agentic.tasks import get_task
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Episode
 
@@ -174,6 +176,17 @@ def test_reward_functions_are_the_tasks_rewards_then_its_metrics(suite):
     with pytest.raises(ValueError, match="no VerifiersAgent ran"):
         reward([[]], [[]], episodes=[Episode(id="a", status="ok", result="The answer is 5.")])
     assert reward([[]], [[]], episodes=[Episode(id="b", status="timeout")]) == [None]
+
+
+def test_a_taskset_by_id_is_a_task(suite):
+    by_id = get_task(f"verifiers:{TASKSET_ID}")  # the taskset's default harness (bash), in the subprocess runtime
+    assert by_id.name == TASKSET_ID and by_id.reward_weights == suite.reward_weights
+    assert [f.__name__ for f in by_id.reward_funcs] == [f.__name__ for f in suite.reward_funcs]
+    assert by_id.env.config.agent.runtime.type == "subprocess" and by_id.env.config.agent.harness is None
+    null = load_verifiers_suite(TASKSET_ID, harness="null")
+    assert null.env.config.agent.harness.id == "null"
+    with pytest.raises(ValueError, match="verifiers:<taskset-id>"):
+        get_task("verifiers:")
 
 
 def test_misuse_is_refused_with_how_to_fix(suite, monkeypatch):
