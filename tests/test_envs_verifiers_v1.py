@@ -26,6 +26,7 @@ vf_root = pytest.importorskip("verifiers", reason="needs verifiers 0.4: pip inst
 if not vf_root.__version__.startswith("0.4"):
     pytest.skip(f"needs verifiers 0.4 (installed: {vf_root.__version__})", allow_module_level=True)
 import verifiers.v1 as vf
+from verifiers.v1.harnesses.null import NullHarness
 
 from conftest import ScriptedEngine
 from test_agentic_grpo_trainer import config as grpo_config
@@ -84,7 +85,12 @@ class TinySums(vf.Taskset[SumTask, SumsConfig]):
             yield SumTask(data, self.config.task)
 
 
-__all__ = ["TinySums"]  # verifiers finds a taskset module's Taskset through __all__
+class SumsHarness(NullHarness):
+    """The taskset's own harness (verifiers' plain chat program): what an agent of an environment loaded by id plays."""
+
+
+# verifiers finds a taskset module's Taskset, and its default Harness, through __all__
+__all__ = ["SumsHarness", "TinySums"]
 TASKSET_ID = __name__
 
 
@@ -162,7 +168,9 @@ def test_tasks_become_rows_and_rows_become_the_same_tasks(suite):
     assert not {row[TASK_COLUMN] for row in held_out} & {row[TASK_COLUMN] for row in rows}
     with pytest.raises(ValueError, match="verifiers 0.4 tasksets have no splits, so pass them"):
         from_verifiers(sums_env()).build_dataset("eval")
-    with pytest.raises(ValueError, match="split must be 'train' or 'eval'"):
+    everything = suite.build_dataset("all", size=10).to_list()
+    assert [json.loads(row[TASK_COLUMN])["answer"] for row in everything] == ["5", "9", "2", "7", "6"]
+    with pytest.raises(ValueError, match="split must be 'train', 'eval' or 'all'"):
         suite.build_dataset("test")
 
 
@@ -179,10 +187,11 @@ def test_reward_functions_are_the_tasks_rewards_then_its_metrics(suite):
 
 
 def test_a_taskset_by_id_is_a_task(suite):
-    by_id = get_task(f"verifiers:{TASKSET_ID}")  # the taskset's default harness (bash), in the subprocess runtime
+    by_id = get_task(f"verifiers:{TASKSET_ID}")  # the taskset's default harness (its own), in the subprocess runtime
     assert by_id.name == TASKSET_ID and by_id.reward_weights == suite.reward_weights
     assert [f.__name__ for f in by_id.reward_funcs] == [f.__name__ for f in suite.reward_funcs]
     assert by_id.env.config.agent.runtime.type == "subprocess" and by_id.env.config.agent.harness is None
+    assert type(by_id.env._harnesses["agent"]) is SumsHarness
     null = load_verifiers_suite(TASKSET_ID, harness="null")
     assert null.env.config.agent.harness.id == "null"
     with pytest.raises(ValueError, match="verifiers:<taskset-id>"):
@@ -289,3 +298,20 @@ def test_one_training_step_on_a_verifiers_taskset(tmp_path, tokenizer, suite):
         (row,) = record["rows"]
         (turn,) = record["episode"]["turns"]
         assert [t for t, m in zip(row["completion_ids"], row["env_mask"]) if m] == turn["completion_ids"]
+
+
+@pytest.mark.slow
+def test_trl_agentic_eval_by_taskset_id(tmp_path):
+    from trl_agentic.scripts.eval import main
+
+    output, episodes_path = tmp_path / "eval.json", tmp_path / "episodes.jsonl"
+    args = ["--task", f"verifiers:{TASKSET_ID}", "--split", "train", "--size", "2", "--num-samples", "1"]
+    args += ["--model", "tiny:qwen2_5:64x2", "--max-tokens", "8", "--max-turns", "2", "--no-progress"]
+    assert main([*args, "--output", str(output), "--episodes", str(episodes_path)]) == 0
+    written = json.loads(output.read_text())
+    assert written["episodes"] == 2 and written["status"]["ok"] == 2, written["status"]
+    records = [json.loads(line) for line in episodes_path.read_text().splitlines()]
+    for record in records:  # a random tiny model: whatever it said, weighted with the task's weights
+        assert record["reward"] == pytest.approx(record["rewards"]["correct"] + 0.5 * record["rewards"]["short"])
+    with pytest.raises(ValueError, match="verifiers 0.4 tasksets have no splits"):
+        main([*args[:2], "--model", "tiny:qwen2_5:64x2", "--no-progress"])  # the eval split: no held-out tasks

@@ -390,8 +390,9 @@ def from_verifiers(env: Any, *, name: str | None = None, eval_taskset: Any = Non
             is refused rather than evaluating on the training tasks.
 
     Returns:
-        A [`VerifiersSuite`]: `build_dataset(split="train" | "eval", size, seed)` returns up to `size` tasks of the
-        taskset (shuffled with `seed` when it is finite) as rows ([`task_row`]); `agent` is a [`VerifiersAgent`];
+        A [`VerifiersSuite`]: `build_dataset(split="train" | "eval" | "all", size, seed)` returns up to `size` tasks
+        of the taskset, of `eval_taskset`, or of both in order (train and eval shuffled with `seed` when finite) as
+        rows ([`task_row`]); `agent` is a [`VerifiersAgent`];
         `reward_funcs`/`reward_weights` come from the tasks' rewards ([`task_reward_funcs`]); `agent_columns` are
         `prompt`, `verifiers_task` and `example_id`.
 
@@ -418,17 +419,22 @@ def from_verifiers(env: Any, *, name: str | None = None, eval_taskset: Any = Non
         )
 
     def build_dataset(split: str = "train", size: int = 256, seed: int = 0) -> datasets.Dataset:
+        if split == "all":  # every task: the taskset's, then the held-out ones
+            tasksets = [env.taskset] if eval_taskset is None else [env.taskset, eval_taskset]
+            rows = [task_row(task) for taskset in tasksets for task in taskset.take(size)]
+            return datasets.Dataset.from_list(rows[:size])
         if split == "train":
             taskset = env.taskset
         elif split == "eval":
             if eval_taskset is None:
                 raise ValueError(
                     f"The verifiers environment {label!r} has no held-out tasks: verifiers 0.4 tasksets have no "
-                    "splits, so pass them, from_verifiers(env, eval_taskset=<a vf.Taskset of other tasks>)."
+                    "splits, so pass them, from_verifiers(env, eval_taskset=<a vf.Taskset of other tasks>) (or "
+                    "evaluate on the training tasks knowingly: trl-agentic eval --split train)."
                 )
             taskset = eval_taskset
         else:
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}.")
+            raise ValueError(f"split must be 'train', 'eval' or 'all', got {split!r}.")
         view = taskset.shuffle(seed).take(size) if taskset.bounded else taskset.take(size)
         return datasets.Dataset.from_list([task_row(task) for task in view])
 
