@@ -218,13 +218,12 @@ class VerifiersAgent:
             episode = await asyncio.wrap_future(future)
         finally:
             future.cancel()  # a no-op once done; on a timeout, verifiers aborts the rollout (kills the program)
-        (trace,) = episode.traces  # a single-agent env (checked): one trace per episode
-        if not episode.ok:
-            errors = [*episode.errors, *trace.errors]
+        if not episode.ok:  # possibly before its agent ran (no trace)
+            errors = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
             summary = "; ".join(f"{error.type}: {error.message}" for error in errors) or "no error recorded"
-            raise RuntimeError(
-                f"The verifiers episode failed (stop condition {trace.stop_condition!r}): {summary}"[:4000]
-            )
+            stop = episode.traces[-1].stop_condition if episode.traces else None
+            raise RuntimeError(f"The verifiers episode failed (stop condition {stop!r}): {summary}"[:4000])
+        (trace,) = episode.traces  # a single-agent env (checked): one trace per episode
         result = VerifiersResult(
             reply=trace.last_reply,
             num_turns=trace.num_turns,
