@@ -97,7 +97,12 @@ class EpisodeStore(Protocol):
     def add_reward(self, episode_id: str, value: float, source: str, giver: str, note: str | None = None) -> int: ...
     def rewards(self, episode_id: str) -> list[Reward]: ...
     def claim_for_training(
-        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+        self,
+        limit: int,
+        step: int,
+        versions: list[int] | None = None,
+        newest_first: bool = False,
+        group: int | None = None,
     ) -> Claim: ...
     def release_claims_after(self, step: int) -> int: ...
 
@@ -246,7 +251,12 @@ class SQLEpisodeStore:
     # Training
 
     def claim_for_training(
-        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+        self,
+        limit: int,
+        step: int,
+        versions: list[int] | None = None,
+        newest_first: bool = False,
+        group: int | None = None,
     ) -> Claim:
         """Hand at most `limit` rewarded, unclaimed episodes to optimizer step `step`, with their pending rewards;
         both are marked in the same transaction, so no other claim gets them.
@@ -256,6 +266,9 @@ class SQLEpisodeStore:
                 trainer passes those within its staleness bound, and older ones are never trained.
             newest_first: the most recent episodes first (when traffic outruns training, train on the freshest),
                 else the oldest first.
+            group: only whole groups of `group` episodes of one task fingerprint, each group's members together
+                (the groups in the order they fill up); episodes without a fingerprint, and those of a fingerprint
+                with fewer than `group` eligible ones, stay for a later claim. `None`: any episode.
         """
         claim = Claim(step)
         where = ""
@@ -265,15 +278,26 @@ class SQLEpisodeStore:
                 return claim
             where = f" AND version IN ({', '.join('?' * len(versions))})"
             params = tuple(int(v) for v in versions)
+        if group is not None:
+            if group < 1:
+                raise ValueError(f"group must be at least 1, not {group}.")
+            where += " AND fingerprint IS NOT NULL"
         order = "DESC" if newest_first else "ASC"
+        eligible = (
+            "SELECT id, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
+            "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending')"
+            f"{where} ORDER BY seq {order}"
+        )
         with self._transaction() as db:
-            rows = db.execute(
-                "SELECT id, data, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
-                "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending')"
-                f"{where} ORDER BY seq {order} LIMIT ?" + self._claim_lock,
-                (*params, limit),
-            ).fetchall()
-            for episode_id, data, fingerprint in rows:
+            if group is None:
+                rows = db.execute(eligible + " LIMIT ?" + self._claim_lock, (*params, limit)).fetchall()
+                ids = [row[0] for row in rows]
+            else:
+                ids = _whole_groups(db.execute(eligible + self._claim_lock, params).fetchall(), group, limit)
+            for episode_id in ids:
+                data, fingerprint = db.execute(
+                    "SELECT data, fingerprint FROM episodes WHERE id = ?", (episode_id,)
+                ).fetchone()
                 db.execute("UPDATE episodes SET claim_step = ? WHERE id = ?", (step, episode_id))
                 rewards = db.execute(
                     "SELECT id, episode_id, value, source, giver, note, 'trained', created FROM rewards "
@@ -313,6 +337,22 @@ class SQLEpisodeStore:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def _whole_groups(rows: list[tuple[str, str]], group: int, limit: int) -> list[str]:
+    """The ids of the first `limit // group` whole groups of one fingerprint in `rows` ((id, fingerprint), in claim
+    order): a group is taken when its `group`-th member is reached, its members together."""
+    filling: dict[str, list[str]] = {}
+    ids: list[str] = []
+    for episode_id, fingerprint in rows:
+        if len(ids) + group > limit:
+            break
+        members = filling.setdefault(fingerprint, [])
+        members.append(episode_id)
+        if len(members) == group:
+            ids += members
+            filling[fingerprint] = []
+    return ids
 
 
 class SQLiteEpisodeStore(SQLEpisodeStore):
