@@ -45,7 +45,7 @@ from .agentic_grpo_config import AgenticGRPOConfig
 from .agentic_grpo_trainer import AgenticGRPOTrainer
 from .endpoint.versions import VersionManager
 from .generation.transformers_engine import TransformersEngine
-from .store import EpisodeStore
+from .store import VERSION_PUBLISHED, EpisodeStore
 from .trace import Episode
 
 
@@ -133,8 +133,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         args: an `AgenticGRPOConfig`; `per_device_train_batch_size` x steps episodes are claimed per step,
             `num_generations` per group, `max_staleness` bounds the version gap of what is trained.
         processing_class: the policy's tokenizer.
-        versions: the serving side's `VersionManager`: each step's weights become a candidate there (`None`: train
-            only).
+        versions: the serving side's `VersionManager`: each step's weights become a candidate there. `None`: serving
+            runs in another process sharing only the store; each step's weights are saved and published through the
+            store (`EpisodeStore.publish_version`), which that process loads (`endpoint/version_sync.py`), and the
+            verdicts it writes back are read from there.
         run_on_server: how to run a coroutine on the serving event loop (e.g. `EndpointServer.call`); `None` runs it
             on a loop of its own (an engine whose `start` needs no loop, as the embedded one).
         wait_timeout: seconds a step waits for enough rewarded episodes (and for a verdict) before `TimeoutError`.
@@ -194,16 +196,20 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         self._last_loaded_step = -1
         self._handled_decisions = 0  # the versions' decisions already acted on (a rollback restores weights)
         self._rebased: dict[int, int] = {}  # version -> the step training restarted from its weights (a rollback)
+        self._decided_up_to = -1  # published through the store: rollbacks up to this version were acted on
+        self._initial_path = Path(args.output_dir) / "versions" / "v0"
+        if versions is None:  # serving runs elsewhere; after a rollback to its first version, these are its weights
+            self.accelerator.unwrap_model(self.model).save_pretrained(self._initial_path)
         self.add_callback(_PublishVersion(self))
 
     # Rollout: claim instead of run
 
     def _rollout_episodes(self, prompts: list, trainer=None) -> dict[str, list]:
-        if self.wait_for_verdict and self.versions is not None and self.model.training:
+        if self.wait_for_verdict and self.model.training:
             deadline = time.monotonic() + self.wait_timeout
-            while self.versions.candidate is not None:
+            while (on_trial := self._on_trial()) is not None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"Version {self.versions.candidate} got no verdict in {self.wait_timeout:g}s.")
+                    raise TimeoutError(f"Version {on_trial} got no verdict in {self.wait_timeout:g}s.")
                 time.sleep(0.1)
         self._restore_incumbent_if_rolled_back()
         self._ready_episodes = self._claim(len(prompts))  # TRL's path for episodes produced elsewhere
@@ -252,12 +258,13 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
     def publish(self, step: int) -> None:
         """Save the current weights as version `step` and put them on trial at the serving side (unless another
         candidate is on trial and `wait_for_verdict` is off: then the next idle moment's weights go)."""
-        if self.versions is not None and self.versions.candidate is not None:
+        if self._on_trial() is not None:
             return
         model = self.accelerator.unwrap_model(self.model)
         path = Path(self.args.output_dir) / "versions" / f"v{step}"
         model.save_pretrained(path)
-        if self.versions is None:
+        if self.versions is None:  # serving runs elsewhere: it loads the version from the store's record
+            self.store.publish_version(step, str(path.resolve()))
             return
         serving = copy.deepcopy(model).eval()
         for parameter in serving.parameters():
@@ -274,10 +281,43 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
 
             asyncio.run(coroutine)
 
+    def _on_trial(self) -> int | None:
+        """The version on trial at the serving side (`None`: none), in this process or published through the store."""
+        if self.versions is not None:
+            return self.versions.candidate
+        pending = [
+            row["version"]
+            for row in self.store.published_versions(self._decided_up_to)
+            if row["state"] in (VERSION_PUBLISHED, "candidate")
+        ]
+        return pending[0] if pending else None
+
+    def _restore_from_store(self) -> None:
+        """`_restore_incumbent_if_rolled_back` when serving runs elsewhere: the states serving wrote to the store."""
+        rows = self.store.published_versions(-1)
+        refused = [r["version"] for r in rows if r["state"] == "rolled_back" and r["version"] > self._decided_up_to]
+        if not refused:
+            return
+        self._decided_up_to = max(refused)
+        incumbent = next((r for r in rows if r["state"] == "incumbent"), None)
+        if incumbent is None:
+            return
+        path = incumbent["path"] or str(self._initial_path)  # serving's own first version: the weights at start
+        model = self.accelerator.unwrap_model(self.model)
+        weights = type(model).from_pretrained(path).state_dict()
+        with torch.no_grad():
+            model.load_state_dict(weights)
+        self._rebased[incumbent["version"]] = self.state.global_step
+        self._metrics["train"]["online/rollbacks"].append(1.0)
+        logger.warning("Version %d was rolled back: training goes on from the incumbent's weights.", max(refused))
+
     def _restore_incumbent_if_rolled_back(self) -> None:
         """After a rollback, train on from the incumbent's weights (the refused update is dropped)."""
         versions = self.versions
-        if versions is None or not versions.decisions:
+        if versions is None:
+            self._restore_from_store()
+            return
+        if not versions.decisions:
             return
         last = versions.decisions[-1]
         if self._handled_decisions == len(versions.decisions):

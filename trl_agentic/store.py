@@ -42,6 +42,7 @@ from .trace import Episode
 
 USER_KEY_PREFIX = "sk-user-"
 REWARD_USES = ("pending", "trained", "evaluation")  # waiting for a claim, claimed with its episode, came too late
+VERSION_PUBLISHED = "published"  # a trainer saved it; serving has not put it on trial yet
 
 
 def hash_key(key: str) -> str:
@@ -105,6 +106,9 @@ class EpisodeStore(Protocol):
         group: int | None = None,
     ) -> Claim: ...
     def release_claims_after(self, step: int) -> int: ...
+    def publish_version(self, version: int, path: str | None, state: str = VERSION_PUBLISHED) -> None: ...
+    def published_versions(self, after: int = -1) -> list[dict]: ...
+    def set_version_state(self, version: int, state: str, reason: str | None = None) -> None: ...
 
 
 # One schema for both engines: {serial} is an auto-numbered key, {float} a double (PostgreSQL's REAL is 4 bytes).
@@ -138,6 +142,13 @@ CREATE TABLE IF NOT EXISTS rewards (
     created {float} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS rewards_episode ON rewards(episode_id);
+CREATE TABLE IF NOT EXISTS versions (
+    version BIGINT PRIMARY KEY,
+    path TEXT,
+    state TEXT NOT NULL,
+    reason TEXT,
+    published {float} NOT NULL
+);
 """
 
 
@@ -320,6 +331,42 @@ class SQLEpisodeStore:
                 db.execute("UPDATE episodes SET claim_step = NULL WHERE id = ?", (episode_id,))
                 db.execute("UPDATE rewards SET use = 'pending' WHERE episode_id = ? AND use = 'trained'", (episode_id,))
         return len(rows)
+
+    # Versions (serving and training in two processes: the trainer publishes, serving rolls out and decides)
+
+    def publish_version(self, version: int, path: str | None, state: str = VERSION_PUBLISHED) -> None:
+        """Record a version a trainer saved at `path` (a folder the serving machine can read: a shared disk), for
+        serving to put on trial (`endpoint/version_sync.py`). Publishing a version twice is refused."""
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO versions (version, path, state, published) VALUES (?, ?, ?, ?)",
+                    (int(version), path, state, time.time()),
+                )
+        except self._integrity_error:
+            raise ValueError(f"Version {version} is published already; each optimizer step makes a new one.") from None
+
+    def published_versions(self, after: int = -1) -> list[dict]:
+        """The versions with a number above `after`, oldest first: version, path, state, reason (what serving
+        decided: `published`, then `candidate`, `incumbent`, `retired`, `rolled_back` or `superseded`)."""
+        rows = self._read(
+            "SELECT version, path, state, reason FROM versions WHERE version > ? ORDER BY version", (int(after),)
+        )
+        return [{"version": v, "path": p, "state": s, "reason": r} for v, p, s, r in rows]
+
+    def set_version_state(self, version: int, state: str, reason: str | None = None) -> None:
+        """Record a version's state (serving's rollout decisions; a version serving loaded on its own, such as the
+        first incumbent, is added)."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE versions SET state = ?, reason = COALESCE(?, reason) WHERE version = ?",
+                (state, reason, int(version)),
+            )
+            if cursor.rowcount == 0:
+                db.execute(
+                    "INSERT INTO versions (version, path, state, reason, published) VALUES (?, NULL, ?, ?, ?)",
+                    (int(version), state, reason, time.time()),
+                )
 
     def claimed_episode_ids(self) -> set[str]:
         return {r[0] for r in self._read("SELECT id FROM episodes WHERE claim_step IS NOT NULL", ())}
