@@ -186,3 +186,21 @@ def test_a_claim_can_take_whole_groups_of_one_task_fingerprint_only(location):
     assert [e.id for e, _ in store.claim_for_training(limit=6, step=3).items] == ["ep-3", "ep-6"]
     with pytest.raises(ValueError, match="group"):
         store.claim_for_training(limit=6, step=4, group=0)
+
+
+def test_published_versions_and_their_states_round_trip(location):
+    store = open_store(location)
+    store.set_version_state(0, "incumbent")  # serving's own first version: added, without a path
+    store.publish_version(1, "/shared/run/versions/v1")
+    store.publish_version(2, "/shared/run/versions/v2")
+    store.set_version_state(1, "rolled_back", "mean reward 0.1 vs 0.4")
+    store.set_version_state(1, "rolled_back")  # a later report without a reason keeps it
+    rows = [(r["version"], r["path"], r["state"], r["reason"]) for r in store.published_versions()]
+    assert rows == [
+        (0, None, "incumbent", None),
+        (1, "/shared/run/versions/v1", "rolled_back", "mean reward 0.1 vs 0.4"),
+        (2, "/shared/run/versions/v2", "published", None),
+    ]
+    assert [r["version"] for r in store.published_versions(after=1)] == [2]
+    with pytest.raises(ValueError, match="published already"):
+        store.publish_version(2, "/elsewhere")
