@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=2e-4, help="The demo's.")
     parser.add_argument("--warmup-steps", type=int, default=30, help="The demo's warm-up (then constant).")
+    parser.add_argument(
+        "--levels",
+        default="target",
+        help="Digits of the users' tasks: 'target' (the held-out's), 'all', or e.g. '1,2'.",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="Serving's (default: the held-out's, 1.0).")
     parser.add_argument("--task-pool", type=int, default=4, help="Popular tasks at a time (0: every task fresh).")
     parser.add_argument("--task-repeats", type=int, default=None, help="Times each is asked (default: a group).")
     parser.add_argument("--group-wait", type=float, default=30.0, help="Seconds a step waits for same-task groups.")
@@ -209,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
     serving = copy.deepcopy(model).eval()
+    # users are served at the held-out's temperature, and training scores log-probabilities at the same one (the runs
+    # before served at GRPO's 1.2 and scored at 1.0)
+    temperature = config.temperature if args.temperature is None else args.temperature
     engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
     policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
     versions = VersionManager(engine, policy, args.seed)
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_endpoint_app(
         engine,
         tokenizer,
-        temperature=plan.grpo_temperature,
+        temperature=temperature,
         max_tokens=config.max_completion_length,
         max_turns=config.max_turns,
         store=store,
@@ -231,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     repeats = args.task_repeats or args.num_generations
     tasks = list(plan.grpo_tasks)
+    if args.levels != "all":  # what users ask: by default the held-out's difficulty (from the training split)
+        levels = (
+            {plan.suite.target_difficulty} if args.levels == "target" else {float(v) for v in args.levels.split(",")}
+        )
+        tasks = [task for task in tasks if task["difficulty"] in levels]
     traffic = Traffic(server, keys, tasks, plan.suite.agent, args.noise, args.seed, args.task_pool, repeats)
     started = time.monotonic()
     threads = traffic.start()
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         num_generations=args.num_generations,
         max_steps=10_000,
         max_completion_length=config.max_completion_length,
+        temperature=temperature,
         max_staleness=8,
         beta=0.0,
         use_cpu=True,

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         max_staleness=args.max_staleness,
         max_steps=args.max_steps,
         max_completion_length=args.max_tokens or args.default_max_tokens,
+        # the trainer's log-probabilities at the temperature the episodes were sampled at (impose one: --temperature)
+        temperature=1.0 if args.temperature is None else args.temperature,
         use_cpu=device == "cpu",
         bf16=str(dtype) == "torch.bfloat16",
         report_to="none",
