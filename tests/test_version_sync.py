@@ -79,6 +79,20 @@ def test_versions_published_through_the_store_are_rolled_out_by_the_serving_proc
     trainer._restore_incumbent_if_rolled_back()
     assert all(torch.equal(start[k], v) for k, v in initial.state_dict().items())
     assert trainer._metrics["train"]["online/rollbacks"] == [1.0]
+    # a rollback seen only after a later version was published (which builds on the refused weights) leaves the
+    # weights alone: the later version's trial decides
+    with torch.no_grad():
+        for parameter in initial.parameters():
+            parameter.add_(0.25)
+    trainer.publish(2)
+    stepped = {k: v.clone() for k, v in initial.state_dict().items()}
+    trainer.publish(3)  # v2 waits: nothing published
+    store.set_version_state(2, "candidate")
+    trainer._decided_up_to, trainer._last_published = 1, 3  # as if v3 was published before v2's verdict was seen
+    store.set_version_state(2, "rolled_back", "worse")
+    trainer._restore_incumbent_if_rolled_back()
+    assert all(torch.equal(stepped[k], v) for k, v in initial.state_dict().items())
+    assert trainer._metrics["train"]["online/rollbacks"] == [1.0]
     trainer.close()
     with pytest.raises(ValueError, match="published already"):
         store.publish_version(1, "elsewhere")

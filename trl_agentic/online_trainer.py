@@ -196,6 +196,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         self._last_loaded_step = -1
         self._handled_decisions = 0  # the versions' decisions already acted on (a rollback restores weights)
         self._rebased: dict[int, int] = {}  # version -> the step training restarted from its weights (a rollback)
+        self._last_published: int | None = None  # the latest version this trainer published
         self._decided_up_to = -1  # published through the store: rollbacks up to this version were acted on
         self._initial_path = Path(args.output_dir) / "versions" / "v0"
         if versions is None:  # serving runs elsewhere; after a rollback to its first version, these are its weights
@@ -263,6 +264,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         path = Path(self.args.output_dir) / "versions" / f"v{step}"
         model.save_pretrained(path)
+        self._last_published = step
         if self.versions is None:  # serving runs elsewhere: it loads the version from the store's record
             self.store.publish_version(step, str(path.resolve()))
             return
@@ -299,6 +301,8 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         if not refused:
             return
         self._decided_up_to = max(refused)
+        if max(refused) != self._last_published:  # a later version builds on it: its own trial decides
+            return
         incumbent = next((r for r in rows if r["state"] == "incumbent"), None)
         if incumbent is None:
             return
@@ -324,7 +328,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
             return
         self._handled_decisions = len(versions.decisions)
         model = self.accelerator.unwrap_model(self.model)
-        if last.action == "rolled_back":
+        # Only the rollback of the latest version published: when a later one was published before this step saw the
+        # verdict (it builds on the refused weights), that later version's own trial decides (going back now would
+        # leave it on trial, maybe promoted, while training went on from other weights).
+        if last.action == "rolled_back" and last.version == self._last_published:
             serving = getattr(versions.engine_of(versions.incumbent), "model", None)
             if serving is not None and serving is not model:
                 with torch.no_grad():
