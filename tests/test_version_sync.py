@@ -79,20 +79,31 @@ def test_versions_published_through_the_store_are_rolled_out_by_the_serving_proc
     trainer._restore_incumbent_if_rolled_back()
     assert all(torch.equal(start[k], v) for k, v in initial.state_dict().items())
     assert trainer._metrics["train"]["online/rollbacks"] == [1.0]
-    # a rollback seen only after a later version was published (which builds on the refused weights) leaves the
-    # weights alone: the later version's trial decides
+    # the next step's weights go on trial; the rollback that arrives while the step after it trains is acted on at its
+    # end: back to the incumbent, and that step's weights (built on the refused ones) are not published
     with torch.no_grad():
         for parameter in initial.parameters():
             parameter.add_(0.25)
     trainer.publish(2)
-    stepped = {k: v.clone() for k, v in initial.state_dict().items()}
-    trainer.publish(3)  # v2 waits: nothing published
     store.set_version_state(2, "candidate")
-    trainer._decided_up_to, trainer._last_published = 1, 3  # as if v3 was published before v2's verdict was seen
+    with torch.no_grad():
+        for parameter in initial.parameters():
+            parameter.add_(0.25)
     store.set_version_state(2, "rolled_back", "worse")
-    trainer._restore_incumbent_if_rolled_back()
+    trainer.publish(3)
+    assert [r["version"] for r in store.published_versions(0)] == [1, 2]
+    assert all(torch.equal(start[k], v) for k, v in initial.state_dict().items())
+    assert trainer._metrics["train"]["online/rollbacks"] == [1.0, 1.0]
+    # a verdict on an older version than the latest published leaves the weights alone (the later one's trial decides)
+    with torch.no_grad():
+        for parameter in initial.parameters():
+            parameter.add_(0.25)
+    trainer.publish(4)
+    stepped = {k: v.clone() for k, v in initial.state_dict().items()}
+    trainer._decided_up_to = 2
+    store.set_version_state(3, "rolled_back", "worse")  # (as if v3 had been published and refused)
+    assert trainer._restore_incumbent_if_rolled_back() is False
     assert all(torch.equal(stepped[k], v) for k, v in initial.state_dict().items())
-    assert trainer._metrics["train"]["online/rollbacks"] == [1.0]
     trainer.close()
     with pytest.raises(ValueError, match="published already"):
         store.publish_version(1, "elsewhere")

@@ -258,8 +258,10 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
 
     def publish(self, step: int) -> None:
         """Save the current weights as version `step` and put them on trial at the serving side (unless another
-        candidate is on trial and `wait_for_verdict` is off: then the next idle moment's weights go)."""
-        if self._on_trial() is not None:
+        candidate is on trial and `wait_for_verdict` is off: then the next idle moment's weights go). A rollback that
+        arrived during this step is acted on first: the weights go back to the incumbent's and nothing is published
+        (the refused update's descendants never go on trial)."""
+        if self._restore_incumbent_if_rolled_back() or self._on_trial() is not None:
             return
         model = self.accelerator.unwrap_model(self.model)
         path = Path(self.args.output_dir) / "versions" / f"v{step}"
@@ -294,18 +296,18 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         ]
         return pending[0] if pending else None
 
-    def _restore_from_store(self) -> None:
+    def _restore_from_store(self) -> bool:
         """`_restore_incumbent_if_rolled_back` when serving runs elsewhere: the states serving wrote to the store."""
         rows = self.store.published_versions(-1)
         refused = [r["version"] for r in rows if r["state"] == "rolled_back" and r["version"] > self._decided_up_to]
         if not refused:
-            return
+            return False
         self._decided_up_to = max(refused)
         if max(refused) != self._last_published:  # a later version builds on it: its own trial decides
-            return
+            return False
         incumbent = next((r for r in rows if r["state"] == "incumbent"), None)
         if incumbent is None:
-            return
+            return False
         path = incumbent["path"] or str(self._initial_path)  # serving's own first version: the weights at start
         model = self.accelerator.unwrap_model(self.model)
         weights = type(model).from_pretrained(path).state_dict()
@@ -314,18 +316,19 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         self._rebased[incumbent["version"]] = self.state.global_step
         self._metrics["train"]["online/rollbacks"].append(1.0)
         logger.warning("Version %d was rolled back: training goes on from the incumbent's weights.", max(refused))
+        return True
 
-    def _restore_incumbent_if_rolled_back(self) -> None:
-        """After a rollback, train on from the incumbent's weights (the refused update is dropped)."""
+    def _restore_incumbent_if_rolled_back(self) -> bool:
+        """After a rollback, train on from the incumbent's weights (the refused update is dropped); `True` when the
+        weights went back."""
         versions = self.versions
         if versions is None:
-            self._restore_from_store()
-            return
+            return self._restore_from_store()
         if not versions.decisions:
-            return
+            return False
         last = versions.decisions[-1]
         if self._handled_decisions == len(versions.decisions):
-            return
+            return False
         self._handled_decisions = len(versions.decisions)
         model = self.accelerator.unwrap_model(self.model)
         # Only the rollback of the latest version published: when a later one was published before this step saw the
@@ -342,6 +345,8 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
                 logger.warning(
                     "Version %d was rolled back: training goes on from the incumbent's weights.", last.version
                 )
+                return True
+        return False
 
     def _claim_fresh(self, count: int, group: int | None = None) -> list:
         """The freshest rewarded episodes within the staleness bound (when traffic outruns training, the backlog's
