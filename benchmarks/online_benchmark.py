@@ -315,9 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         mixed += len({turn.policy_version for turn in episode.turns}) > 1
     harmful = None
     if args.harmful_step:
-        # the first version published from weights that hold the harmful update (steps go on while a candidate is on
-        # trial, so the step's own weights may not be published)
-        carrier = min((v for v in rows if v >= args.harmful_step), default=None)
+        # the first version published from weights that hold the harmful update: training goes on while a candidate is
+        # on trial, so the step's own weights may not be published, and a rollback in between sends training back to
+        # the incumbent (`restored_at`: the update is then dropped before any version carries it)
+        carrier = next(
+            (
+                v
+                for v in sorted(rows)
+                if v >= args.harmful_step and not any(args.harmful_step <= s <= v for s in trainer.restored_at)
+            ),
+            None,
+        )
         verdict = next((d for d in versions.decisions if d.version == carrier), None)
         served = rows.get(carrier, {}).get("episodes", 0)
         share = served / max(1, len(traffic.episodes))
@@ -326,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "verdict": verdict and verdict.action,
             "served_episodes": served,
             "share_of_all": share,
+            "dropped_before_publication": carrier is None,
         }
 
     figures = {
@@ -372,7 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         f"({figures['p99_near_swaps_s']}, {figures['p99_otherwise_s']} s)   goal <= 2x"
     )
     print(f"  episodes on two versions {mixed}   goal 0")
-    if harmful:
+    if harmful and harmful["dropped_before_publication"]:
+        print(
+            f"  harmful update (step {args.harmful_step}): dropped before any version carried it (training went back "
+            f"to the incumbent after steps {trainer.restored_at})   goal: rolled back"
+        )
+    elif harmful:
         print(
             f"  harmful update (step {args.harmful_step}): {harmful['verdict']}, served {harmful['served_episodes']} "
             f"episodes ({harmful['share_of_all']:.1%} of all; canary share {args.candidate_share:.0%})   goal: rolled back"

@@ -197,6 +197,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         self._handled_decisions = 0  # the versions' decisions already acted on (a rollback restores weights)
         self._rebased: dict[int, int] = {}  # version -> the step training restarted from its weights (a rollback)
         self._last_published: int | None = None  # the latest version this trainer published
+        self.restored_at: list[int] = []  # the steps after which training went back to the incumbent's weights
         self._decided_up_to = -1  # published through the store: rollbacks up to this version were acted on
         self._initial_path = Path(args.output_dir) / "versions" / "v0"
         if versions is None:  # serving runs elsewhere; after a rollback to its first version, these are its weights
@@ -314,6 +315,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         with torch.no_grad():
             model.load_state_dict(weights)
         self._rebased[incumbent["version"]] = self.state.global_step
+        self.restored_at.append(self.state.global_step)
         self._metrics["train"]["online/rollbacks"].append(1.0)
         logger.warning("Version %d was rolled back: training goes on from the incumbent's weights.", max(refused))
         return True
@@ -341,6 +343,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
                     model.load_state_dict({k: v.detach().clone() for k, v in serving.state_dict().items()})
                 # The policy is the incumbent's again: its tokens are as fresh as if sampled at this step
                 self._rebased[versions.incumbent] = self.state.global_step
+                self.restored_at.append(self.state.global_step)
                 self._metrics["train"]["online/rollbacks"].append(1.0)
                 logger.warning(
                     "Version %d was rolled back: training goes on from the incumbent's weights.", last.version
