@@ -13,6 +13,12 @@ the goals:
 python benchmarks/online_benchmark.py --minutes 20 --users 6                 # the measurement
 python benchmarks/online_benchmark.py --minutes 3 --users 2 --eval-size 40   # a quick look
 ```
+
+Traffic repeats tasks, as real traffic does: the users draw from a pool of `--task-pool` popular tasks, each asked
+`--task-repeats` times (by any user) before a fresh task replaces it, and name the task when they end the episode
+(`{"task": ...}` on `/v1/episodes/end`), so that training forms same-task groups (docs/online.md). `--task-pool 0`:
+every episode a fresh task, unnamed (the arrival-window groups of the earlier runs). Training uses the demo's reward
+(the checker plus `cut_off_penalty`) and its learning-rate warm-up.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import itertools
 import json
 import random
 import sys
@@ -42,6 +49,7 @@ from trl_agentic.pipeline.calculator import CalculatorDemoConfig
 from trl_agentic.pipeline.held_out import HeldOutEvaluator
 from trl_agentic.pipeline.plan import make_plan
 from trl_agentic.pipeline.warm_started_model import warm_start_model
+from trl_agentic.rewards import cut_off_penalty
 from trl_agentic.store import SQLiteEpisodeStore
 from trl_agentic.tasks.calculator import calculator_correct
 from trl_agentic.trace import Episode
@@ -50,9 +58,12 @@ from trl_agentic.trace import Episode
 class Traffic:
     """Users running the suite's agent through plain clients with user keys, feedback from the checker with noise."""
 
-    def __init__(self, server, keys, tasks, agent, noise: float, seed: int):
+    def __init__(self, server, keys, tasks, agent, noise: float, seed: int, pool: int = 0, repeats: int = 1):
         self.server, self.keys, self.tasks, self.agent, self.noise = server, keys, tasks, agent, noise
         self.rng = random.Random(seed)
+        self.pool, self.repeats = pool, repeats
+        self._fresh = itertools.cycle(random.Random(seed + 1).sample(tasks, len(tasks)))
+        self._popular: list[list] = []  # [task, times still to be asked]
         self.stop = threading.Event()
         self.calls: list[tuple[float, float, int]] = []  # (start, end, status)
         self.episodes: list[dict] = []
@@ -63,6 +74,21 @@ class Traffic:
         for thread in threads:
             thread.start()
         return threads
+
+    def draw(self, rng: random.Random) -> tuple[dict, str | None]:
+        """A task, and its name when traffic repeats tasks (the pool's): each popular task is asked `repeats` times,
+        then a fresh one takes its place."""
+        if not self.pool:
+            return rng.choice(self.tasks), None
+        with self.lock:
+            while len(self._popular) < self.pool:
+                self._popular.append([next(self._fresh), self.repeats])
+            slot = rng.randrange(len(self._popular))
+            task = self._popular[slot][0]
+            self._popular[slot][1] -= 1
+            if self._popular[slot][1] == 0:
+                del self._popular[slot]
+        return task, json.dumps(task["prompt"], sort_keys=True)
 
     def _user(self, key: str, index: int) -> None:
         asyncio.run(self._run(key, random.Random(self.rng.random() + index)))
@@ -79,13 +105,14 @@ class Traffic:
         client = openai.AsyncOpenAI(base_url=self.server.base_url, api_key=key, http_client=http, max_retries=0)
         headers = {"Authorization": f"Bearer {key}"}
         while not self.stop.is_set():
-            task = rng.choice(self.tasks)
+            task, name = self.draw(rng)
             try:
                 result = await self.agent(client, task)
                 status = "ok"
             except Exception:  # noqa: BLE001 - an agent's failure is its episode's, counted below
                 result, status = None, "agent_error"
-            ended = (await http.post(f"{self.server.base_url}/episodes/end", headers=headers)).json()
+            body = {"task": name} if name is not None else None
+            ended = (await http.post(f"{self.server.base_url}/episodes/end", json=body, headers=headers)).json()
             episode_id = ended.get("episode_id")
             if episode_id is None:
                 continue
@@ -147,11 +174,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--episodes-per-step", type=int, default=16)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
-    parser.add_argument("--candidate-share", type=float, default=0.25)
-    parser.add_argument("--min-episodes", type=int, default=24)
-    parser.add_argument("--margin", type=float, default=0.1)
-    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument("--learning-rate", type=float, default=2e-4, help="The demo's.")
+    parser.add_argument("--warmup-steps", type=int, default=30, help="The demo's warm-up (then constant).")
+    parser.add_argument(
+        "--levels",
+        default="target",
+        help="Digits of the users' tasks: 'target' (the held-out's), 'all', or e.g. '1,2'.",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="Serving's (default: the held-out's, 1.0).")
+    parser.add_argument("--task-pool", type=int, default=4, help="Popular tasks at a time (0: every task fresh).")
+    parser.add_argument("--task-repeats", type=int, default=None, help="Times each is asked (default: a group).")
+    parser.add_argument("--group-wait", type=float, default=30.0, help="Seconds a step waits for same-task groups.")
+    parser.add_argument("--candidate-share", type=float, default=0.5)
+    parser.add_argument("--min-episodes", type=int, default=32)
+    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--confidence", type=float, default=0.8)
+    parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
     parser.add_argument("--wait-for-verdict", action="store_true")
     parser.add_argument("--harmful-step", type=int, default=3, help="0: no harmful update.")
@@ -177,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
     serving = copy.deepcopy(model).eval()
+    # users are served at the held-out's temperature, and training scores log-probabilities at the same one (the runs
+    # before served at GRPO's 1.2 and scored at 1.0)
+    temperature = config.temperature if args.temperature is None else args.temperature
     engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
     policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
     versions = VersionManager(engine, policy, args.seed)
@@ -184,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_endpoint_app(
         engine,
         tokenizer,
-        temperature=plan.grpo_temperature,
+        temperature=temperature,
         max_tokens=config.max_completion_length,
         max_turns=config.max_turns,
         store=store,
@@ -197,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         httpx.post(f"{server.url}/admin/users", json={"name": f"user{i}"}, headers=admin).json()["key"]
         for i in range(args.users)
     ]
-    traffic = Traffic(server, keys, list(plan.grpo_tasks), plan.suite.agent, args.noise, args.seed)
+    repeats = args.task_repeats or args.num_generations
+    tasks = list(plan.grpo_tasks)
+    if args.levels != "all":  # what users ask: by default the held-out's difficulty (from the training split)
+        levels = (
+            {plan.suite.target_difficulty} if args.levels == "target" else {float(v) for v in args.levels.split(",")}
+        )
+        tasks = [task for task in tasks if task["difficulty"] in levels]
+    traffic = Traffic(server, keys, tasks, plan.suite.agent, args.noise, args.seed, args.task_pool, repeats)
     started = time.monotonic()
     threads = traffic.start()
 
@@ -206,10 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     training = AgenticGRPOConfig(
         output_dir=str(workdir / "run"),
         learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type="constant_with_warmup",
         per_device_train_batch_size=args.episodes_per_step,
         num_generations=args.num_generations,
         max_steps=10_000,
         max_completion_length=config.max_completion_length,
+        temperature=temperature,
         max_staleness=8,
         beta=0.0,
         use_cpu=True,
@@ -227,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         versions=versions,
         run_on_server=server.call,
         wait_for_verdict=args.wait_for_verdict,
+        reward_funcs=[cut_off_penalty],  # the demo's: an answer cut at the token limit scores 1 less
+        group_wait=args.group_wait,
     )
     trainer.add_callback(clock)
     try:
@@ -241,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     # Held-out success of the versions that were promoted, as they were promoted
     promoted = [d.version for d in versions.decisions if d.action == "promoted"]
     rows = {row["version"]: row for row in versions.describe()}
+    if len(promoted) > args.eval_versions:  # spread over the run, the last one always
+        step = (len(promoted) - 1) / max(1, args.eval_versions - 1)
+        promoted = sorted({promoted[round(i * step)] for i in range(args.eval_versions)})
     curve = []
     for version in promoted:
         weights = type(model).from_pretrained(rows[version]["path"]).eval()
@@ -259,9 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         mixed += len({turn.policy_version for turn in episode.turns}) > 1
     harmful = None
     if args.harmful_step:
-        # the first version published from weights that hold the harmful update (steps go on while a candidate is on
-        # trial, so the step's own weights may not be published)
-        carrier = min((v for v in rows if v >= args.harmful_step), default=None)
+        # the first version published from weights that hold the harmful update: training goes on while a candidate is
+        # on trial, so the step's own weights may not be published, and a rollback in between sends training back to
+        # the incumbent (`restored_at`: the update is then dropped before any version carries it)
+        carrier = next(
+            (
+                v
+                for v in sorted(rows)
+                if v >= args.harmful_step and not any(args.harmful_step <= s <= v for s in trainer.restored_at)
+            ),
+            None,
+        )
         verdict = next((d for d in versions.decisions if d.version == carrier), None)
         served = rows.get(carrier, {}).get("episodes", 0)
         share = served / max(1, len(traffic.episodes))
@@ -270,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "verdict": verdict and verdict.action,
             "served_episodes": served,
             "share_of_all": share,
+            "dropped_before_publication": carrier is None,
         }
 
     figures = {
@@ -287,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
         "episodes_on_two_versions": mixed,
         "harmful": harmful,
         "decisions": [(d.action, d.version, d.reason) for d in versions.decisions],
+        "online_reward": [e["online/reward"] for e in trainer.state.log_history if "online/reward" in e],
+        "fingerprint_groups": [
+            e["online/fingerprint_groups"] for e in trainer.state.log_history if "online/fingerprint_groups" in e
+        ],
     }
     ratio = figures["p99_near_swaps_s"] / figures["p99_otherwise_s"] if near and far else None
     print()
@@ -297,13 +366,27 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  held-out success {before:.1%} -> {after:.1%} ({figures['gain_points']:+.1f} points)   goal >= +20 in 20 min"
     )
+    rewards, same = figures["online_reward"], figures["fingerprint_groups"]
+    if rewards:
+        tenth = max(1, len(rewards) // 10)
+        print(
+            f"  online reward per step: first {tenth} {sum(rewards[:tenth]) / tenth:.3f}, last {tenth} "
+            f"{sum(rewards[-tenth:]) / tenth:.3f}; same-task groups {sum(same) / max(1, len(same)):.0%}; "
+            f"{sum(d[0] == 'promoted' for d in figures['decisions'])} promoted, "
+            f"{sum(d[0] == 'rolled_back' for d in figures['decisions'])} rolled back"
+        )
     print(f"  failed requests {failed}   goal 0")
     print(
         f"  p99 latency near swaps / otherwise: {ratio and f'{ratio:.2f}x'} "
         f"({figures['p99_near_swaps_s']}, {figures['p99_otherwise_s']} s)   goal <= 2x"
     )
     print(f"  episodes on two versions {mixed}   goal 0")
-    if harmful:
+    if harmful and harmful["dropped_before_publication"]:
+        print(
+            f"  harmful update (step {args.harmful_step}): dropped before any version carried it (training went back "
+            f"to the incumbent after steps {trainer.restored_at})   goal: rolled back"
+        )
+    elif harmful:
         print(
             f"  harmful update (step {args.harmful_step}): {harmful['verdict']}, served {harmful['served_episodes']} "
             f"episodes ({harmful['share_of_all']:.1%} of all; canary share {args.candidate_share:.0%})   goal: rolled back"

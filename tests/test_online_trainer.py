@@ -17,10 +17,10 @@ from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
 from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
 from trl_agentic.generation.transformers_engine import TransformersEngine
-from trl_agentic.online_trainer import OnlineGRPOTrainer, _grouped
+from trl_agentic.online_trainer import OnlineGRPOTrainer, RunningBaselines, _grouped, online_rewards, stored_reward
 from trl_agentic.store import SQLiteEpisodeStore
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
-from trl_agentic.trace import Episode
+from trl_agentic.trace import Episode, Turn
 
 
 def test_episodes_of_one_fingerprint_form_whole_groups_and_the_rest_keep_arrival_order():
@@ -28,6 +28,66 @@ def test_episodes_of_one_fingerprint_form_whole_groups_and_the_rest_keep_arrival
     # a: e0 e2 e3 e4 (one whole group of 2 twice), b: e1 e6 (one group), c: e5 alone
     order = [episode.id for episode, _ in _grouped(items, 2)]
     assert order == ["e0", "e2", "e3", "e4", "e1", "e6", "e5"]
+
+
+def test_same_task_groups_keep_trls_baseline_and_the_rest_are_judged_against_a_running_per_task_baseline():
+    from trl.trainer.utils import nanstd
+
+    baselines = RunningBaselines(window=4)
+    for fingerprint, reward in [("b", 0.5), (None, 0.0), (None, 0.25)]:  # earlier steps: b's mean 0.5, all 0.25
+        baselines.add(fingerprint, reward)
+    named = {"e0": "a", "e1": "a", "e2": "b", "e3": None}
+    items = [(Episode(id=i, metadata={"fingerprint": named[i]} if named[i] else {}), v) for i, v in [
+        ("e2", [1.0]), ("e0", [1.0]), ("e3", [0.0]), ("e1", [0.5, -0.5]),
+    ]]  # fmt: skip
+    scored = online_rewards(items, 2, baselines)
+    # the whole group of task "a" first (TRL's group mean is its baseline); e2 against task b's running mean, e3 (no
+    # task named) against the mean of all
+    assert [(e.id, r, b) for e, r, b in scored] == [
+        ("e0", 1.0, None), ("e1", 0.0, None), ("e2", 1.0, 0.5), ("e3", 0.0, 0.25),
+    ]  # fmt: skip
+    for episode, reward, baseline in scored:
+        episode.metadata.update(online_reward=reward, online_baseline=baseline)
+    handed = stored_reward(None, None, episodes=[e for e, _, _ in scored])
+    assert handed == [1.0, 0.0, 0.5, -0.25]
+    # TRL's group advantages over what is handed to it (its `scale_rewards="group"` formula and `nanstd`)
+    rewards = torch.tensor(handed).view(-1, 2)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (nanstd(rewards, dim=1, keepdim=True) + 1e-4)).flatten()
+    assert advantages.tolist() == pytest.approx([0.70701, -0.70701, 0.70697, -0.70697], abs=1e-5)
+    # the baselines took this step's rewards: a [1, 0], b [0.5, 1], all the last 4 [1, 0, 1, 0]
+    assert (baselines.baseline("a"), baselines.baseline("b"), baselines.baseline("new")) == (0.5, 0.75, 0.5)
+    with pytest.raises(ValueError, match="baseline_window"):
+        RunningBaselines(window=0)
+
+
+def stored_episode(store, episode_id, fingerprint, reward):
+    turn = Turn(index=0, prompt_ids=[1, 2], completion_ids=[3, 4], logprobs=[-0.5, -0.5], finish_reason="stop")
+    store.put_episode(Episode(id=episode_id, status="ok", turns=[turn]), user="u", fingerprint=fingerprint)
+    store.add_reward(episode_id, reward, "feedback", "u")
+
+
+def test_the_online_trainer_starts_no_endpoint_and_claims_same_task_groups_first(tmp_path):
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    for episode_id, fingerprint, reward in [("a1", "a", 1.0), ("x", None, 0.0), ("a2", "a", 0.0), ("b", "b", 1.0)]:
+        stored_episode(store, episode_id, fingerprint, reward)
+    args = online_config(tmp_path, per_device_train_batch_size=4, num_generations=2)
+    trainer = OnlineGRPOTrainer(build_tiny_model(tokenizer, seed=0), store, args, processing_class=tokenizer)
+    try:
+        assert trainer.endpoint is None and trainer.engine is None  # nothing served that no one would call
+        episodes = trainer._claim(4)
+        assert [(e.id, e.metadata["online_baseline"]) for e in episodes] == [
+            ("a2", None), ("a1", None), ("b", 0.0), ("x", 0.0),  # newest first; no history yet: baseline 0
+        ]  # fmt: skip
+        assert trainer._metrics["train"]["online/fingerprint_groups"] == [0.5]
+        assert trainer._metrics["train"]["online/reward"] == [0.5]
+        assert trainer.baselines.baseline("a") == 0.5
+        with pytest.raises(ValueError, match="engine"):
+            OnlineGRPOTrainer(build_tiny_model(tokenizer), store, args, processing_class=tokenizer, engine=object())
+        with pytest.raises(ValueError, match="group_wait"):
+            OnlineGRPOTrainer(build_tiny_model(tokenizer), store, args, processing_class=tokenizer, group_wait=-1)
+    finally:
+        trainer.close()
 
 
 def online_config(tmp_path, **overrides) -> AgenticGRPOConfig:

@@ -12,6 +12,7 @@ from conftest import ScriptedEngine
 from trl_agentic.endpoint.app import EndpointSettings, create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.users import task_fingerprint
 from trl_agentic.store import SQLiteEpisodeStore
 from trl_agentic.tiny_models import build_tiny_tokenizer
 
@@ -147,3 +148,37 @@ def test_user_routes_are_refused_with_a_clear_error_when_serving_has_no_store(to
     with EndpointServer(app) as server:
         response = httpx.post(f"{server.url}/admin/users", json={"name": "a"}, headers=admin(server))
         assert response.status_code == 400 and "--store" in response.json()["error"]["message"]
+
+
+def test_a_client_names_its_episodes_task_and_episodes_of_one_task_share_a_fingerprint(serve):
+    server, store = serve(user_episode_idle_timeout=60.0)
+    alice, bob = add_user(server, "alice"), add_user(server, "bob")
+
+    def episode(key, task_in_body=None, task_header=None):
+        headers = {"x-trl-agentic-task": task_header} if task_header is not None else None
+        client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, default_headers=headers)
+        episode_id, _ = chat(client, [{"role": "user", "content": "What is 12 * 34?"}])
+        body = {"task": task_in_body} if task_in_body is not None else None
+        ended = httpx.post(f"{server.base_url}/episodes/end", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert ended.status_code == 200 and ended.json()["episode_id"] == episode_id, ended.text
+        store.add_reward(episode_id, 1.0, "feedback", "test")
+        return episode_id
+
+    first = episode(alice, task_in_body="12*34")
+    second = episode(bob, task_header="12*34")  # another user, the header on its model call
+    other = episode(alice, task_in_body="56*78")
+    unnamed = episode(bob)
+    claimed = {e.id: e.metadata.get("fingerprint") for e, _ in store.claim_for_training(limit=10, step=1).items}
+    assert claimed[first] == claimed[second] == task_fingerprint("12*34")
+    assert claimed[other] == task_fingerprint("56*78") != claimed[first]
+    assert claimed[unnamed] is None
+    assert task_fingerprint("12*34").startswith("task-") and "12*34" not in task_fingerprint("12*34")
+    # a bad name is refused with a clear 400, before anything ends
+    client = openai.OpenAI(base_url=server.base_url, api_key=alice, max_retries=0)
+    chat(client, [{"role": "user", "content": "Hi"}])
+    headers = {"Authorization": f"Bearer {alice}"}
+    refused = httpx.post(f"{server.base_url}/episodes/end", json={"task": ""}, headers=headers)
+    assert refused.status_code == 400 and "task" in refused.json()["error"]["message"]
+    refused = httpx.post(f"{server.base_url}/episodes/end", json={"tsak": "x"}, headers=headers)
+    assert refused.status_code == 400 and "tsak" in refused.json()["error"]["message"]
+    assert httpx.post(f"{server.base_url}/episodes/end", headers=headers).json()["episode_id"] is not None

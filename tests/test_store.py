@@ -167,3 +167,40 @@ def test_a_claim_can_take_the_freshest_episodes_of_given_versions_only(location)
     assert [e.id for e, _ in store.claim_for_training(limit=5, step=2, versions=[1, 2]).items] == ["ep-2"]
     assert store.claim_for_training(limit=5, step=3, versions=[]).items == []
     assert [e.id for e, _ in store.claim_for_training(limit=5, step=3).items] == ["ep-0", "ep-1"]  # any version
+
+
+def test_a_claim_can_take_whole_groups_of_one_task_fingerprint_only(location):
+    store = open_store(location)
+    fingerprints = ["a", "b", "a", None, "b", "a", "c", "b", "a", "a"]
+    for number, fingerprint in enumerate(fingerprints):
+        store.put_episode(episode(f"ep-{number}"), user=None, fingerprint=fingerprint)
+        store.add_reward(f"ep-{number}", 1.0, source="admin", giver="admin")
+    store.put_episode(episode("ep-unrewarded"), user=None, fingerprint="a")  # never claimed: no reward
+    # newest first: "a" fills first (ep-9, ep-8, ep-5), then "b" (ep-7, ep-4, ep-1); "c" and the unnamed one stay
+    claim = store.claim_for_training(limit=7, step=1, newest_first=True, group=3)
+    assert [(e.id, e.metadata["fingerprint"]) for e, _ in claim.items] == [
+        ("ep-9", "a"), ("ep-8", "a"), ("ep-5", "a"), ("ep-7", "b"), ("ep-4", "b"), ("ep-1", "b"),
+    ]  # fmt: skip
+    assert store.claim_for_training(limit=6, step=2, group=3).items == []  # "a" has 2 left, "c" 1
+    assert [e.id for e, _ in store.claim_for_training(limit=6, step=2, group=2).items] == ["ep-0", "ep-2"]
+    assert [e.id for e, _ in store.claim_for_training(limit=6, step=3).items] == ["ep-3", "ep-6"]
+    with pytest.raises(ValueError, match="group"):
+        store.claim_for_training(limit=6, step=4, group=0)
+
+
+def test_published_versions_and_their_states_round_trip(location):
+    store = open_store(location)
+    store.set_version_state(0, "incumbent")  # serving's own first version: added, without a path
+    store.publish_version(1, "/shared/run/versions/v1")
+    store.publish_version(2, "/shared/run/versions/v2")
+    store.set_version_state(1, "rolled_back", "mean reward 0.1 vs 0.4")
+    store.set_version_state(1, "rolled_back")  # a later report without a reason keeps it
+    rows = [(r["version"], r["path"], r["state"], r["reason"]) for r in store.published_versions()]
+    assert rows == [
+        (0, None, "incumbent", None),
+        (1, "/shared/run/versions/v1", "rolled_back", "mean reward 0.1 vs 0.4"),
+        (2, "/shared/run/versions/v2", "published", None),
+    ]
+    assert [r["version"] for r in store.published_versions(after=1)] == [2]
+    with pytest.raises(ValueError, match="published already"):
+        store.publish_version(2, "/elsewhere")

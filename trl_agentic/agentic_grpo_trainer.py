@@ -98,6 +98,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
     def use_vllm(self, value: bool) -> None:
         self._use_vllm = value
 
+    _runs_agents = True  # False: episodes come from elsewhere; no engine or endpoint is started (`OnlineGRPOTrainer`)
+
     def __init__(
         self,
         model,
@@ -152,9 +154,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 engine, self.accelerator.unwrap_model(self.model), self.accelerator.num_processes, self.agent
             )
         # The endpoint serving the live policy, and the episodes run against it (rollouts.py)
-        self.engine = engine or default_engine(
-            args, self.accelerator.unwrap_model(self.model), self._tokenizer, getattr(self, "vllm_generation", None)
-        )
+        # (none for a trainer that runs no agent: `_runs_agents`, the online trainer's episodes come from users' traffic)
+        if engine is None and self._runs_agents:
+            engine = default_engine(
+                args, self.accelerator.unwrap_model(self.model), self._tokenizer, getattr(self, "vllm_generation", None)
+            )
+        self.engine = engine
         self._rollouts_side = Rollouts(
             args,
             self.agent,
@@ -166,6 +171,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
             ),
             process_index=self.accelerator.process_index,
+            launch=self._runs_agents,
         )
         self.endpoint = self._rollouts_side.endpoint
         self._pending_inputs: list[dict] | None = None

@@ -105,7 +105,9 @@ class Rollouts:
     """The endpoint over `engine` and the episodes of `agent` run against it.
 
     `model()`: the unwrapped policy; `generation_model()`: a context manager yielding it ready to generate from (the
-    trainer's `unwrap_model_for_generation`, one ZeRO-3 gather for a whole rollout)."""
+    trainer's `unwrap_model_for_generation`, one ZeRO-3 gather for a whole rollout). `launch=False`: no endpoint is
+    started (`endpoint` is `None`), for a trainer whose episodes come from elsewhere (`OnlineGRPOTrainer`: users'
+    traffic reached the serving endpoint)."""
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class Rollouts:
         model: Callable[[], Any],
         generation_model: Callable[[], AbstractContextManager],
         process_index: int = 0,
+        launch: bool = True,
     ):
         self.args, self.agent, self.engine, self._tokenizer = args, agent, engine, tokenizer
         self.chat_template_kwargs = chat_template_kwargs
@@ -132,7 +135,9 @@ class Rollouts:
             episode_idle_timeout=args.episode_idle_timeout,
             host=args.endpoint_host,
         )
-        self.endpoint = launch_endpoint(engine, tokenizer, port=args.endpoint_port, **self.endpoint_kwargs)
+        self.endpoint = (
+            launch_endpoint(engine, tokenizer, port=args.endpoint_port, **self.endpoint_kwargs) if launch else None
+        )
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-agentic-rollout")
 
     def agent_tasks(self, inputs: list[dict]) -> list[dict]:
@@ -274,7 +279,8 @@ class Rollouts:
 
     def close(self) -> None:
         """Stop the endpoint server and the rollout thread."""
-        self.endpoint.stop()
+        if self.endpoint is not None:
+            self.endpoint.stop()
         self.pool.shutdown(wait=False)
 
 

@@ -42,6 +42,7 @@ from .trace import Episode
 
 USER_KEY_PREFIX = "sk-user-"
 REWARD_USES = ("pending", "trained", "evaluation")  # waiting for a claim, claimed with its episode, came too late
+VERSION_PUBLISHED = "published"  # a trainer saved it; serving has not put it on trial yet
 
 
 def hash_key(key: str) -> str:
@@ -97,9 +98,17 @@ class EpisodeStore(Protocol):
     def add_reward(self, episode_id: str, value: float, source: str, giver: str, note: str | None = None) -> int: ...
     def rewards(self, episode_id: str) -> list[Reward]: ...
     def claim_for_training(
-        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+        self,
+        limit: int,
+        step: int,
+        versions: list[int] | None = None,
+        newest_first: bool = False,
+        group: int | None = None,
     ) -> Claim: ...
     def release_claims_after(self, step: int) -> int: ...
+    def publish_version(self, version: int, path: str | None, state: str = VERSION_PUBLISHED) -> None: ...
+    def published_versions(self, after: int = -1) -> list[dict]: ...
+    def set_version_state(self, version: int, state: str, reason: str | None = None) -> None: ...
 
 
 # One schema for both engines: {serial} is an auto-numbered key, {float} a double (PostgreSQL's REAL is 4 bytes).
@@ -133,6 +142,13 @@ CREATE TABLE IF NOT EXISTS rewards (
     created {float} NOT NULL
 );
 CREATE INDEX IF NOT EXISTS rewards_episode ON rewards(episode_id);
+CREATE TABLE IF NOT EXISTS versions (
+    version BIGINT PRIMARY KEY,
+    path TEXT,
+    state TEXT NOT NULL,
+    reason TEXT,
+    published {float} NOT NULL
+);
 """
 
 
@@ -246,7 +262,12 @@ class SQLEpisodeStore:
     # Training
 
     def claim_for_training(
-        self, limit: int, step: int, versions: list[int] | None = None, newest_first: bool = False
+        self,
+        limit: int,
+        step: int,
+        versions: list[int] | None = None,
+        newest_first: bool = False,
+        group: int | None = None,
     ) -> Claim:
         """Hand at most `limit` rewarded, unclaimed episodes to optimizer step `step`, with their pending rewards;
         both are marked in the same transaction, so no other claim gets them.
@@ -256,6 +277,9 @@ class SQLEpisodeStore:
                 trainer passes those within its staleness bound, and older ones are never trained.
             newest_first: the most recent episodes first (when traffic outruns training, train on the freshest),
                 else the oldest first.
+            group: only whole groups of `group` episodes of one task fingerprint, each group's members together
+                (the groups in the order they fill up); episodes without a fingerprint, and those of a fingerprint
+                with fewer than `group` eligible ones, stay for a later claim. `None`: any episode.
         """
         claim = Claim(step)
         where = ""
@@ -265,15 +289,26 @@ class SQLEpisodeStore:
                 return claim
             where = f" AND version IN ({', '.join('?' * len(versions))})"
             params = tuple(int(v) for v in versions)
+        if group is not None:
+            if group < 1:
+                raise ValueError(f"group must be at least 1, not {group}.")
+            where += " AND fingerprint IS NOT NULL"
         order = "DESC" if newest_first else "ASC"
+        eligible = (
+            "SELECT id, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
+            "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending')"
+            f"{where} ORDER BY seq {order}"
+        )
         with self._transaction() as db:
-            rows = db.execute(
-                "SELECT id, data, fingerprint FROM episodes WHERE claim_step IS NULL AND EXISTS "
-                "(SELECT 1 FROM rewards WHERE rewards.episode_id = episodes.id AND use = 'pending')"
-                f"{where} ORDER BY seq {order} LIMIT ?" + self._claim_lock,
-                (*params, limit),
-            ).fetchall()
-            for episode_id, data, fingerprint in rows:
+            if group is None:
+                rows = db.execute(eligible + " LIMIT ?" + self._claim_lock, (*params, limit)).fetchall()
+                ids = [row[0] for row in rows]
+            else:
+                ids = _whole_groups(db.execute(eligible + self._claim_lock, params).fetchall(), group, limit)
+            for episode_id in ids:
+                data, fingerprint = db.execute(
+                    "SELECT data, fingerprint FROM episodes WHERE id = ?", (episode_id,)
+                ).fetchone()
                 db.execute("UPDATE episodes SET claim_step = ? WHERE id = ?", (step, episode_id))
                 rewards = db.execute(
                     "SELECT id, episode_id, value, source, giver, note, 'trained', created FROM rewards "
@@ -297,6 +332,42 @@ class SQLEpisodeStore:
                 db.execute("UPDATE rewards SET use = 'pending' WHERE episode_id = ? AND use = 'trained'", (episode_id,))
         return len(rows)
 
+    # Versions (serving and training in two processes: the trainer publishes, serving rolls out and decides)
+
+    def publish_version(self, version: int, path: str | None, state: str = VERSION_PUBLISHED) -> None:
+        """Record a version a trainer saved at `path` (a folder the serving machine can read: a shared disk), for
+        serving to put on trial (`endpoint/version_sync.py`). Publishing a version twice is refused."""
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    "INSERT INTO versions (version, path, state, published) VALUES (?, ?, ?, ?)",
+                    (int(version), path, state, time.time()),
+                )
+        except self._integrity_error:
+            raise ValueError(f"Version {version} is published already; each optimizer step makes a new one.") from None
+
+    def published_versions(self, after: int = -1) -> list[dict]:
+        """The versions with a number above `after`, oldest first: version, path, state, reason (what serving
+        decided: `published`, then `candidate`, `incumbent`, `retired`, `rolled_back` or `superseded`)."""
+        rows = self._read(
+            "SELECT version, path, state, reason FROM versions WHERE version > ? ORDER BY version", (int(after),)
+        )
+        return [{"version": v, "path": p, "state": s, "reason": r} for v, p, s, r in rows]
+
+    def set_version_state(self, version: int, state: str, reason: str | None = None) -> None:
+        """Record a version's state (serving's rollout decisions; a version serving loaded on its own, such as the
+        first incumbent, is added)."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE versions SET state = ?, reason = COALESCE(?, reason) WHERE version = ?",
+                (state, reason, int(version)),
+            )
+            if cursor.rowcount == 0:
+                db.execute(
+                    "INSERT INTO versions (version, path, state, reason, published) VALUES (?, NULL, ?, ?, ?)",
+                    (int(version), state, reason, time.time()),
+                )
+
     def claimed_episode_ids(self) -> set[str]:
         return {r[0] for r in self._read("SELECT id FROM episodes WHERE claim_step IS NOT NULL", ())}
 
@@ -313,6 +384,22 @@ class SQLEpisodeStore:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def _whole_groups(rows: list[tuple[str, str]], group: int, limit: int) -> list[str]:
+    """The ids of the first `limit // group` whole groups of one fingerprint in `rows` ((id, fingerprint), in claim
+    order): a group is taken when its `group`-th member is reached, its members together."""
+    filling: dict[str, list[str]] = {}
+    ids: list[str] = []
+    for episode_id, fingerprint in rows:
+        if len(ids) + group > limit:
+            break
+        members = filling.setdefault(fingerprint, [])
+        members.append(episode_id)
+        if len(members) == group:
+            ids += members
+            filling[fingerprint] = []
+    return ids
 
 
 class SQLiteEpisodeStore(SQLEpisodeStore):

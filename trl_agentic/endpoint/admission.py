@@ -16,6 +16,7 @@ from fastapi import Request
 
 from .service import APIError
 from .sessions import EpisodeSession
+from .users import TASK_HEADER
 
 
 def admit(request: Request) -> EpisodeSession:
@@ -42,7 +43,14 @@ def episode_from_key(request: Request) -> EpisodeSession:
     if session is None:
         users = request.app.state.users
         if users is not None and users.is_user_key(key):
-            return users.session_for(user_from_key(request, key))
+            session = users.session_for(user_from_key(request, key))
+            task = request.headers.get(TASK_HEADER)
+            if task is not None:  # the client names its episode's task (`users.py`)
+                try:
+                    users.name_task(session, task)
+                except ValueError as error:
+                    raise APIError(400, f"Header {TASK_HEADER}: {error}", code="invalid_task") from None
+            return session
         raise APIError(401, "Unknown or closed episode key.", "authentication_error", "invalid_api_key")
     return session
 

@@ -357,6 +357,14 @@ class FeedbackRequest(BaseModel):
     note: str | None = Field(default=None, max_length=2000)
 
 
+class EndEpisodeRequest(BaseModel):
+    """The optional body of `POST /v1/episodes/end` (a user key's): the task the episode did, when the client names
+    it (stored as its fingerprint; episodes of one task form GRPO groups in online training)."""
+
+    model_config = ConfigDict(extra="forbid")
+    task: str | None = Field(default=None, min_length=1, max_length=10_000)
+
+
 class AdminRewardRequest(BaseModel):
     """The body of `POST /admin/rewards`: a reward from where production has them (CI results, a business metric)."""
 

@@ -21,7 +21,14 @@ from ..trace import EPISODE_STATUSES, ReplaySpec, json_text
 from . import anthropic_messages, gemini
 from .admission import NO_STORE, admit, admit_user, check_admin
 from .chat_completions import serve_chat_completions
-from .protocol import AddUserRequest, AdminRewardRequest, CloseEpisodeRequest, FeedbackRequest, OpenEpisodeRequest
+from .protocol import (
+    AddUserRequest,
+    AdminRewardRequest,
+    CloseEpisodeRequest,
+    EndEpisodeRequest,
+    FeedbackRequest,
+    OpenEpisodeRequest,
+)
 from .responses import serve_responses
 from .service import APIError
 from .sessions import EpisodeLimits, TooManyOpenEpisodesError
@@ -269,7 +276,7 @@ async def admin_reward(request: Request):
 
 
 # A user key's own routes: `POST /v1/feedback` (a reward for one of its episodes, rate-limited) and
-# `POST /v1/episodes/end` (its open episode ends now and is stored).
+# `POST /v1/episodes/end` (its open episode ends now and is stored, with the task its client names, if any).
 
 users_router = APIRouter()
 
@@ -291,7 +298,8 @@ async def feedback(request: Request):
 @users_router.post("/v1/episodes/end")
 async def end_episode(request: Request):
     user, users = admit_user(request), request.app.state.users
-    return {"episode_id": await asyncio.to_thread(users.end, user)}
+    body = request.app.state.service.validate(EndEpisodeRequest, await _read_json(request, required=False) or {})
+    return {"episode_id": await asyncio.to_thread(users.end, user, None, body.task)}
 
 
 # In the order the app registers them (the order a request's path is matched in).

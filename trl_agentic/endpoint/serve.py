@@ -7,7 +7,9 @@ trl-agentic serve --model tiny:qwen2_5            # a tiny random model built lo
 
 With `--store PATH`, users get keys of their own (`POST /admin/users`): a plain client points at `/v1` with its key
 and no per-episode handshake, the endpoint groups its calls into episodes, stores them when they end, and takes
-feedback (`POST /v1/feedback`) and the admin's rewards (`POST /admin/rewards`); see `users.py`.
+feedback (`POST /v1/feedback`) and the admin's rewards (`POST /admin/rewards`); see `users.py`. With
+`--published-versions` as well, it rolls out the versions a trainer in another process (or on another machine)
+publishes in that store (`version_sync.py`, docs/online.md).
 
 Agents never see the admin token: whoever runs them opens an episode with it (`POST /admin/episodes`), hands the
 agent the returned `base_url` and `key` (any OpenAI client works), and closes the episode to get every recorded
@@ -132,14 +134,38 @@ def make_parser() -> argparse.ArgumentParser:
         help="With --store: train on the store's rewarded episodes in this process and roll each step out "
         "gradually (online RL; `trl-agentic serve --train --help` lists its options, docs/online.md).",
     )
+    parser.add_argument(
+        "--published-versions",
+        action="store_true",
+        help="With --store: load the versions a trainer in another process publishes in the store and roll them "
+        "out gradually (online training on two machines; docs/online.md).",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn log level.")
+    add_rollout_arguments(parser)
     return parser
+
+
+def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gradual-rollout rule's options (`RolloutPolicy`), for `--train` and `--published-versions`."""
+    group = parser.add_argument_group("gradual rollout (--train, --published-versions)")
+    group.add_argument("--candidate-share", type=float, default=0.1, help="Share of new episodes a candidate serves.")
+    group.add_argument("--min-episodes", type=int, default=32, help="Rewarded episodes before a candidate's verdict.")
+    group.add_argument("--margin", type=float, default=0.05, help="How far below the incumbent a candidate may be.")
+    group.add_argument(
+        "--confidence", type=float, default=0.95, help="How sure a verdict must be (0.5: compare the means alone)."
+    )
+    group.add_argument(
+        "--max-episodes", type=int, default=None, help="Rewarded episodes before an unproven candidate is rolled back."
+    )
+    group.add_argument("--version-poll", type=float, default=1.0, help="Seconds between two looks for new versions.")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.train:
         make_parser().error("--train runs through the CLI: `trl-agentic serve --train ...` (scripts/serve_train.py).")
+    if args.published_versions and args.store is None:
+        make_parser().error("--published-versions needs --store: the trainer publishes its versions there.")
 
     import uvicorn
 
@@ -158,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     admin_token, shown_token, origin = resolve_admin_token(args)
     store = None if args.store is None else open_store(args.store)
+    if args.published_versions:
+        return serve_published_versions(
+            args, engine, tokenizer, store, admin_token, (device, dtype, shown_token, origin)
+        )
     app = build_app(args, engine, tokenizer, admin_token, store)
     print_banner(args, app, device, dtype, shown_token, origin)
     uvicorn.run(
@@ -168,6 +198,47 @@ def main(argv: list[str] | None = None) -> int:
         timeout_keep_alive=30,
         log_config=uvicorn_log_config(),
     )
+    return 0
+
+
+def serve_published_versions(args, engine, tokenizer, store, admin_token: str, banner: tuple) -> int:
+    """Serve with gradual rollout of the versions a trainer elsewhere publishes in `store`, until interrupted."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from .launch import build_engine
+    from .server import EndpointServer
+    from .version_sync import PublishedVersions
+    from .versions import RolloutPolicy, VersionManager
+
+    device, dtype, shown_token, origin = banner
+    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    versions = VersionManager(engine, policy)
+
+    def load(path: str, version: int):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        return build_engine(
+            model,
+            tokenizer,
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
+            max_context_length=args.max_context_length,
+        )
+
+    app = build_app(args, engine, tokenizer, admin_token, store, versions)
+    server = EndpointServer(app, host=args.host, port=args.port, log_level=args.log_level).start()
+    sync = PublishedVersions(versions, store, load, interval=args.version_poll).start(server.call)
+    print_banner(args, app, device, dtype, shown_token, origin)
+    print(f"rolling out the versions published in {args.store} (GET /admin/versions)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
+    finally:
+        sync.stop()
+        server.stop()
     return 0
 
 

@@ -10,6 +10,11 @@ conversations apart, as for any episode). It ends on:
 It is then closed with status `ok` and stored, with its user, in the store; the next call opens the next one. Every
 answer to a user key carries its episode's id (header `x-trl-agentic-episode`), which feedback names.
 
+A client may name its episode's task (`{"task": "..."}` on `POST /v1/episodes/end`, or the header `x-trl-agentic-task`
+on any model call of the episode): the episode is stored with the task's fingerprint (`task_fingerprint`, a digest:
+the task's text is not stored), and training groups episodes of one fingerprint for GRPO's baseline (same-task groups,
+`online_trainer.py`). Real traffic repeats popular tasks; without a name, episodes are grouped by arrival.
+
 Feedback is rate-limited per user (`feedback_per_minute`); a user reaches only its own episodes (another's id is
 answered 404, as an unknown one). Nothing of a request but its messages, tools and sampling is recorded: no header,
 so no secret a client sends along, reaches the store or the trainer.
@@ -17,6 +22,7 @@ so no secret a client sends along, reaches the store or the trainer.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -27,6 +33,18 @@ from .sessions import EpisodeLimits, EpisodeRegistry, EpisodeSession
 
 
 EPISODE_HEADER = "x-trl-agentic-episode"
+TASK_HEADER = "x-trl-agentic-task"
+MAX_TASK_LENGTH = 10_000
+
+
+def task_fingerprint(task: str) -> str:
+    """The stored fingerprint of a task a client named: `task-` and the first 16 bytes of its SHA-256, hex. Two
+    episodes of one task (same text, whoever sent it) share it. `ValueError` for an empty or overlong name."""
+    if not isinstance(task, str) or not task.strip():
+        raise ValueError(f"A task is a non-empty string, not {task!r}.")
+    if len(task) > MAX_TASK_LENGTH:
+        raise ValueError(f"A task name is at most {MAX_TASK_LENGTH} characters, not {len(task)}.")
+    return "task-" + hashlib.sha256(task.encode("utf-8")).hexdigest()[:32]
 
 
 class UserEpisodes:
@@ -53,6 +71,7 @@ class UserEpisodes:
         self.limits = limits or EpisodeLimits()
         self._open: dict[str, EpisodeSession] = {}
         self._feedback: dict[str, deque] = {}
+        self._tasks: dict[str, str] = {}  # open episode id -> the fingerprint of the task its client named
         self._lock = threading.Lock()
         self.versions = None  # a `versions.VersionManager`: each episode's first reward counts toward its version
 
@@ -79,14 +98,23 @@ class UserEpisodes:
             session = self._open.get(user)
         return None if session is None or session.closed else session
 
-    def end(self, user: str, episode_id: str | None = None) -> str | None:
-        """End the user's open episode (only if it is `episode_id`, when given) and store it; returns its id, `None`
-        when there was none to end."""
+    def name_task(self, session: EpisodeSession, task: str) -> None:
+        """Record the task an open episode's client named (`task_fingerprint`; the latest name wins)."""
+        fingerprint = task_fingerprint(task)
+        with self._lock:
+            self._tasks[session.episode.id] = fingerprint
+
+    def end(self, user: str, episode_id: str | None = None, task: str | None = None) -> str | None:
+        """End the user's open episode (only if it is `episode_id`, when given) and store it, with the fingerprint of
+        `task` when the client names one; returns its id, `None` when there was none to end."""
+        fingerprint = None if task is None else task_fingerprint(task)
         with self._lock:
             session = self._open.get(user)
             if session is None or session.closed or (episode_id is not None and session.episode.id != episode_id):
                 return None
             del self._open[user]
+            if fingerprint is not None:
+                self._tasks[session.episode.id] = fingerprint
         return self._store(session)
 
     def reap(self, now: float | None = None) -> list[str]:
@@ -149,6 +177,8 @@ class UserEpisodes:
     def _store(self, session: EpisodeSession) -> str:
         episode_id = session.episode.id
         episode = self.registry.finish(episode_id, status="ok")
-        self.store.put_episode(episode, user=session.user, fingerprint=None)
+        with self._lock:
+            fingerprint = self._tasks.pop(episode_id, None)
+        self.store.put_episode(episode, user=session.user, fingerprint=fingerprint)
         self.registry.forget(episode_id)  # only once it is stored: a failure above leaves it in the registry
         return episode_id

@@ -28,15 +28,6 @@ def make_parser() -> argparse.ArgumentParser:
     group.add_argument("--beta", type=float, default=0.0, help="KL coefficient against the reference (TRL's beta).")
     group.add_argument("--max-staleness", type=int, default=4, help="Most versions a trained token may lag.")
     group.add_argument("--max-steps", type=int, default=1000, help="Optimizer steps before training stops.")
-    group.add_argument("--candidate-share", type=float, default=0.1, help="Share of new episodes a candidate serves.")
-    group.add_argument("--min-episodes", type=int, default=32, help="Rewarded episodes before a candidate's verdict.")
-    group.add_argument("--margin", type=float, default=0.05, help="How far below the incumbent a candidate may be.")
-    group.add_argument(
-        "--confidence", type=float, default=0.95, help="How sure a verdict must be (0.5: compare the means alone)."
-    )
-    group.add_argument(
-        "--max-episodes", type=int, default=None, help="Rewarded episodes before an unproven candidate is rolled back."
-    )
     group.add_argument(
         "--wait-for-verdict",
         action="store_true",
@@ -45,6 +36,13 @@ def make_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--wait-timeout", type=float, default=3600.0, help="Seconds a step waits for episodes or a verdict."
+    )
+    group.add_argument(
+        "--group-wait",
+        type=float,
+        default=0.0,
+        help="Seconds a step waits for whole groups of one task (clients name tasks: docs/online.md) before it "
+        "trains other episodes against a running per-task baseline.",
     )
     group.add_argument("--seed", type=int, default=0, help="Training seed.")
     return parser
@@ -103,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         max_staleness=args.max_staleness,
         max_steps=args.max_steps,
         max_completion_length=args.max_tokens or args.default_max_tokens,
+        # the trainer's log-probabilities at the temperature the episodes were sampled at (impose one: --temperature)
+        temperature=1.0 if args.temperature is None else args.temperature,
         use_cpu=device == "cpu",
         bf16=str(dtype) == "torch.bfloat16",
         report_to="none",
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         run_on_server=server.call,
         wait_timeout=args.wait_timeout,
         wait_for_verdict=args.wait_for_verdict,
+        group_wait=args.group_wait,
     )
     try:
         trainer.train()
