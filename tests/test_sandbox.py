@@ -32,6 +32,7 @@ from trl_agentic.sandbox import (
     resolve_kind,
 )
 from trl_agentic.sandbox.bwrap import processes_limited
+from trl_agentic.sandbox.netns import setns_unavailable
 
 
 PYTHON = os.path.realpath(sys.executable)  # the base interpreter: `-I -S` runs on its standard library only
@@ -233,13 +234,52 @@ def test_no_address_but_the_endpoint_is_reachable(kind, loopback_server):
         assert outside == "denied: OSError", outside
 
 
+# How the endpoint gets in: the trainer listening in the sandbox's network namespace (`setns`: root, CAP_SYS_ADMIN), or
+# `init.py` inside (the fallback, what an unprivileged user gets); both forced here where they can run.
+FORWARDERS = [
+    pytest.param("setns", marks=pytest.mark.skipif(setns_unavailable() is not None, reason=f"{setns_unavailable()}")),
+    "init",
+]
+
+
 @needs_bwrap
-def test_the_endpoint_is_forwarded_and_nothing_else(loopback_server):
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_the_endpoint_is_forwarded_and_nothing_else(loopback_server, forwarder):
     # The port the sandbox forwards is the endpoint's: here the test's loopback service stands for it.
-    sandbox = create_sandbox("bwrap")
+    sandbox = BwrapSandbox(forwarder=forwarder)
+    assert sandbox.forwarder == forwarder
     url = sandbox.endpoint_url(f"http://127.0.0.1:{loopback_server}/v1")
     assert url == f"http://127.0.0.1:{loopback_server}/v1"
-    assert attack("bwrap", CONNECT.format(port=loopback_server), sandbox=sandbox) == "reached:HOST-SERVICE"
+    with socket.create_server(("127.0.0.1", 0)) as other:  # another service of the host, on loopback too
+        code = CONNECT.format(port=loopback_server) + CONNECT.format(port=other.getsockname()[1])
+        assert attack("bwrap", code, sandbox=sandbox).splitlines() == [
+            "reached:HOST-SERVICE",
+            "denied: ConnectionRefusedError",
+        ]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_no_process_outlives_its_episode_with_the_endpoint_forwarded(forwarder, loopback_server):
+    marker = f"4{os.getpid() % 1000}.{time.monotonic_ns() % 10**6:06d}"
+    sandbox = BwrapSandbox(forwarder=forwarder)
+    sandbox.endpoint_url(f"http://127.0.0.1:{loopback_server}/v1")
+    assert attack("bwrap", ESCAPE.format(marker=marker), sandbox=sandbox) == "started"
+    time.sleep(0.3)
+    left = alive_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+@needs_bwrap
+def test_the_forwarder_setting_says_what_it_takes():
+    assert BwrapSandbox().forwarder == ("setns" if setns_unavailable() is None else "init")
+    with pytest.raises(ValueError, match="forwarder='socat': use one of"):
+        BwrapSandbox(forwarder="socat")
+    if setns_unavailable() is not None:
+        with pytest.raises(RuntimeError, match="forwarder='setns': .*use forwarder='init'"):
+            BwrapSandbox(forwarder="setns")
 
 
 def alive_with(marker: str) -> list[int]:

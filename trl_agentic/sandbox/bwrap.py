@@ -7,9 +7,11 @@ Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
   `/proc` and `/dev`;
 - its own PID namespace (`init.py`'s exit ends it: the kernel kills every process left, `setsid` and double-forked
   ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS namespaces;
-- its own network namespace, where loopback is the only interface: `init.py` listens on 127.0.0.1 at the endpoint's
-  port and forwards each connection through a Unix socket (bound read-only) to the trainer's side, which connects it
-  to the endpoint. No other address is reachable;
+- its own network namespace, where loopback is the only interface and the endpoint's port the only one served: the
+  trainer enters the namespace (`setns`, root or `CAP_SYS_ADMIN`: `netns.py`), listens on the port there before the
+  command starts and connects each connection to the endpoint; where it may not, `init.py` starts first inside,
+  listens there and forwards each connection through a Unix socket (bound read-only) to the trainer's side. No other
+  address is reachable;
 - rlimits (CPU time, data memory, file size) on every process, and its processes counted by a pids cgroup of its own
   where one can be created (else `RLIMIT_NPROC`, per user).
 """
@@ -32,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
 from .binds import SYSTEM_DIRS, under
+from .netns import Forwarder, listen_in_netns, read_child_pid, setns_unavailable
 from .process import kill_group, run_process
 
 
@@ -152,31 +155,6 @@ def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tup
     return argv, preexec
 
 
-async def forward_to(target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Carry one connection from inside a sandbox (its Unix socket's side) to `target` (the endpoint), both ways."""
-    try:
-        upstream_reader, upstream_writer = await asyncio.open_connection(*target)
-    except OSError:
-        writer.close()
-        return
-
-    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while data := await source.read(1 << 16):
-                sink.write(data)
-                await sink.drain()
-            if sink.can_write_eof():
-                sink.write_eof()
-        except (ConnectionError, OSError):
-            pass
-
-    try:
-        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
-    finally:
-        writer.close()
-        upstream_writer.close()
-
-
 class BwrapSandbox(LocalDirectories, Sandbox):
     """A bubblewrap sandbox (see the module's docstring for what it isolates).
 
@@ -184,9 +162,13 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         prefix: the name prefix of its directory under the system's temporary directory.
         binds: host paths the commands see read-only at the same path (a harness's install, an agent's script).
         limits: resource limits of each command.
+        forwarder: how the endpoint reaches inside: `"setns"` (the trainer listens in the sandbox's network namespace:
+            no process inside, ~40 ms less per episode; needs root or `CAP_SYS_ADMIN`), `"init"` (`init.py` inside,
+            through a Unix socket: works unprivileged), `"auto"` (default: `"setns"` where it works here).
     """
 
     kind = "bwrap"
+    FORWARDERS = ("auto", "setns", "init")
 
     def __init__(
         self,
@@ -194,10 +176,18 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         binds: Sequence[str] = (),
         limits: SandboxLimits | None = None,
         root: Path | None = None,
+        forwarder: str = "auto",
     ):
         reason = bwrap_unavailable()
         if reason is not None:
             raise RuntimeError(f"sandbox='bwrap': {reason}.")
+        if forwarder not in self.FORWARDERS:
+            raise ValueError(f"forwarder={forwarder!r}: use one of {list(self.FORWARDERS)}.")
+        if forwarder == "setns" and setns_unavailable() is not None:
+            raise RuntimeError(f"forwarder='setns': {setns_unavailable()}; use forwarder='init' (or 'auto').")
+        if forwarder == "auto":
+            forwarder = "setns" if setns_unavailable() is None else "init"
+        self.forwarder = forwarder
         self.limits = limits or SandboxLimits()
         self.binds = tuple(str(Path(b).absolute()) for b in binds)
         self._make_directories(prefix, root)
@@ -229,8 +219,15 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         self._target, self._port = (parts.hostname or "127.0.0.1", port), port
         return urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
 
-    def command(self, argv: Sequence[str], cwd: str | Path | None = None) -> list[str]:
-        """The `bwrap` command line that runs `argv` in this sandbox."""
+    def command(
+        self,
+        argv: Sequence[str],
+        cwd: str | Path | None = None,
+        info_fd: int | None = None,
+        block_fd: int | None = None,
+    ) -> list[str]:
+        """The `bwrap` command line that runs `argv` in this sandbox; with the endpoint forwarded by `setns`, the
+        descriptors bubblewrap writes its child's pid to and waits on before it runs `argv`."""
         args = ["bwrap", "--die-with-parent", "--new-session"]
         args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try"]
         if os.getuid() != 0:
@@ -254,22 +251,27 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
         if self._target is None:  # no endpoint to forward: bwrap's own PID 1 ends the namespace with the command
             return [*args, "--", *argv]
+        if self.forwarder == "setns":  # the trainer listens inside before bwrap runs `argv` (`run`)
+            return [*args, "--info-fd", str(info_fd), "--block-fd", str(block_fd), "--", *argv]
         socket_path = f"{INSIDE_SOCKETS}/endpoint.sock"
         python = os.path.realpath(sys.executable)
         init = [python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", str(self._port), socket_path, "--"]
         return [*args, "--", *init, *argv]
 
     async def run(self, argv, env, *, cwd=None, stdin=None, timeout=None, merge_stderr=False) -> SandboxResult:
-        server, self._sockets = None, None
-        if self._target is not None:
+        forwarder = Forwarder(self._target) if self._target is not None else None
+        server, self._sockets, info, block = None, None, (None, None), (None, None)
+        if forwarder is not None and self.forwarder == "init":
             # A folder of its own under /tmp: a Unix socket's path has at most 107 bytes, the episode's may be longer.
             self._sockets = Path(tempfile.mkdtemp(prefix="trl-agentic-", dir="/tmp" if os.path.isdir("/tmp") else None))
-            server = await asyncio.start_unix_server(self._forward, path=str(self._sockets / "endpoint.sock"))
+            server = await asyncio.start_unix_server(forwarder, path=str(self._sockets / "endpoint.sock"))
+        elif forwarder is not None:
+            info, block = os.pipe(), os.pipe()
         cgroup = _pids_cgroup(self.limits.processes) if self.limits.processes is not None else None
         if cgroup is not None:
             self._cgroups.append(cgroup)
         try:
-            command, preexec = _limited(self.command(argv, cwd), self.limits, cgroup)
+            command, preexec = _limited(self.command(argv, cwd, info[1], block[0]), self.limits, cgroup)
             process = await asyncio.create_subprocess_exec(
                 *command,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -278,17 +280,42 @@ class BwrapSandbox(LocalDirectories, Sandbox):
                 env=env,
                 start_new_session=True,
                 preexec_fn=preexec,
+                pass_fds=(info[1], block[0]) if block[0] is not None else (),
             )
+            if block[0] is not None:  # the child's ends are the child's now; `_listen_inside` closes the others
+                os.close(info[1])
+                os.close(block[0])
+                (info_read, _), (_, block_write), info, block = info, block, (None, None), (None, None)
+                server = await self._listen_inside(process, forwarder, info_read, block_write)
             code, out, err, held = await asyncio.wait_for(run_process(process, stdin), timeout)
         finally:
+            for fd in (*info, *block):
+                if fd is not None:
+                    os.close(fd)
             if server is not None:
                 server.close()
+            if forwarder is not None:
+                await forwarder.close()
+            if self._sockets is not None:
                 shutil.rmtree(self._sockets, ignore_errors=True)
             self._release_cgroups()
         return SandboxResult(code, out, err, held)
 
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await forward_to(self._target, reader, writer)
+    async def _listen_inside(self, process, forwarder: Forwarder, info_fd: int, block_fd: int) -> asyncio.Server:
+        """Listen on the endpoint's port in the sandbox's network namespace (bubblewrap's child, blocked before it
+        runs the command), then let the command go; closes both descriptors. On failure the sandbox is killed before
+        it runs anything."""
+        try:
+            pid = await asyncio.to_thread(read_child_pid, info_fd)  # closes it
+            server = await asyncio.start_server(forwarder, sock=listen_in_netns(pid, self._port))
+        except BaseException:
+            kill_group(process.pid)
+            os.close(block_fd)
+            await run_process(process)  # reaped, its pipes closed
+            raise
+        os.write(block_fd, b"1")
+        os.close(block_fd)
+        return server
 
     def _release_cgroups(self) -> None:
         for group in list(self._cgroups):

@@ -133,7 +133,7 @@ class DockerSandbox(LocalDirectories, Sandbox):
         return SandboxResult(status["StatusCode"], stdout.decode(errors="replace"), stderr.decode(errors="replace"))
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from .bwrap import forward_to
+        from .netns import forward_to
 
         await forward_to(self._target, reader, writer)
 
