@@ -32,6 +32,7 @@ from trl_agentic.sandbox import (
     resolve_kind,
 )
 from trl_agentic.sandbox.bwrap import processes_limited
+from trl_agentic.sandbox.cgroups import cgroup_limits
 from trl_agentic.sandbox.netns import setns_unavailable
 
 
@@ -347,6 +348,26 @@ def test_memory_and_file_size_are_limited(kind):
         limits=LIMITS,
     )
     assert out == ("memory,file" if kind == "none" else ""), out
+
+
+MEMORY_PAIR = """
+    import subprocess, sys
+    child = "import time; block = b'x' * {each}; time.sleep(1.5)"  # written, so its pages are the process's
+    children = [subprocess.Popen([sys.executable, "-I", "-S", "-c", child]) for _ in range(2)]
+    print(sorted(c.wait() for c in children))
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("cgroups", [True, False])
+def test_an_episodes_processes_share_one_memory_limit(cgroups):
+    # Two processes each under the limit, together over it: a memory cgroup kills one; rlimits (per process) cannot.
+    if cgroups and "memory" not in cgroup_limits():
+        pytest.skip("no memory cgroup can be made here (no writable v1 hierarchy, no delegated v2 `memory`)")
+    sandbox = BwrapSandbox(limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=30), cgroups=cgroups)
+    out = attack("bwrap", MEMORY_PAIR.format(each=160 << 20), sandbox=sandbox)
+    assert sandbox.limited_by["memory"] == ("cgroup" if cgroups else "rlimit (per process)")
+    assert out == ("[-9, 0]" if cgroups else "[0, 0]"), out
 
 
 @pytest.mark.parametrize("kind", ATTACK_KINDS)

@@ -12,8 +12,9 @@ Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
   command starts and connects each connection to the endpoint; where it may not, `init.py` starts first inside,
   listens there and forwards each connection through a Unix socket (bound read-only) to the trainer's side. No other
   address is reachable;
-- rlimits (CPU time, data memory, file size) on every process, and its processes counted by a pids cgroup of its own
-  where one can be created (else `RLIMIT_NPROC`, per user).
+- rlimits (CPU time, data memory, file size) on every process; its processes counted, and their memory summed, by
+  cgroups of its own where they can be made (`cgroups.py`: pids and memory; else `RLIMIT_NPROC`, per user, and
+  `RLIMIT_DATA`, per process; `limited_by` says which held the last run).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
 from .binds import SYSTEM_DIRS, under
+from .cgroups import EpisodeCgroups, cgroup_limits, make_cgroups, release
 from .netns import Forwarder, listen_in_netns, read_child_pid, setns_unavailable
 from .process import kill_group, run_process
 
@@ -83,39 +84,6 @@ def _python_binds() -> list[str]:
     return sorted(p for p in paths if not any(under(p, d) for d in SYSTEM_DIRS))
 
 
-_CGROUP_WORKS: list[bool] = []  # learnt once: [] not tried, [False] no pids cgroup here
-
-
-def _pids_cgroup(limit: int) -> Path | None:
-    """A new pids cgroup limited to `limit` processes, or `None` where none can be created (no writable hierarchy)."""
-    if _CGROUP_WORKS == [False]:
-        return None
-    candidates = [Path("/sys/fs/cgroup/pids")]  # cgroup v1
-    try:  # cgroup v2: under this process's own cgroup, where it is delegated
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                candidates.append(Path("/sys/fs/cgroup") / line[3:].lstrip("/"))
-    except OSError:
-        pass
-    for base in candidates:
-        if not (base / "cgroup.procs").exists():
-            continue
-        group = base / f"trl-agentic-{uuid.uuid4().hex[:12]}"
-        try:
-            group.mkdir()
-            (group / "pids.max").write_text(str(limit))
-        except OSError:
-            try:
-                group.rmdir()
-            except OSError:
-                pass
-            continue
-        _CGROUP_WORKS[:] = [True]
-        return group
-    _CGROUP_WORKS[:] = [False]
-    return None
-
-
 def _user_tasks() -> int:
     """Processes and threads of this user now (what `RLIMIT_NPROC` counts)."""
     uid, count = os.getuid(), 0
@@ -129,12 +97,12 @@ def _user_tasks() -> int:
     return count
 
 
-def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tuple[list[str], Any]:
-    """`argv` wrapped to join the pids cgroup (`sh`: writes its pid, then `exec`s) and take the rlimits (`prlimit`,
-    util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork and exec
-    (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
+def _limited(argv: list[str], limits: SandboxLimits, cgroups: EpisodeCgroups) -> tuple[list[str], Any]:
+    """`argv` wrapped to join the episode's cgroups (`sh`: writes its pid, then `exec`s) and take the rlimits
+    (`prlimit`, util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork
+    and exec (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
     rlimits = {"cpu": limits.cpu_seconds, "data": limits.memory_bytes, "fsize": limits.file_size_bytes}
-    if cgroup is None and limits.processes is not None and os.getuid() != 0:  # root is exempt from RLIMIT_NPROC
+    if "pids" not in cgroups.bound and limits.processes is not None and os.getuid() != 0:  # root: exempt from NPROC
         rlimits["nproc"] = _user_tasks() + limits.processes
     rlimits = {name: value for name, value in rlimits.items() if value is not None}
     preexec = None
@@ -150,8 +118,8 @@ def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tup
             for which, value in pairs:
                 resource.setrlimit(which, (value, value))
 
-    if cgroup is not None:
-        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+    if cgroups.groups:
+        argv = ["/bin/sh", "-c", cgroups.join_command(), "sh", *argv]
     return argv, preexec
 
 
@@ -162,6 +130,7 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         prefix: the name prefix of its directory under the system's temporary directory.
         binds: host paths the commands see read-only at the same path (a harness's install, an agent's script).
         limits: resource limits of each command.
+        cgroups: `False`: no cgroups, the rlimits alone (per process), as where none can be made (tests compare).
         forwarder: how the endpoint reaches inside: `"setns"` (the trainer listens in the sandbox's network namespace:
             no process inside, ~40 ms less per episode; needs root or `CAP_SYS_ADMIN`), `"init"` (`init.py` inside,
             through a Unix socket: works unprivileged), `"auto"` (default: `"setns"` where it works here).
@@ -177,6 +146,7 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         limits: SandboxLimits | None = None,
         root: Path | None = None,
         forwarder: str = "auto",
+        cgroups: bool = True,
     ):
         reason = bwrap_unavailable()
         if reason is not None:
@@ -188,6 +158,8 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         if forwarder == "auto":
             forwarder = "setns" if setns_unavailable() is None else "init"
         self.forwarder = forwarder
+        self.cgroups = cgroups
+        self.limited_by: dict[str, str] = {}  # after a run: what held its processes and its memory (cgroup, rlimit)
         self.limits = limits or SandboxLimits()
         self.binds = tuple(str(Path(b).absolute()) for b in binds)
         self._make_directories(prefix, root)
@@ -267,11 +239,15 @@ class BwrapSandbox(LocalDirectories, Sandbox):
             server = await asyncio.start_unix_server(forwarder, path=str(self._sockets / "endpoint.sock"))
         elif forwarder is not None:
             info, block = os.pipe(), os.pipe()
-        cgroup = _pids_cgroup(self.limits.processes) if self.limits.processes is not None else None
-        if cgroup is not None:
-            self._cgroups.append(cgroup)
+        wanted = {"pids": self.limits.processes, "memory": self.limits.memory_bytes} if self.cgroups else {}
+        cgroups = make_cgroups({name: limit for name, limit in wanted.items() if limit is not None})
+        self._cgroups += cgroups.groups
+        self.limited_by = {
+            "processes": "cgroup" if "pids" in cgroups.bound else "rlimit" if os.getuid() != 0 else "none",
+            "memory": "cgroup" if "memory" in cgroups.bound else "rlimit (per process)",
+        }
         try:
-            command, preexec = _limited(self.command(argv, cwd, info[1], block[0]), self.limits, cgroup)
+            command, preexec = _limited(self.command(argv, cwd, info[1], block[0]), self.limits, cgroups)
             process = await asyncio.create_subprocess_exec(
                 *command,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -320,9 +296,7 @@ class BwrapSandbox(LocalDirectories, Sandbox):
     def _release_cgroups(self) -> None:
         for group in list(self._cgroups):
             try:
-                for pid in (group / "cgroup.procs").read_text().split():
-                    kill_group(int(pid))  # nothing should be left: the PID namespace ended with the command
-                group.rmdir()
+                release(group)  # nothing should be left in it: the PID namespace ended with the command
                 self._cgroups.remove(group)
             except OSError:
                 pass
@@ -335,8 +309,4 @@ class BwrapSandbox(LocalDirectories, Sandbox):
 def processes_limited() -> bool:
     """Whether `SandboxLimits.processes` binds here: a pids cgroup can be created, or this user is not root (root is
     exempt from `RLIMIT_NPROC`)."""
-    group = _pids_cgroup(1 << 20)
-    if group is not None:
-        group.rmdir()
-        return True
-    return os.getuid() != 0
+    return "pids" in cgroup_limits() or os.getuid() != 0
