@@ -180,10 +180,19 @@ class BwrapSandbox(LocalDirectories, Sandbox):
     @classmethod
     def reopen(cls, spec: dict[str, Any]) -> BwrapSandbox:
         limits = SandboxLimits(**spec.get("limits", {}))
-        return cls(binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]))
+        return cls(
+            binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]), cgroups=spec.get("cgroups", True)
+        )
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "root": str(self.root), "binds": list(self.binds), "limits": dict(vars(self.limits))}
+        limits = dict(vars(self.limits))
+        return {
+            "kind": self.kind,
+            "root": str(self.root),
+            "binds": list(self.binds),
+            "limits": limits,
+            "cgroups": self.cgroups,
+        }
 
     def endpoint_url(self, url: str) -> str:
         parts = urlsplit(url)
