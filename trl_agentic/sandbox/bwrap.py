@@ -1,12 +1,14 @@
 """The local sandbox: Linux namespaces through bubblewrap (`bwrap`), no daemon, no root.
 
-Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
+Each command runs as `bwrap ... -- COMMAND` (with the endpoint and no `setns`: `bwrap ... -- python init.py PORT SOCKET
+-- COMMAND`) with:
 - the system's directories read-only (`/usr`, `/bin`, `/lib*`, a few files of `/etc`), the Python that runs `init.py`
   and the `binds` (the agent's program and interpreter) read-only at their own paths; nothing else of the host;
 - the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, a private `/tmp`, its own
   `/proc` and `/dev`;
-- its own PID namespace (`init.py`'s exit ends it: the kernel kills every process left, `setsid` and double-forked
-  ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS namespaces;
+- its own PID namespace (its first process's exit, bwrap's or `init.py`'s, ends it: the kernel kills every process
+  left, `setsid` and double-forked ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS
+  namespaces;
 - its own network namespace, where loopback is the only interface and the endpoint's port the only one served: the
   trainer enters the namespace (`setns`, root or `CAP_SYS_ADMIN`: `netns.py`), listens on the port there before the
   command starts and connects each connection to the endpoint; where it may not, `init.py` starts first inside,
