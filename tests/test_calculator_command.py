@@ -74,3 +74,13 @@ def test_the_command_agent_plays_the_python_agents_episode_in_the_sandbox(start_
     assert sandboxed.result["result"] == python.result == f"The answer is {task['answer']}."
     rewards = calculator_correct([None], [sandboxed.messages], [task["answer"]], episodes=[sandboxed])
     assert rewards == [1.0]
+
+
+def test_the_demo_config_runs_its_agent_as_a_command_when_told():
+    from trl_agentic.pipeline.calculator import CalculatorDemoConfig
+    from trl_agentic.pipeline.config import with_overrides
+
+    config = with_overrides(CalculatorDemoConfig(), ["agent=command"])
+    assert isinstance(config.suite().agent, CommandAgent)
+    assert "agent='command'" in config.task_file_source()  # `trl-agentic eval --task <run>/task.py:TASK` runs it so
+    assert not isinstance(CalculatorDemoConfig().suite().agent, CommandAgent)
