@@ -501,7 +501,8 @@ print(json.dumps({"answer": reply.choices[0].message.content, "base_url": os.env
 
 
 @needs_bwrap
-def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server, tmp_path):
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server, tmp_path, forwarder):
     from conftest import ScriptedEngine
     from trl_agentic.rollout.agents import CommandAgent
     from trl_agentic.rollout.runner import run_episodes, run_rollout
@@ -511,7 +512,11 @@ def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server
     server = start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine."), tokenizer)
     script = tmp_path / "agent.py"
     script.write_text(OPENAI_AGENT)
-    agent = CommandAgent(f"{sys.executable} {script}", sandbox="bwrap")
+
+    def sandbox(prefix, binds, limits, image):  # a factory: the bubblewrap backend with this forwarder
+        return BwrapSandbox(prefix=prefix, binds=binds, limits=limits, forwarder=forwarder)
+
+    agent = CommandAgent(f"{sys.executable} {script}", sandbox=sandbox)
     (episode,) = run_rollout(run_episodes(server, agent, [{"prompt": "p"}], timeout=60))
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["result"] == {"answer": "Fine.", "base_url": server.base_url}
