@@ -32,6 +32,8 @@ from trl_agentic.sandbox import (
     resolve_kind,
 )
 from trl_agentic.sandbox.bwrap import processes_limited
+from trl_agentic.sandbox.cgroups import cgroup_limits
+from trl_agentic.sandbox.netns import setns_unavailable
 
 
 PYTHON = os.path.realpath(sys.executable)  # the base interpreter: `-I -S` runs on its standard library only
@@ -233,13 +235,52 @@ def test_no_address_but_the_endpoint_is_reachable(kind, loopback_server):
         assert outside == "denied: OSError", outside
 
 
+# How the endpoint gets in: the trainer listening in the sandbox's network namespace (`setns`: root, CAP_SYS_ADMIN), or
+# `init.py` inside (the fallback, what an unprivileged user gets); both forced here where they can run.
+FORWARDERS = [
+    pytest.param("setns", marks=pytest.mark.skipif(setns_unavailable() is not None, reason=f"{setns_unavailable()}")),
+    "init",
+]
+
+
 @needs_bwrap
-def test_the_endpoint_is_forwarded_and_nothing_else(loopback_server):
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_the_endpoint_is_forwarded_and_nothing_else(loopback_server, forwarder):
     # The port the sandbox forwards is the endpoint's: here the test's loopback service stands for it.
-    sandbox = create_sandbox("bwrap")
+    sandbox = BwrapSandbox(forwarder=forwarder)
+    assert sandbox.forwarder == forwarder
     url = sandbox.endpoint_url(f"http://127.0.0.1:{loopback_server}/v1")
     assert url == f"http://127.0.0.1:{loopback_server}/v1"
-    assert attack("bwrap", CONNECT.format(port=loopback_server), sandbox=sandbox) == "reached:HOST-SERVICE"
+    with socket.create_server(("127.0.0.1", 0)) as other:  # another service of the host, on loopback too
+        code = CONNECT.format(port=loopback_server) + CONNECT.format(port=other.getsockname()[1])
+        assert attack("bwrap", code, sandbox=sandbox).splitlines() == [
+            "reached:HOST-SERVICE",
+            "denied: ConnectionRefusedError",
+        ]
+
+
+@needs_bwrap
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_no_process_outlives_its_episode_with_the_endpoint_forwarded(forwarder, loopback_server):
+    marker = f"4{os.getpid() % 1000}.{time.monotonic_ns() % 10**6:06d}"
+    sandbox = BwrapSandbox(forwarder=forwarder)
+    sandbox.endpoint_url(f"http://127.0.0.1:{loopback_server}/v1")
+    assert attack("bwrap", ESCAPE.format(marker=marker), sandbox=sandbox) == "started"
+    time.sleep(0.3)
+    left = alive_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+@needs_bwrap
+def test_the_forwarder_setting_says_what_it_takes():
+    assert BwrapSandbox().forwarder == ("setns" if setns_unavailable() is None else "init")
+    with pytest.raises(ValueError, match="forwarder='socat': use one of"):
+        BwrapSandbox(forwarder="socat")
+    if setns_unavailable() is not None:
+        with pytest.raises(RuntimeError, match="forwarder='setns': .*use forwarder='init'"):
+            BwrapSandbox(forwarder="setns")
 
 
 def alive_with(marker: str) -> list[int]:
@@ -307,6 +348,26 @@ def test_memory_and_file_size_are_limited(kind):
         limits=LIMITS,
     )
     assert out == ("memory,file" if kind == "none" else ""), out
+
+
+MEMORY_PAIR = """
+    import subprocess, sys
+    child = "import time; block = b'x' * {each}; time.sleep(1.5)"  # written, so its pages are the process's
+    children = [subprocess.Popen([sys.executable, "-I", "-S", "-c", child]) for _ in range(2)]
+    print(sorted(c.wait() for c in children))
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("cgroups", [True, False])
+def test_an_episodes_processes_share_one_memory_limit(cgroups):
+    # Two processes each under the limit, together over it: a memory cgroup kills one; rlimits (per process) cannot.
+    if cgroups and "memory" not in cgroup_limits():
+        pytest.skip("no memory cgroup can be made here (no writable v1 hierarchy, no delegated v2 `memory`)")
+    sandbox = BwrapSandbox(limits=SandboxLimits(memory_bytes=256 << 20, cpu_seconds=30), cgroups=cgroups)
+    out = attack("bwrap", MEMORY_PAIR.format(each=160 << 20), sandbox=sandbox)
+    assert sandbox.limited_by["memory"] == ("cgroup" if cgroups else "rlimit (per process)")
+    assert out == ("[-9, 0]" if cgroups else "[0, 0]"), out
 
 
 @pytest.mark.parametrize("kind", ATTACK_KINDS)
@@ -440,7 +501,8 @@ print(json.dumps({"answer": reply.choices[0].message.content, "base_url": os.env
 
 
 @needs_bwrap
-def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server, tmp_path):
+@pytest.mark.parametrize("forwarder", FORWARDERS)
+def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server, tmp_path, forwarder):
     from conftest import ScriptedEngine
     from trl_agentic.rollout.agents import CommandAgent
     from trl_agentic.rollout.runner import run_episodes, run_rollout
@@ -450,7 +512,11 @@ def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server
     server = start_server(ScriptedEngine(tokenizer, lambda prompt: "Fine."), tokenizer)
     script = tmp_path / "agent.py"
     script.write_text(OPENAI_AGENT)
-    agent = CommandAgent(f"{sys.executable} {script}", sandbox="bwrap")
+
+    def sandbox(prefix, binds, limits, image):  # a factory: the bubblewrap backend with this forwarder
+        return BwrapSandbox(prefix=prefix, binds=binds, limits=limits, forwarder=forwarder)
+
+    agent = CommandAgent(f"{sys.executable} {script}", sandbox=sandbox)
     (episode,) = run_rollout(run_episodes(server, agent, [{"prompt": "p"}], timeout=60))
     assert episode.status == "ok", (episode.error, episode.metadata)
     assert episode.result["result"] == {"answer": "Fine.", "base_url": server.base_url}

@@ -37,7 +37,9 @@ from .config import PipelineConfig
 @dataclass
 class CalculatorDemoConfig(PipelineConfig):
     """[`PipelineConfig`] with the calculator demo's values, plus the calculator's own knobs `digits` (the target
-    difficulty: held-out success is measured at it, and only at it) and `ops`.
+    difficulty: held-out success is measured at it, and only at it), `ops` and `agent` (`"python"`: the reference
+    agent in the trainer's process; `"command"`: the same tool loop as a `CommandAgent` in each episode's sandbox,
+    `--set agent=command`, docs/sandboxes.md).
 
     Example:
 
@@ -55,19 +57,20 @@ class CalculatorDemoConfig(PipelineConfig):
     train_size: int = 9000
     digits: int = 2
     ops: tuple[str, ...] = ("*",)
+    agent: str = "python"
 
     def suite(self):
         """The calculator [`TaskSuite`] at `digits` and `ops`."""
         from ..tasks.calculator import make_calculator_suite
 
-        return make_calculator_suite(digits=self.digits, ops=self.ops)
+        return make_calculator_suite(digits=self.digits, ops=self.ops, agent=self.agent)
 
     def task_file_source(self) -> str:
         """The text of the run's `task.py`."""
         return (
             '"""The task of `trl-agentic demo`, for `trl-agentic eval --task <this file>:TASK`."""\n\n'
             "from trl_agentic.tasks.calculator import make_calculator_suite\n\n"
-            f"TASK = make_calculator_suite(digits={self.digits}, ops={tuple(self.ops)!r})\n"
+            f"TASK = make_calculator_suite(digits={self.digits}, ops={tuple(self.ops)!r}, agent={self.agent!r})\n"
         )
 
     def describe_task(self, suite) -> str:

@@ -1,17 +1,22 @@
 """The local sandbox: Linux namespaces through bubblewrap (`bwrap`), no daemon, no root.
 
-Each command runs as `bwrap ... -- python init.py PORT SOCKET -- COMMAND` with:
+Each command runs as `bwrap ... -- COMMAND` (with the endpoint and no `setns`: `bwrap ... -- python init.py PORT SOCKET
+-- COMMAND`) with:
 - the system's directories read-only (`/usr`, `/bin`, `/lib*`, a few files of `/etc`), the Python that runs `init.py`
   and the `binds` (the agent's program and interpreter) read-only at their own paths; nothing else of the host;
 - the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, a private `/tmp`, its own
   `/proc` and `/dev`;
-- its own PID namespace (`init.py`'s exit ends it: the kernel kills every process left, `setsid` and double-forked
-  ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS namespaces;
-- its own network namespace, where loopback is the only interface: `init.py` listens on 127.0.0.1 at the endpoint's
-  port and forwards each connection through a Unix socket (bound read-only) to the trainer's side, which connects it
-  to the endpoint. No other address is reachable;
-- rlimits (CPU time, data memory, file size) on every process, and its processes counted by a pids cgroup of its own
-  where one can be created (else `RLIMIT_NPROC`, per user).
+- its own PID namespace (its first process's exit, bwrap's or `init.py`'s, ends it: the kernel kills every process
+  left, `setsid` and double-forked ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS
+  namespaces;
+- its own network namespace, where loopback is the only interface and the endpoint's port the only one served: the
+  trainer enters the namespace (`setns`, root or `CAP_SYS_ADMIN`: `netns.py`), listens on the port there before the
+  command starts and connects each connection to the endpoint; where it may not, `init.py` starts first inside,
+  listens there and forwards each connection through a Unix socket (bound read-only) to the trainer's side. No other
+  address is reachable;
+- rlimits (CPU time, data memory, file size) on every process; its processes counted, and their memory summed, by
+  cgroups of its own where they can be made (`cgroups.py`: pids and memory; else `RLIMIT_NPROC`, per user, and
+  `RLIMIT_DATA`, per process; `limited_by` says which held the last run).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
 from .binds import SYSTEM_DIRS, under
+from .cgroups import EpisodeCgroups, cgroup_limits, make_cgroups, release
+from .netns import Forwarder, listen_in_netns, read_child_pid, setns_unavailable
 from .process import kill_group, run_process
 
 
@@ -80,39 +86,6 @@ def _python_binds() -> list[str]:
     return sorted(p for p in paths if not any(under(p, d) for d in SYSTEM_DIRS))
 
 
-_CGROUP_WORKS: list[bool] = []  # learnt once: [] not tried, [False] no pids cgroup here
-
-
-def _pids_cgroup(limit: int) -> Path | None:
-    """A new pids cgroup limited to `limit` processes, or `None` where none can be created (no writable hierarchy)."""
-    if _CGROUP_WORKS == [False]:
-        return None
-    candidates = [Path("/sys/fs/cgroup/pids")]  # cgroup v1
-    try:  # cgroup v2: under this process's own cgroup, where it is delegated
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                candidates.append(Path("/sys/fs/cgroup") / line[3:].lstrip("/"))
-    except OSError:
-        pass
-    for base in candidates:
-        if not (base / "cgroup.procs").exists():
-            continue
-        group = base / f"trl-agentic-{uuid.uuid4().hex[:12]}"
-        try:
-            group.mkdir()
-            (group / "pids.max").write_text(str(limit))
-        except OSError:
-            try:
-                group.rmdir()
-            except OSError:
-                pass
-            continue
-        _CGROUP_WORKS[:] = [True]
-        return group
-    _CGROUP_WORKS[:] = [False]
-    return None
-
-
 def _user_tasks() -> int:
     """Processes and threads of this user now (what `RLIMIT_NPROC` counts)."""
     uid, count = os.getuid(), 0
@@ -126,12 +99,12 @@ def _user_tasks() -> int:
     return count
 
 
-def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tuple[list[str], Any]:
-    """`argv` wrapped to join the pids cgroup (`sh`: writes its pid, then `exec`s) and take the rlimits (`prlimit`,
-    util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork and exec
-    (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
+def _limited(argv: list[str], limits: SandboxLimits, cgroups: EpisodeCgroups) -> tuple[list[str], Any]:
+    """`argv` wrapped to join the episode's cgroups (`sh`: writes its pid, then `exec`s) and take the rlimits
+    (`prlimit`, util-linux), inherited by every process of the sandbox; without `prlimit`, a function run between fork
+    and exec (slower: a process started with one cannot be spawned with `vfork`). Returns `(argv, preexec_fn)`."""
     rlimits = {"cpu": limits.cpu_seconds, "data": limits.memory_bytes, "fsize": limits.file_size_bytes}
-    if cgroup is None and limits.processes is not None and os.getuid() != 0:  # root is exempt from RLIMIT_NPROC
+    if "pids" not in cgroups.bound and limits.processes is not None and os.getuid() != 0:  # root: exempt from NPROC
         rlimits["nproc"] = _user_tasks() + limits.processes
     rlimits = {name: value for name, value in rlimits.items() if value is not None}
     preexec = None
@@ -147,34 +120,9 @@ def _limited(argv: list[str], limits: SandboxLimits, cgroup: Path | None) -> tup
             for which, value in pairs:
                 resource.setrlimit(which, (value, value))
 
-    if cgroup is not None:
-        argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+    if cgroups.groups:
+        argv = ["/bin/sh", "-c", cgroups.join_command(), "sh", *argv]
     return argv, preexec
-
-
-async def forward_to(target: tuple[str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Carry one connection from inside a sandbox (its Unix socket's side) to `target` (the endpoint), both ways."""
-    try:
-        upstream_reader, upstream_writer = await asyncio.open_connection(*target)
-    except OSError:
-        writer.close()
-        return
-
-    async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while data := await source.read(1 << 16):
-                sink.write(data)
-                await sink.drain()
-            if sink.can_write_eof():
-                sink.write_eof()
-        except (ConnectionError, OSError):
-            pass
-
-    try:
-        await asyncio.gather(pump(reader, upstream_writer), pump(upstream_reader, writer))
-    finally:
-        writer.close()
-        upstream_writer.close()
 
 
 class BwrapSandbox(LocalDirectories, Sandbox):
@@ -184,9 +132,14 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         prefix: the name prefix of its directory under the system's temporary directory.
         binds: host paths the commands see read-only at the same path (a harness's install, an agent's script).
         limits: resource limits of each command.
+        cgroups: `False`: no cgroups, the rlimits alone (per process), as where none can be made (tests compare).
+        forwarder: how the endpoint reaches inside: `"setns"` (the trainer listens in the sandbox's network namespace:
+            no process inside, ~40 ms less per episode; needs root or `CAP_SYS_ADMIN`), `"init"` (`init.py` inside,
+            through a Unix socket: works unprivileged), `"auto"` (default: `"setns"` where it works here).
     """
 
     kind = "bwrap"
+    FORWARDERS = ("auto", "setns", "init")
 
     def __init__(
         self,
@@ -194,10 +147,21 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         binds: Sequence[str] = (),
         limits: SandboxLimits | None = None,
         root: Path | None = None,
+        forwarder: str = "auto",
+        cgroups: bool = True,
     ):
         reason = bwrap_unavailable()
         if reason is not None:
             raise RuntimeError(f"sandbox='bwrap': {reason}.")
+        if forwarder not in self.FORWARDERS:
+            raise ValueError(f"forwarder={forwarder!r}: use one of {list(self.FORWARDERS)}.")
+        if forwarder == "setns" and setns_unavailable() is not None:
+            raise RuntimeError(f"forwarder='setns': {setns_unavailable()}; use forwarder='init' (or 'auto').")
+        if forwarder == "auto":
+            forwarder = "setns" if setns_unavailable() is None else "init"
+        self.forwarder = forwarder
+        self.cgroups = cgroups
+        self.limited_by: dict[str, str] = {}  # after a run: what held its processes and its memory (cgroup, rlimit)
         self.limits = limits or SandboxLimits()
         self.binds = tuple(str(Path(b).absolute()) for b in binds)
         self._make_directories(prefix, root)
@@ -218,10 +182,19 @@ class BwrapSandbox(LocalDirectories, Sandbox):
     @classmethod
     def reopen(cls, spec: dict[str, Any]) -> BwrapSandbox:
         limits = SandboxLimits(**spec.get("limits", {}))
-        return cls(binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]))
+        return cls(
+            binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]), cgroups=spec.get("cgroups", True)
+        )
 
     def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "root": str(self.root), "binds": list(self.binds), "limits": dict(vars(self.limits))}
+        limits = dict(vars(self.limits))
+        return {
+            "kind": self.kind,
+            "root": str(self.root),
+            "binds": list(self.binds),
+            "limits": limits,
+            "cgroups": self.cgroups,
+        }
 
     def endpoint_url(self, url: str) -> str:
         parts = urlsplit(url)
@@ -229,8 +202,15 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         self._target, self._port = (parts.hostname or "127.0.0.1", port), port
         return urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
 
-    def command(self, argv: Sequence[str], cwd: str | Path | None = None) -> list[str]:
-        """The `bwrap` command line that runs `argv` in this sandbox."""
+    def command(
+        self,
+        argv: Sequence[str],
+        cwd: str | Path | None = None,
+        info_fd: int | None = None,
+        block_fd: int | None = None,
+    ) -> list[str]:
+        """The `bwrap` command line that runs `argv` in this sandbox; with the endpoint forwarded by `setns`, the
+        descriptors bubblewrap writes its child's pid to and waits on before it runs `argv`."""
         args = ["bwrap", "--die-with-parent", "--new-session"]
         args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try"]
         if os.getuid() != 0:
@@ -254,22 +234,31 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
         if self._target is None:  # no endpoint to forward: bwrap's own PID 1 ends the namespace with the command
             return [*args, "--", *argv]
+        if self.forwarder == "setns":  # the trainer listens inside before bwrap runs `argv` (`run`)
+            return [*args, "--info-fd", str(info_fd), "--block-fd", str(block_fd), "--", *argv]
         socket_path = f"{INSIDE_SOCKETS}/endpoint.sock"
         python = os.path.realpath(sys.executable)
         init = [python, "-I", "-S", f"{INSIDE_CONTROL}/init.py", str(self._port), socket_path, "--"]
         return [*args, "--", *init, *argv]
 
     async def run(self, argv, env, *, cwd=None, stdin=None, timeout=None, merge_stderr=False) -> SandboxResult:
-        server, self._sockets = None, None
-        if self._target is not None:
+        forwarder = Forwarder(self._target) if self._target is not None else None
+        server, self._sockets, info, block = None, None, (None, None), (None, None)
+        if forwarder is not None and self.forwarder == "init":
             # A folder of its own under /tmp: a Unix socket's path has at most 107 bytes, the episode's may be longer.
             self._sockets = Path(tempfile.mkdtemp(prefix="trl-agentic-", dir="/tmp" if os.path.isdir("/tmp") else None))
-            server = await asyncio.start_unix_server(self._forward, path=str(self._sockets / "endpoint.sock"))
-        cgroup = _pids_cgroup(self.limits.processes) if self.limits.processes is not None else None
-        if cgroup is not None:
-            self._cgroups.append(cgroup)
+            server = await asyncio.start_unix_server(forwarder, path=str(self._sockets / "endpoint.sock"))
+        elif forwarder is not None:
+            info, block = os.pipe(), os.pipe()
+        wanted = {"pids": self.limits.processes, "memory": self.limits.memory_bytes} if self.cgroups else {}
+        cgroups = make_cgroups({name: limit for name, limit in wanted.items() if limit is not None})
+        self._cgroups += cgroups.groups
+        self.limited_by = {
+            "processes": "cgroup" if "pids" in cgroups.bound else "rlimit" if os.getuid() != 0 else "none",
+            "memory": "cgroup" if "memory" in cgroups.bound else "rlimit (per process)",
+        }
         try:
-            command, preexec = _limited(self.command(argv, cwd), self.limits, cgroup)
+            command, preexec = _limited(self.command(argv, cwd, info[1], block[0]), self.limits, cgroups)
             process = await asyncio.create_subprocess_exec(
                 *command,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
@@ -278,24 +267,47 @@ class BwrapSandbox(LocalDirectories, Sandbox):
                 env=env,
                 start_new_session=True,
                 preexec_fn=preexec,
+                pass_fds=(info[1], block[0]) if block[0] is not None else (),
             )
+            if block[0] is not None:  # the child's ends are the child's now; `_listen_inside` closes the others
+                os.close(info[1])
+                os.close(block[0])
+                (info_read, _), (_, block_write), info, block = info, block, (None, None), (None, None)
+                server = await self._listen_inside(process, forwarder, info_read, block_write)
             code, out, err, held = await asyncio.wait_for(run_process(process, stdin), timeout)
         finally:
+            for fd in (*info, *block):
+                if fd is not None:
+                    os.close(fd)
             if server is not None:
                 server.close()
+            if forwarder is not None:
+                await forwarder.close()
+            if self._sockets is not None:
                 shutil.rmtree(self._sockets, ignore_errors=True)
             self._release_cgroups()
         return SandboxResult(code, out, err, held)
 
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await forward_to(self._target, reader, writer)
+    async def _listen_inside(self, process, forwarder: Forwarder, info_fd: int, block_fd: int) -> asyncio.Server:
+        """Listen on the endpoint's port in the sandbox's network namespace (bubblewrap's child, blocked before it
+        runs the command), then let the command go; closes both descriptors. On failure the sandbox is killed before
+        it runs anything."""
+        try:
+            pid = await asyncio.to_thread(read_child_pid, info_fd)  # closes it
+            server = await asyncio.start_server(forwarder, sock=listen_in_netns(pid, self._port))
+        except BaseException:
+            kill_group(process.pid)
+            os.close(block_fd)
+            await run_process(process)  # reaped, its pipes closed
+            raise
+        os.write(block_fd, b"1")
+        os.close(block_fd)
+        return server
 
     def _release_cgroups(self) -> None:
         for group in list(self._cgroups):
             try:
-                for pid in (group / "cgroup.procs").read_text().split():
-                    kill_group(int(pid))  # nothing should be left: the PID namespace ended with the command
-                group.rmdir()
+                release(group)  # nothing should be left in it: the PID namespace ended with the command
                 self._cgroups.remove(group)
             except OSError:
                 pass
@@ -308,8 +320,4 @@ class BwrapSandbox(LocalDirectories, Sandbox):
 def processes_limited() -> bool:
     """Whether `SandboxLimits.processes` binds here: a pids cgroup can be created, or this user is not root (root is
     exempt from `RLIMIT_NPROC`)."""
-    group = _pids_cgroup(1 << 20)
-    if group is not None:
-        group.rmdir()
-        return True
-    return os.getuid() != 0
+    return "pids" in cgroup_limits() or os.getuid() != 0

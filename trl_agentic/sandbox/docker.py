@@ -27,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from .base import LocalDirectories, Sandbox, SandboxLimits, SandboxResult
 from .bwrap import INIT_SCRIPT, INSIDE_CONTROL, INSIDE_SOCKETS
+from .netns import Forwarder
 
 
 def docker_unavailable() -> str | None:
@@ -117,10 +118,10 @@ class DockerSandbox(LocalDirectories, Sandbox):
         if stdin is not None:
             (self.control / "stdin").write_bytes(stdin)
             argv = ["sh", "-c", f'exec "$@" < {INSIDE_CONTROL}/stdin', "sh", *argv]
-        server = None
-        if self._target is not None:
+        server, forwarder = None, Forwarder(self._target) if self._target is not None else None
+        if forwarder is not None:
             (self.sockets / "endpoint.sock").unlink(missing_ok=True)
-            server = await asyncio.start_unix_server(self._forward, path=str(self.sockets / "endpoint.sock"))
+            server = await asyncio.start_unix_server(forwarder, path=str(self.sockets / "endpoint.sock"))
         container = await asyncio.to_thread(self.client.containers.run, **self._container_kwargs(argv, env, cwd))
         try:
             status = await asyncio.wait_for(asyncio.to_thread(container.wait), timeout)
@@ -130,12 +131,9 @@ class DockerSandbox(LocalDirectories, Sandbox):
             await asyncio.to_thread(container.remove, force=True)  # every process of the command with it
             if server is not None:
                 server.close()
+            if forwarder is not None:
+                await forwarder.close()  # connections the command left open
         return SandboxResult(status["StatusCode"], stdout.decode(errors="replace"), stderr.decode(errors="replace"))
-
-    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        from .bwrap import forward_to
-
-        await forward_to(self._target, reader, writer)
 
     def destroy(self) -> None:
         self._remove_directories()

@@ -16,22 +16,26 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import functools
-import math
-import operator
 import random
 import re
+import shlex
+import sys
 from collections.abc import Sequence
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 from typing import Any
 
 import datasets
 
 from ..endpoint import SERVED_MODEL_NAME
 from ..rewards.utils import episode_for, final_assistant_text, is_scorable
+from ..rollout.agents import CommandAgent
 from . import TaskSuite
 from .agent_loop import run_tool_loop
+
+# The tool, standard library only (the command agent loads it without the package): re-exported here as before.
+from .calculator_tool import CALCULATOR_TOOLS, MAX_EXPRESSION_LENGTH, calculator, evaluate_expression  # noqa: F401
 from .splits import sample_split
 
 
@@ -40,129 +44,8 @@ SYSTEM_PROMPT = (
     "'The answer is N.' where N is the result."
 )
 
-CALCULATOR_TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression with numbers, + - * / // % and parentheses.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string", "description": "The expression, e.g. '12 * (3 + 4)'."}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
-
 DEFAULT_OPS = ("+", "-", "*")
 QUESTION_OPS = ("+", "-", "*", "//", "%")  # `/` is left out of questions: its answers are not integers
-MAX_EXPRESSION_LENGTH = 200  # bounds the size of the integers a single call can build (no `**`, so ~200 digits)
-
-_BINARY_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-_UNARY_OPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Tool
-
-
-def evaluate_expression(expression: str) -> int | float:
-    """Evaluate an arithmetic expression safely: only numbers, `+ - * / // %`, unary signs and parentheses.
-
-    The expression is parsed with `ast` and walked node by node; names, calls, attributes, `**` and everything else
-    are rejected, so nothing the model writes is ever executed.
-
-    Args:
-        expression: e.g. `"12 * (3 + 4)"`.
-
-    Raises:
-        ValueError: with a message meant for the model (it is shown as the tool result).
-
-    Example:
-
-    ```python
-    >>> evaluate_expression("12 * (3 + 4)")
-    84
-    >>> evaluate_expression("__import__('os')")
-    Traceback (most recent call last):
-    ValueError: only numbers, + - * / // % and parentheses are allowed, found a function call
-    ```
-    """
-    if not isinstance(expression, str):
-        raise ValueError(f"the expression must be a string, got {type(expression).__name__}")
-    if len(expression) > MAX_EXPRESSION_LENGTH:
-        raise ValueError(f"the expression is longer than {MAX_EXPRESSION_LENGTH} characters")
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError:
-        raise ValueError(f"cannot parse {expression!r} as arithmetic") from None
-    value = _evaluate_node(tree.body)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("the result is not a finite number")
-    return value
-
-
-def _evaluate_node(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # `type`, not isinstance: rejects bools
-        return node.value
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-        left, right = _evaluate_node(node.left), _evaluate_node(node.right)
-        try:
-            return _BINARY_OPS[type(node.op)](left, right)
-        except ZeroDivisionError:
-            raise ValueError("division by zero") from None
-        except OverflowError:
-            raise ValueError("the result is too large") from None
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY_OPS:
-        return _UNARY_OPS[type(node.op)](_evaluate_node(node.operand))
-    raise ValueError(f"only numbers, + - * / // % and parentheses are allowed, found {_describe(node)}")
-
-
-_OPERATOR_SYMBOLS = {
-    ast.Pow: "**", ast.BitXor: "^", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>",
-    ast.MatMult: "@", ast.Invert: "~", ast.Not: "not",
-}  # fmt: skip
-_NODE_NAMES = {
-    ast.Call: "a function call",
-    ast.Name: "a name",
-    ast.Attribute: "an attribute",
-    ast.Constant: "a non-number",
-}
-
-
-def _describe(node: ast.AST) -> str:
-    if isinstance(node, ast.BinOp | ast.UnaryOp):
-        return f"the operator {_OPERATOR_SYMBOLS.get(type(node.op), type(node.op).__name__)}"
-    return _NODE_NAMES.get(type(node), f"a {type(node).__name__} expression")
-
-
-def calculator(expression: str) -> str:
-    """The `calculator` tool: the value of `expression` as text (integral results without a trailing `.0`).
-
-    Raises `ValueError` for anything but arithmetic; the agent loop (`call_tool`) turns it into an error message.
-
-    Example:
-
-    ```python
-    >>> calculator("7 / 2"), calculator("6 / 3")
-    ('3.5', '2')
-    >>> from trl_agentic.tasks.agent_loop import call_tool
-    >>> call_tool({"calculator": calculator}, "calculator", '{"expression": "2 ** 10"}')  # text for the model
-    'Error: only numbers, + - * / // % and parentheses are allowed, found the operator **'
-    ```
-    """
-    value = evaluate_expression(expression)
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.12g}"
-    return str(value)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -388,8 +271,34 @@ def calculator_demonstrations(
 # Suite
 
 
+def calculator_command_agent(max_rounds: int = 6, sandbox: Any = "auto") -> CommandAgent:
+    """The reference agent as a command (`calculator_command.py`, standard library only) run by a [`CommandAgent`] in
+    the episode's sandbox: the same requests and tool answers as `calculator_agent`, from a process of its own.
+
+    Args:
+        max_rounds: most model calls per episode.
+        sandbox: the `CommandAgent`'s `sandbox=` (default: bubblewrap where it works here).
+
+    Example:
+
+    ```python
+    >>> agent = calculator_command_agent()  # `python -I -S .../calculator_command.py`, its tool bound read-only
+    ```
+    """
+    script = Path(__file__).with_name("calculator_command.py")
+    return CommandAgent(
+        f"{shlex.quote(sys.executable)} -I -S {shlex.quote(str(script))}",
+        env={"AGENT_MAX_ROUNDS": str(max_rounds)},
+        sandbox=sandbox,
+        binds=[str(script.with_name("calculator_tool.py"))],
+    )
+
+
+CALCULATOR_AGENTS = ("python", "command")
+
+
 def make_calculator_suite(
-    digits: int = 2, ops: Sequence[str] = DEFAULT_OPS, num_operands: int = 2, max_rounds: int = 6
+    digits: int = 2, ops: Sequence[str] = DEFAULT_OPS, num_operands: int = 2, max_rounds: int = 6, agent: str = "python"
 ) -> TaskSuite:
     """The calculator [`TaskSuite`] at a given difficulty.
 
@@ -398,6 +307,8 @@ def make_calculator_suite(
         ops: operations drawn in questions, a subset of `("+", "-", "*", "//", "%")`.
         num_operands: operands per expression.
         max_rounds: most model calls of the reference agent per episode.
+        agent: `"python"` (`calculator_agent`, in the trainer's process) or `"command"` (the same loop as a command
+            in the episode's sandbox, `calculator_command_agent`).
 
     Example:
 
@@ -406,18 +317,22 @@ def make_calculator_suite(
     ```
     """
     knobs = {"digits": digits, "ops": _validate_knobs(digits, ops, num_operands), "num_operands": num_operands}
+    if agent not in CALCULATOR_AGENTS:
+        raise ValueError(
+            f"agent={agent!r}: use one of {list(CALCULATOR_AGENTS)} (the agent in the trainer, or a command)."
+        )
 
     # A real coroutine function (not a partial), so sync/async detection and logs see a named async agent.
-    async def agent(client: Any, task: dict[str, Any]) -> str:
+    async def python_agent(client: Any, task: dict[str, Any]) -> str:
         return await calculator_agent(client, task, max_rounds=max_rounds)
 
-    agent.__name__ = agent.__qualname__ = "calculator_agent"
+    python_agent.__name__ = python_agent.__qualname__ = "calculator_agent"
     return TaskSuite(
         name="calculator",
         tools=CALCULATOR_TOOLS,
         system_prompt=SYSTEM_PROMPT,
         build_dataset=functools.partial(build_calculator_dataset, **knobs),
-        agent=agent,
+        agent=python_agent if agent == "python" else calculator_command_agent(max_rounds),
         reward_funcs=[calculator_correct],
         demonstrations=functools.partial(calculator_demonstrations, **knobs),
         agent_columns=("prompt",),  # the question; `expression` and `answer` are the checker's
