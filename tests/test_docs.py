@@ -49,6 +49,8 @@ OTHER_PROGRAMS_FLAGS = {
     "--accelerate_config",  # jobs/train.py
     "--network-alias",  # hf jobs
     "--dangerously-skip-permissions",  # Claude Code
+    "--info-fd",  # bubblewrap
+    "--block-fd",  # bubblewrap
 }
 
 
