@@ -309,3 +309,41 @@ def test_rollout_tree_off_trains_as_before(tmp_path, tokenizer):
 
 def test_tree_spec_layout():
     assert TreeSpec(3, depth=2).level_sizes() == [2, 1] and TreeSpec(2).roots(4) == 2
+
+
+# The asynchronous producer: a tree is one unit, admitted under one version; branches start when their parent closed
+
+
+def test_the_producer_runs_each_group_as_a_tree_under_one_version(start_server, tokenizer):
+    from test_rollout_replay import counting_engine
+
+    from trl_agentic.rollout.agents import resolve_agent
+    from trl_agentic.rollout.producer import RolloutProducer
+    from trl_agentic.tasks.calculator import CALCULATOR, build_calculator_dataset
+
+    server = start_server(counting_engine(tokenizer), tokenizer)
+    tree = TreeSpec(branches=3, branch_points="entropy", depth=2)
+    producer = RolloutProducer(server, resolve_agent(CALCULATOR.agent), max_staleness=0, timeout=60, tree=tree)
+    tasks = [dict(task) for task in build_calculator_dataset(size=2) for _ in range(4)]  # 2 groups of 4
+    try:
+        producer.submit(0, tasks, [i % 4 for i in range(8)], consume_version=0, unit_size=4, seed=7)
+        episodes, _ = producer.result(0, timeout=60)
+    finally:
+        producer.close()
+    assert [ep.metadata["start_version"] for ep in episodes] == [0] * 8
+    for group in (episodes[:4], episodes[4:]):
+        ids = [ep.id for ep in group]
+        trees = [ep.metadata[TREE_KEY] for ep in group]
+        # One root (4 - 3 branches); level 1: two branches of the root; level 2: one branch of a level-1 branch,
+        # after its own branch point; each branch replayed its parent's calls before its branch point, token for token
+        assert [t["parent"] for t in trees[:3]] == [None, ids[0], ids[0]]
+        assert trees[3]["parent"] in ids[1:3] and trees[3]["root"] == ids[0]
+        assert trees[3]["branch_point"] > trees[ids.index(trees[3]["parent"])]["branch_point"]
+        assert trees[1]["branch_point"] != trees[2]["branch_point"]  # a parent's next branch takes its next call
+        for ep, info in zip(group[1:], trees[1:]):
+            parent = group[ids.index(info["parent"])]
+            assert ep.replay["diverged"] is False and ep.num_replayed_calls == info["branch_point"]
+            for j in range(info["branch_point"]):
+                assert ep.turns[j].completion_ids == parent.turns[j].completion_ids
+            assert not ep.turns[info["branch_point"]].replayed
+        assert [ep.group_index for ep in group] == [0, 1, 2, 3]
