@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from test_learning_parity import KNOBS, dataset, loss_and_gradients, micro_batches, three_turn_agent
+from test_rollout_replay import counting_engine
 from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
+from trl_agentic.rollout.agents import resolve_agent
+from trl_agentic.rollout.producer import RolloutProducer
 from trl_agentic.rollout.rows import Row, RowsResult
 from trl_agentic.rollout.tree import group_tree
 from trl_agentic.rollout.tree_groups import (
@@ -26,6 +29,7 @@ from trl_agentic.rollout.tree_groups import (
     first_tool_error,
     trie_tokens,
 )
+from trl_agentic.tasks.calculator import CALCULATOR, build_calculator_dataset
 from trl_agentic.tiny_models import build_tiny_model, build_tiny_tokenizer
 from trl_agentic.trace import Episode, Turn
 
@@ -200,9 +204,18 @@ def tree_trainer(tmp_path, tokenizer, **settings):
     )
 
 
-def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer):
+@pytest.mark.parametrize("prefix_tree_training", [False, True])
+def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer, prefix_tree_training):
     # (seed 1: the uniform draw branches slot 2 at call 1, leaving call 2 to branch it at; others branch at 2)
-    trainer = tree_trainer(tmp_path, tokenizer, rollout_tree=True, tree_branches=2, tree_depth=2, seed=1)
+    trainer = tree_trainer(
+        tmp_path,
+        tokenizer,
+        rollout_tree=True,
+        tree_branches=2,
+        tree_depth=2,
+        seed=1,
+        prefix_tree_training=prefix_tree_training,  # the same loss and gradients, the shared tokens forwarded once
+    )
     inputs = [dict(dataset()[0]) for _ in range(4)]
     try:
         trainer.model.train()
@@ -285,7 +298,12 @@ def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer):
 
         metrics = trainer._metrics["train"]
         assert metrics["tree/branches"] == [2.0] and metrics["tree/replayed_calls"] == [1.5]
-        assert 0 < metrics["tree/forward_tokens_saved"][0] < 1
+        assert 0 < metrics["tree/forward_tokens_saved"][0] < 1  # what a prefix tree would save (nothing ran yet)
+        if prefix_tree_training:  # the next batch logs what the training forward above saved, as it counted it
+            stats = dict(trainer._scoring.tree_stats)
+            assert stats["forward_tokens"] < stats["flat_tokens"]
+            AgenticGRPOTrainer._generate_and_score_completions(trainer, [dict(dataset()[1]) for _ in range(4)])
+            assert metrics["tree/forward_tokens_saved"][1] == 1 - stats["forward_tokens"] / stats["flat_tokens"]
     finally:
         trainer.close()
     record = [line for line in (tmp_path / "episodes" / "episodes-rank0.jsonl").read_text().splitlines()][3]
@@ -315,12 +333,6 @@ def test_tree_spec_layout():
 
 
 def test_the_producer_runs_each_group_as_a_tree_under_one_version(start_server, tokenizer):
-    from test_rollout_replay import counting_engine
-
-    from trl_agentic.rollout.agents import resolve_agent
-    from trl_agentic.rollout.producer import RolloutProducer
-    from trl_agentic.tasks.calculator import CALCULATOR, build_calculator_dataset
-
     server = start_server(counting_engine(tokenizer), tokenizer)
     tree = TreeSpec(branches=3, branch_points="entropy", depth=2)
     producer = RolloutProducer(server, resolve_agent(CALCULATOR.agent), max_staleness=0, timeout=60, tree=tree)
