@@ -20,6 +20,7 @@ from trl_agentic import AgenticGRPOConfig, AgenticGRPOTrainer
 from trl_agentic.rollout.agents import resolve_agent
 from trl_agentic.rollout.producer import RolloutProducer
 from trl_agentic.rollout.rows import Row, RowsResult
+from trl_agentic.rollout.runner import run_rollout
 from trl_agentic.rollout.tree import group_tree
 from trl_agentic.rollout.tree_groups import (
     TREE_KEY,
@@ -27,6 +28,7 @@ from trl_agentic.rollout.tree_groups import (
     batch_tree,
     branch_candidates,
     first_tool_error,
+    run_tree_groups,
     trie_tokens,
 )
 from trl_agentic.tasks.calculator import CALCULATOR, build_calculator_dataset
@@ -186,11 +188,11 @@ def tokenizer():
     return build_tiny_tokenizer("qwen2_5")
 
 
-def tree_trainer(tmp_path, tokenizer, **settings):
+def tree_trainer(tmp_path, tokenizer, reward_funcs=reward_of_last_call, **settings):
     return AgenticGRPOTrainer(
         build_tiny_model(tokenizer),
         agent=three_turn_agent,
-        reward_funcs=reward_of_last_call,
+        reward_funcs=reward_funcs,
         processing_class=tokenizer,
         train_dataset=dataset(),
         args=AgenticGRPOConfig(
@@ -359,3 +361,23 @@ def test_the_producer_runs_each_group_as_a_tree_under_one_version(start_server, 
                 assert ep.turns[j].completion_ids == parent.turns[j].completion_ids
             assert not ep.turns[info["branch_point"]].replayed
         assert [ep.group_index for ep in group] == [0, 1, 2, 3]
+
+
+def test_per_turn_rewards_with_trees_are_refused_with_the_fix(tmp_path, tokenizer):
+    def per_turn(prompts, completions, episodes, **kwargs):
+        return [{"final": 1.0, "turns": [0.1] * len(ep.turns)} for ep in episodes]
+
+    trainer = tree_trainer(tmp_path, tokenizer, reward_funcs=per_turn, rollout_tree=True, tree_branches=1)
+    try:
+        trainer.model.train()
+        with pytest.raises(ValueError, match="turn_reward_weight=0"):
+            trainer._generate_and_score_completions([dict(dataset()[0]) for _ in range(4)])
+    finally:
+        trainer.close()
+
+
+def test_run_tree_groups_needs_whole_groups(start_server, tokenizer):
+    server = start_server(counting_engine(tokenizer), tokenizer)
+    agent = resolve_agent(CALCULATOR.agent)
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        run_rollout(run_tree_groups(server, agent, [{"prompt": []}] * 3, 2, TreeSpec(1)))
