@@ -369,7 +369,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         )
         device = self.accelerator.device
         width = output["completion_ids"].size(1)
-        owned = torch.tensor([o + [1] * (width - len(o)) for o in tree.owned], device=device)
+        owned = torch.tensor([o[:width] + [1] * (width - len(o)) for o in tree.owned], device=device)
         tool_mask = output.get("tool_mask")
         output["tool_mask"] = owned.to(output["completion_mask"].dtype) * (1 if tool_mask is None else tool_mask)
         loss_mask = output["completion_mask"] * output["tool_mask"]

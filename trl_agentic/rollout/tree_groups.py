@@ -171,7 +171,8 @@ async def run_tree_group(
 
     slots = [_Slot(episode, 0) for episode in await asyncio.gather(*[root(s) for s in range(roots)])]
     # Each episode's candidates, drawn once (a stream per slot), and how many branches it has had
-    rngs = [random.Random(f"tree:{seed}:{first_index}:{s}") for s in range(group_size)]
+    # (without a seed, as under vLLM, fresh draws: a fixed stream would branch every step's groups alike)
+    rngs = [random.Random(f"tree:{seed}:{first_index}:{s}" if seed is not None else None) for s in range(group_size)]
     candidates: dict[int, list[int]] = {}
     taken: dict[int, int] = {}
 
