@@ -381,3 +381,24 @@ def test_run_tree_groups_needs_whole_groups(start_server, tokenizer):
     agent = resolve_agent(CALCULATOR.agent)
     with pytest.raises(ValueError, match="multiple of num_generations"):
         run_rollout(run_tree_groups(server, agent, [{"prompt": []}] * 3, 2, TreeSpec(1)))
+
+
+def test_trees_train_under_asynchronous_rollouts(tmp_path, tokenizer):
+    """The trainer's producer runs the trees (one unit per group) ahead of the trainer, within the staleness bound."""
+    trainer = tree_trainer(
+        tmp_path,
+        tokenizer,
+        rollout_tree=True,
+        tree_branches=2,
+        tree_depth=2,
+        async_rollouts=True,
+        max_steps=2,
+        logging_steps=1,
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    logs = [entry for entry in trainer.state.log_history if "tree/branches" in entry]
+    assert [entry["tree/branches"] for entry in logs] == [2.0, 2.0]
+    assert all(entry["tree/replay_diverged"] == 0.0 for entry in logs)
