@@ -383,10 +383,16 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # With prefix-tree training: what its forwards saved since the last batch (the last step's training forwards,
         # this batch's scoring); without: what it would save, each tree's rows scored together.
         stats, self._scoring.tree_stats = dict(self._scoring.tree_stats), {}
-        if self.args.prefix_tree_training and stats.get("flat_tokens"):
-            run = torch.tensor([stats["forward_tokens"], stats["flat_tokens"]], dtype=torch.float64, device=device)
-            forward, flat = self.accelerator.gather(run).reshape(-1, 2).sum(0).tolist()
-            trie = forward
+        if self.args.prefix_tree_training:  # (gathered on every process, whichever scored anything)
+            run = [stats.get("forward_tokens", 0), stats.get("flat_tokens", 0)]
+            forward, ran = (
+                self.accelerator.gather(torch.tensor(run, dtype=torch.float64, device=device))
+                .reshape(-1, 2)
+                .sum(0)
+                .tolist()
+            )
+            if ran:
+                trie, flat = forward, ran
         metrics["tree/forward_tokens_saved"].append(1.0 - trie / flat if flat else 0.0)
         return output, tree.token_advantages
 
