@@ -192,6 +192,7 @@ class RowScoring:
         self.args, self.trl_scoring = args, trl_scoring
         self.unwrap, self.autocast, self.distributed = unwrap, autocast, distributed
         self.tree_mode, self.tree_logps = tree_mode, tree_logps
+        self.tree_stats: dict[str, int] = {}  # prefix-tree scoring's `forward_tokens` / `flat_tokens`, summed
 
     def applies(self, model, compute_aux_loss: bool, model_inputs: dict) -> bool:
         """Whether rows may be scored with their shared prefix computed once ([`shared_prefix_applies`])."""
@@ -242,7 +243,11 @@ class RowScoring:
             logps, entropies, _ = self.trl_scoring(model, ids, mask, logits_to_keep, compute_entropy=compute_entropy)
             return logps, entropies
 
-        chunked = functools.partial(self.tree_logps, mode=tree) if tree else chunked_shared_prefix_logps
+        chunked = (
+            functools.partial(self.tree_logps, mode=tree, stats=self.tree_stats)
+            if tree
+            else chunked_shared_prefix_logps
+        )
         logps, entropies = chunked(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, score_chunk, self.autocast
         )

@@ -61,7 +61,8 @@ class PipelineConfig:
     steps, learning_rate, warmup_steps, lr_scheduler_type, decay_steps (a linear decay to 0 over the last steps),
     cut_off_penalty (an episode cut at `max_completion_length` scores 1 less), mask_truncated_completions,
     steps_per_generation, num_iterations, max_grad_norm, num_generations (episodes per task), tasks_per_step, beta,
-    train_size (GRPO's tasks), generation_batch_wait_ms, async_rollouts, max_staleness, rollout_process.
+    train_size (GRPO's tasks), generation_batch_wait_ms, async_rollouts, max_staleness, rollout_process,
+    rollout_tree, tree_branches, tree_branch_points, tree_depth (tree rollouts, docs/tree_rollouts.md).
 
     > Parameters that control the held-out evaluation (the eval split, never trained on)
 
@@ -130,6 +131,11 @@ class PipelineConfig:
     async_rollouts: bool = False
     max_staleness: int = 1
     rollout_process: bool = False
+    # Tree rollouts (each group: roots, then branches replaying their parent's first calls)
+    rollout_tree: bool = False
+    tree_branches: int = 4
+    tree_branch_points: str = "uniform"
+    tree_depth: int = 1
     # What the run keeps
     episode_log: str = "gzip"
 

@@ -108,6 +108,10 @@ def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path, *, l
         async_rollouts=config.async_rollouts,
         max_staleness=config.max_staleness,
         rollout_process=config.rollout_process,
+        rollout_tree=config.rollout_tree,
+        tree_branches=config.tree_branches,
+        tree_branch_points=config.tree_branch_points,
+        tree_depth=config.tree_depth,
         # the agent's task: the columns the suite declares its agent needs (the others are the checker's)
         agent_columns=list(dict.fromkeys(["prompt", *suite.agent_columns])),
         # the suite's checkers with its weights (a verifiers rubric's), the cut-off penalty at 1
