@@ -165,6 +165,10 @@ def test_the_logged_tree_field_alone_is_enough_and_a_flat_log_has_no_tree(tree_l
         (p2.id, p.id, 3),
     ]
     assert [e["tree"]["calls"] for e in summary["episodes"]] == ["ssss", "rsss", "rrss", "rrrs"]  # Turn.replayed
+    for record in records:  # the same, from the episode's metadata["tree"] (where the trainer keeps it)
+        record["episode"]["metadata"]["tree"] = record.pop("tree")
+    moved, _ = build_viewer_data(records)
+    assert [e["tree"] for e in moved["episodes"]] == [e["tree"] for e in summary["episodes"]]
     flat = load_records([folder / "episodes" / "episodes-rank0.jsonl"])[:1]
     flat[0].pop("tree")
     summary, _ = build_viewer_data(flat)

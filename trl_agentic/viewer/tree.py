@@ -2,10 +2,10 @@
 
 A branch episode records what replay did in `episode.metadata["replay"]` (`parent`, `branch_point`, `replayed_calls`,
 `diverged`, `divergence`), each of its turns whether it was replayed (`Turn.replayed`) and, on the call where replay
-ended early, why (`Turn.replay_divergence`). A trainer that trains on trees may add to each episode record a `tree`
-field: `{"root", "parent", "branch_point", "segments": [{"turns": [first, last], "advantage", "owned"}]}`. The viewer
-draws from the replay metadata always and from `tree` when present (never requiring it), so a log of branches run by
-hand (`branch_episode`) and a tree-rollout training log are drawn alike.
+ended early, why (`Turn.replay_divergence`). A trainer that trains on trees adds to each episode record a `tree` field
+(also in the episode's `metadata["tree"]`): `{"root", "parent", "branch_point", "segments": [{"turns": [first, last],
+"advantage", "owned"}]}`. The viewer draws from the replay metadata always and from `tree` when present (never
+requiring it), so a log of branches run by hand (`branch_episode`) and a tree-rollout training log are drawn alike.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ def episode_tree(record: dict[str, Any]) -> dict[str, Any] | None:
     before the branch point). `segments` are the trainer's (`None` without a `tree` field)."""
     episode = record["episode"]
     replay = (episode.get("metadata") or {}).get("replay")
-    logged = record.get("tree") if isinstance(record.get("tree"), dict) else None
+    logged = record.get("tree")  # the trainer copies the episode's metadata["tree"] into its record
+    logged = logged if isinstance(logged, dict) else (episode.get("metadata") or {}).get("tree")
+    logged = logged if isinstance(logged, dict) else None
     turns = episode.get("turns") or []
     calls = "".join(_call_mark(turn) for turn in turns)
     if replay is None and logged is None and not calls.strip("sx"):
