@@ -138,6 +138,11 @@ def test_each_episode_knows_its_place_in_the_tree(tree_log):
         turns = details[entry["i"]]["turns"]
         assert [t["replayed"] for t in turns] == [t.replayed for t in episode.turns]
         assert [t["divergence"] for t in turns] == [t.replay_divergence for t in episode.turns]
+        # In the row, the tokens of the replayed calls (the parent's) are told apart from those the branch sampled.
+        (row,) = details[entry["i"]]["rows"]
+        replayed = [row["ids"][i] for a, b in row.get("replayed", []) for i in range(a, b)]
+        assert replayed == [i for t in episode.turns if t.replayed for i in t.completion_ids]
+        assert ("replayed" in row) == any(t.replayed for t in episode.turns)
 
 
 def test_segment_advantages_are_drawn_from_the_trainers_tree_field_when_logged(tree_log):
@@ -222,6 +227,8 @@ def test_the_browser_draws_the_tree_of_the_opened_episodes_group(tree_log, tmp_p
         (p23.id, p2.id, "3", "rrrs"),
     ]
     assert 'class="tnode current"' in detail and f"branch of {p2.id} at call 3" in detail
+    replayed = re.findall(r'<span class="t s rp[^"]*" data-id="(\d+)"', detail)  # the row's replayed tokens
+    assert [int(i) for i in replayed] == [i for t in p23.turns[:3] for i in t.completion_ids]
     assert "A -1.5" in detail and "A 0.125" in detail  # segment advantages, from the tree field
     # The step list shows each group as its tree: the branches under their parents.
     listed = re.findall(r'<div class="ep[^"]*" data-e="0\.(\d+)"[^>]*>.*?<span class="tree">([^<]*)</span>', dom)

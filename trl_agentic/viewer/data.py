@@ -11,7 +11,7 @@ from ..alarms import episode_reward
 from ..lineage import turn_conversations
 from ..rollout.rows import episode_to_rows
 from ..trace import Turn
-from .tree import link_trees
+from .tree import link_trees, replayed_spans
 
 
 def _round(value: Any, digits: int = 4) -> Any:
@@ -138,6 +138,7 @@ def build_viewer_data(
             episodes[-1].update(difficulty=record["difficulty"], target=bool(record.get("target")))
 
         detail_rows = []
+        replayed = {turn["index"] for turn in turns if turn.get("replayed")}  # a branch's replayed prefix
         for row in rows:
             prompt_key = tuple(row["prompt_ids"])
             if prompt_key not in prompts:
@@ -158,6 +159,8 @@ def build_viewer_data(
                     ],
                 }
             )
+            if replayed:  # the completion tokens of replayed turns: the parent's, not sampled by this episode
+                detail_rows[-1]["replayed"] = replayed_spans(row, turns, replayed)
         # What the model saw and said, per row: the request of the row's last turn and its reply (a fork's main line
         # and its rewritten history differ; the episode's final messages hold only the last).
         by_index = {turn["index"]: turn for turn in turns}

@@ -10,7 +10,11 @@ requiring it), so a log of branches run by hand (`branch_episode`) and a tree-ro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
+
+from ..rollout.rows import row_token_turns
+from ..trace import Turn
 
 
 CALL_MARKS = {"replayed": "r", "sampled": "s", "diverged": "d", "cancelled": "x"}
@@ -115,3 +119,23 @@ def link_trees(records: list[dict[str, Any]], entries: list[dict[str, Any]]) -> 
         if tree is not None:
             kids = sorted(children.get(entries[i]["id"], []), key=lambda j: (trees[j]["branch_point"] or 0, j))
             entries[i]["tree"]["children"] = [entries[j]["id"] for j in kids]
+
+
+def replayed_spans(row: dict[str, Any], turns: list[dict[str, Any]], replayed: set[int]) -> list[list[int]]:
+    """`[[start, end), ...]`: where `row`'s completion holds tokens of the `replayed` turns (the parent's tokens, not
+    sampled by this episode), from which turn sampled each token (`rows.row_token_turns`)."""
+    by_index = {turn["index"]: turn for turn in turns}
+    if not any(index in replayed for index in row.get("turns") or []):
+        return []
+    owners = row_token_turns(
+        SimpleNamespace(turns=row["turns"], prompt_ids=row["prompt_ids"], completion_ids=row["completion_ids"]),
+        [Turn.from_dict(by_index[index]) for index in row["turns"] if index in by_index],
+    )
+    spans: list[list[int]] = []
+    for position, owner in enumerate(owners):
+        if owner in replayed:
+            if spans and spans[-1][1] == position:
+                spans[-1][1] = position + 1
+            else:
+                spans.append([position, position + 1])
+    return spans
