@@ -332,3 +332,39 @@ def test_the_gym_page_trains_through_the_demo_and_evaluates(tmp_path):
     metrics = json.loads((tmp_path / "eval.json").read_text())
     assert metrics["split"] == "eval" and metrics["episodes"] == summary["after"]["episodes"]
     assert metrics["success"] == summary["after"]["success"]
+
+
+def test_reward_win_trains_on_what_held_out_success_counts():
+    """TextArena's Guess The Number pays a game ended by invalid moves the same partial credit as a close loss (1 -
+    distance / range of the last valid guess): `[8]` then `[8]` twice ends the game at once with 0.5-0.93. A real run on
+    the game's reward learned exactly that (docs/environments_gym.md). `reward="win"` scores 1 for a won game, 0
+    otherwise: what held-out success counts."""
+    pytest.importorskip("textarena")
+    from trl_agentic.envs.gym_text import textarena_game
+
+    def new_game():
+        return textarena_game("GuessTheNumber-v0", min_number=1, max_number=15, max_turns=4)
+
+    seed = split_seeds("train", 1)[0]
+    target = TextGameEnvironment(new_game, 4)
+    target.reset(seed=seed)
+    hidden = target.game.env.game_number
+    guess = 8 if hidden != 8 else 4
+    for mode, expected in (("game", 1 - abs(guess - hidden) / 14), ("win", 0.0)):
+        environment = TextGameEnvironment(new_game, 4, reward=mode)
+        environment.reset(seed=seed)
+        texts = [environment.act(f"[{guess}]") for _ in range(3)]  # a guess, then the same guess twice: invalid
+        assert environment.done and not environment.truncated and "already guessed" in texts[1]
+        assert (
+            environment.total_reward == pytest.approx(1 - abs(guess - hidden) / 14) and environment.total_reward > 0.4
+        )
+        assert environment.get_reward() == pytest.approx(expected)
+    for mode in ("game", "win"):  # a won game scores 1 either way
+        environment = TextGameEnvironment(new_game, 4, reward=mode)
+        environment.reset(seed=seed)
+        environment.act(f"[{hidden}]")
+        assert environment.done and environment.get_reward() == 1.0
+    suite = gym_text_suite(new_game, name="g", max_steps=4, reward="win", chance_success=0.24)
+    assert suite.reward_weights == [1.0]
+    with pytest.raises(ValueError, match="reward='won'.*'game' .*'win'"):
+        gym_text_suite(new_game, name="g", max_steps=4, reward="won")

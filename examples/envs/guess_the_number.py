@@ -24,4 +24,7 @@ def random_guess(observations, rng) -> str:
     return f"[{rng.randint(1, 15)}]"
 
 
-TASK = gym_text_suite(new_game, name="guess_the_number", policy=binary_search, max_steps=4, chance_policy=random_guess)
+# reward="win": train on won games (1) alone; the game's own reward pays as much for ending it with invalid moves.
+TASK = gym_text_suite(
+    new_game, name="guess_the_number", policy=binary_search, max_steps=4, chance_policy=random_guess, reward="win"
+)

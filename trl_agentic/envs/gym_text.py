@@ -97,6 +97,9 @@ def reset_game(game: Any, seed: int) -> str:
     return _observation(out[0] if isinstance(out, tuple) else out)
 
 
+REWARD_MODES = ("game", "win")
+
+
 def step_game(game: Any, action: str) -> tuple[str, float, bool]:
     """`game.step(action)` as `(observation, reward, done)`, from Gymnasium's 5-tuple or gym's 4-tuple."""
     out = game.step(action)
@@ -112,16 +115,25 @@ def step_game(game: Any, action: str) -> tuple[str, float, bool]:
 class TextGameEnvironment:
     """One game as a TRL `environment_factory` environment: `reset(seed=...)` starts the row's game, the one tool
     `act` plays a move, `done` ends the episode without another model reply, `get_reward()` is the game's summed
-    reward.
+    reward (`reward="game"`) or whether the game was won (`"win"`).
 
     Args:
         make_game: a zero-argument callable returning a new game.
         max_steps: most moves per game (`None`: the game's own limit); the move that reaches it ends the game
             (`truncated`).
+        reward: what `get_reward()` returns: `"game"`, the game's summed reward (`total_reward`); `"win"`, 1.0 when
+            it reaches `success_reward`, else 0.0.
+        success_reward: the summed reward that counts as a win.
     """
 
-    def __init__(self, make_game: GameFactory, max_steps: int | None = None):
-        self.make_game, self.max_steps = make_game, max_steps
+    def __init__(
+        self, make_game: GameFactory, max_steps: int | None = None, reward: str = "game", success_reward: float = 1.0
+    ):
+        if reward not in REWARD_MODES:
+            raise ValueError(
+                f"reward={reward!r}: expected 'game' (the game's summed reward) or 'win' (1 for a won game, else 0)."
+            )
+        self.make_game, self.max_steps, self.reward, self.success_reward = make_game, max_steps, reward, success_reward
         self.game, self.own_random = None, None
         self.observations: list[str] = []
         self.actions: list[str] = []
@@ -158,6 +170,8 @@ class TextGameEnvironment:
         return observation
 
     def get_reward(self) -> float:
+        if self.reward == "win":
+            return float(self.total_reward >= self.success_reward)
         return self.total_reward
 
 
@@ -205,6 +219,7 @@ def gym_text_suite(
     chance_policy: Callable[[list[str], random.Random], str] | None = None,
     chance_success: float | None = None,
     default_size: int = 256,
+    reward: str = "game",
 ):
     """A [`TaskSuite`] playing a gym-style text game through the endpoint: each row is a game seed, its prompt the
     game's first observation; the model plays with the tool `act(action)`; the score is the game's summed reward.
@@ -225,6 +240,11 @@ def gym_text_suite(
             training games becomes `chance_success`, which the demo pipeline's warm start sets its stop rule above.
         chance_success: the game's chance level, when known (overrides `chance_policy`).
         default_size: rows `build_dataset` makes when no `size` is given.
+        reward: what GRPO trains on: `"game"`, the game's summed reward; `"win"`, 1 for a won game (summed reward at
+            least `success_reward`), else 0: what held-out success counts. Take `"win"` when the game's own reward
+            pays partial credit that a policy can collect without playing: TextArena's Guess The Number pays a game
+            ended by invalid moves (the same guess three times) as much as a close loss, and GRPO on it learned to
+            do just that (docs/environments_gym.md).
 
     Example:
 
@@ -237,7 +257,11 @@ def gym_text_suite(
 
     from ..tasks import TaskSuite
 
-    factory = functools.partial(TextGameEnvironment, make_game, max_steps)
+    if reward not in REWARD_MODES:
+        raise ValueError(
+            f"reward={reward!r}: expected 'game' (the game's summed reward) or 'win' (1 for a won game, else 0)."
+        )
+    factory = functools.partial(TextGameEnvironment, make_game, max_steps, reward=reward, success_reward=success_reward)
     agent = EnvironmentAgent(factory, max_tool_calling_iterations=max_steps)
 
     def build_dataset(split: str = "train", size: int | None = None, seed: int = 0, **knobs: Any):
@@ -265,7 +289,8 @@ def gym_text_suite(
                 f"Task {name!r} has no reference solver: give gym_text_suite a policy=fn(observations) -> action, "
                 "whose winning plays become the warm start's demonstrations."
             )
-        return record_demonstrations(suite, solver, n, seed, success_threshold=success_reward, **knobs)
+        threshold = success_reward if reward == "game" else 1.0
+        return record_demonstrations(suite, solver, n, seed, success_threshold=threshold, **knobs)
 
     if chance_success is None and chance_policy is not None:
         rng = random.Random(0)
@@ -281,7 +306,7 @@ def gym_text_suite(
         reward_funcs=agent.reward_funcs(),
         demonstrations=demonstrations,
         agent_columns=("prompt", "seed"),
-        reward_weights=[1.0 / success_reward],
+        reward_weights=[1.0 / success_reward if reward == "game" else 1.0],
         chance_success=chance_success,
     )
     return suite

@@ -17,6 +17,10 @@ one is found (`--tokenizer`, or saved in the output directory, a `checkpoint-*` 
 table of the ids that occur; without one the viewer shows ids. In the URL, `#step=<n>` opens a step and
 `#episode=<id>` an episode (with `&step=<mode>:<n>`, without searching the steps for it).
 
+Tree rollouts (issue 42): a group's branch episodes are drawn as its tree (each branch under its parent, at the call it
+branched at; replayed, sampled and diverged calls told apart; where and why replay diverged; the trainer's segment
+advantages when its log has them; `viewer/tree.py`).
+
 Example:
 
 ```python

@@ -11,6 +11,7 @@ from ..alarms import episode_reward
 from ..lineage import turn_conversations
 from ..rollout.rows import episode_to_rows
 from ..trace import Turn
+from .tree import link_trees, replayed_spans
 
 
 def _round(value: Any, digits: int = 4) -> Any:
@@ -54,6 +55,10 @@ def build_viewer_data(
     Rows keep their token ids; `mask` is the row's `env_mask` as a string of `0`/`1`, `lp` the logprobs of its sampled
     tokens only (rounded to 4 digits). A row's prompt is stored once per distinct prompt (`prompts`): the episodes of a
     group share it. `conversations` holds, per row, the messages of its last model call and the reply.
+
+    An episode in a tree of branch episodes (tree rollouts) has a `tree` entry (`viewer.tree.link_trees`: its parent,
+    root, depth, branch point, children, per call replayed/sampled/diverged, the replay's divergence, the trainer's
+    segment advantages when logged), and each of its turns `replayed` and `divergence`.
     """
     prompts: dict[tuple[int, ...], int] = {}
     used_ids: set[int] = set()
@@ -133,6 +138,7 @@ def build_viewer_data(
             episodes[-1].update(difficulty=record["difficulty"], target=bool(record.get("target")))
 
         detail_rows = []
+        replayed = {turn["index"] for turn in turns if turn.get("replayed")}  # a branch's replayed prefix
         for row in rows:
             prompt_key = tuple(row["prompt_ids"])
             if prompt_key not in prompts:
@@ -153,6 +159,8 @@ def build_viewer_data(
                     ],
                 }
             )
+            if replayed:  # the completion tokens of replayed turns: the parent's, not sampled by this episode
+                detail_rows[-1]["replayed"] = replayed_spans(row, turns, replayed)
         # What the model saw and said, per row: the request of the row's last turn and its reply (a fork's main line
         # and its rewritten history differ; the episode's final messages hold only the last).
         by_index = {turn["index"]: turn for turn in turns}
@@ -221,6 +229,9 @@ def build_viewer_data(
                         else f"{min(t['token_versions'])}-{max(t['token_versions'])}",
                         "wall": _round(t.get("wall_time"), 3),
                         "requested": t.get("requested_sampling") or {},
+                        # A branch episode (tree rollouts): answered from its parent's record, or where replay ended
+                        "replayed": bool(t.get("replayed")),
+                        "divergence": t.get("replay_divergence"),
                     }
                     for t in turns
                 ],
@@ -234,6 +245,7 @@ def build_viewer_data(
             }
         )
 
+    link_trees(records, episodes)  # tree rollouts: each branch's parent, branch point, replayed calls, segments
     vocab = None
     if tokenizer is not None:
         vocab = {

@@ -77,6 +77,8 @@ def split_by_step(
                 "mode": mode,
                 "step": step,
                 "file": f"{STEPS_DIR}/{k}.js",
+                # Branch episodes of tree rollouts (the step list says how many, before the step is opened)
+                "branches": sum(1 for e in episodes if (e.get("tree") or {}).get("parent") is not None),
                 "episodes": [
                     [
                         e["rank"],
