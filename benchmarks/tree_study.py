@@ -43,12 +43,13 @@ RATIO_GOAL = 0.6
 # The study's GRPO settings (PipelineConfig fields); `--set` overrides them.
 STUDY_SETTINGS = dict(
     task_sampling="uniform",
-    steps=60,
-    warmup_steps=10,
-    decay_steps=20,
+    steps=40,
+    learning_rate=5e-4,
+    warmup_steps=5,
+    decay_steps=10,
     num_generations=8,
-    tasks_per_step=4,
-    eval_size=100,
+    tasks_per_step=2,
+    eval_size=64,
     eval_every=10,
     max_completion_length=48,
     max_turns=4,
@@ -119,8 +120,12 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     settings = with_overrides(settings, args.set)
     output_dir = Path(args.output_dir) / f"{arm}-seed{seed}"
     started = time.monotonic()
-    set_seed(seed)
-    model, tokenizer, info = pipeline.build_warm_started(settings, suite, args.cache_dir, smoke=args.smoke)
+    # The warm start: the run's seed's, or `--warm-start-seed`'s (one model shared by the seeds: GRPO's seed differs).
+    warm_seed = seed if args.warm_start_seed is None else args.warm_start_seed
+    set_seed(warm_seed)
+    model, tokenizer, info = pipeline.build_warm_started(
+        dataclasses.replace(settings, seed=warm_seed), suite, args.cache_dir, smoke=args.smoke
+    )
     eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=seed)
     evaluator = pipeline.HeldOutEvaluator(
         model, tokenizer, suite, eval_dataset, settings.temperature, settings.max_completion_length, settings.max_turns
@@ -128,10 +133,8 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     held_out: dict[int, float] = {}
     try:
         before = evaluator.evaluate(model, seed=seed)["success"]
-        config = grpo_config(settings, suite, output_dir)
-        if arm == "tree":
-            tree_settings = {"rollout_tree": True, **dict(_parse(item) for item in args.tree_set)}
-            config = dataclasses.replace(config, **tree_settings)
+        tree_settings = {"rollout_tree": True, **dict(_parse(item) for item in args.tree_set)} if arm == "tree" else {}
+        config = grpo_config(settings, suite, output_dir, **tree_settings)
         callbacks = make_callbacks(settings, evaluator, held_out=held_out)
         set_seed(seed)
         train_started = time.monotonic()
@@ -157,6 +160,7 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
         "arm": arm,
         "settings": dataclasses.asdict(settings),
         "tree_settings": args.tree_set if arm == "tree" else [],
+        "warm_start_seed": warm_seed,
         "warm_start": {k: info.get(k) for k in ("cached", "seconds", "validation_success", "cache_dir")},
         "held_out": held_out,
         "sampled_tokens_by_step": tokens,
@@ -237,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output-dir", default="outputs/tree_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
+    parser.add_argument(
+        "--warm-start-seed", type=int, default=None, help="One warm start for every seed (default: each seed's own)."
+    )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
     parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
