@@ -21,7 +21,8 @@ python benchmarks/tree_study.py --report-only                      # the table f
 python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
 ```
 
-Runs are one at a time, each in its own process with one torch thread; a run's record is `<output-dir>/<arm>-seed<N>.json`.
+Runs are one at a time (a seed's arms one after the other), each in its own process with one torch thread; a run's
+record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs that have one).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ STUDY_SETTINGS = dict(
     max_completion_length=48,
     max_turns=4,
     train_size=3000,
+    # The warm start, cut for a loaded 2-core machine (the demo's: 600 / 32, 64 tasks checked every phase-2 step)
+    short_steps=200,
+    short_batch_size=16,
+    full_steps=120,
+    validation_size=32,
+    warm_start_check_every=4,
 )
 
 
@@ -245,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-start-seed", type=int, default=None, help="One warm start for every seed (default: each seed's own)."
     )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
+    parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
     parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -259,9 +267,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.report_only:
         forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
-        for arm in args.arms:
-            for seed in args.seeds:
+        for seed in args.seeds:  # a seed's arms one after the other: complete pairs first, the same load for both
+            for arm in args.arms:
                 log_path = output_dir / f"{arm}-seed{seed}.log"
+                if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
+                    print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
+                    continue
                 command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
                 env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
                 print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
