@@ -114,6 +114,30 @@ class AgenticGRPOConfig(GRPOConfig):
             `n`, over every rewarded turn of the group: `"group"` `(r - mean) / (std + 1e-4)` (the process supervision
             of DeepSeekMath's GRPO, arXiv:2402.03300), `"mean"` `r - mean`, `"none"` the raw reward.
 
+        > Parameters that control tree rollouts (trl_agentic/rollout/tree_groups.py, docs/tree_rollouts.md)
+
+        rollout_tree (`bool`, *optional*, defaults to `False`):
+            Sample each training group as a tree: `num_generations - tree_branches` root episodes, then
+            `tree_branches` branch episodes, each the agent run again on the task with the endpoint replaying a closed
+            episode's first calls and sampling fresh from a chosen call (`rollout/replay.py`). Each segment of the tree
+            (the tokens between two branch points) gets an advantage from the rewards of the episodes under it
+            (`rollout/tree.py`: the group-relative term plus `tree_local_weight` times the difference with its parent
+            segment), and a segment shared by several episodes counts once in the loss (the tokens a branch replayed
+            are its parent's). Needs whole groups on each process and `scale_rewards` `"group"` or `"none"`;
+            evaluation stays flat. `False`: groups of independent episodes, exactly as before.
+        tree_branches (`int`, *optional*, defaults to `2`):
+            Branch episodes per group (at most `num_generations - 1`; the rest are roots).
+        tree_branch_points (`str`, *optional*, defaults to `"uniform"`):
+            Where an episode is branched: `"uniform"` (uniform over the calls it can be branched at), `"entropy"` (the
+            call whose sampled tokens had the highest mean `-logprob`), or `"tool_error"` (the call whose reply led to
+            its first tool error, sampled again; `"uniform"` when it has none).
+        tree_depth (`int`, *optional*, defaults to `1`):
+            Levels of branches: `1` branches the roots only; `2` also branches the branches (a three-level tree), the
+            branches split evenly over the levels. At most `tree_branches`.
+        tree_local_weight (`float`, *optional*, defaults to `1.0`):
+            Weight of a segment's local term (its value minus its parent segment's, what the choice at its branch
+            point changed); `0` gives every segment the group-relative term of the rewards under it only.
+
         > Parameters that control which tasks are sampled (trl_agentic/task_sampling.py)
 
         task_sampling (`str`, *optional*, defaults to `"uniform"`):
@@ -250,6 +274,18 @@ class AgenticGRPOConfig(GRPOConfig):
         default="group",
         metadata={"help": "How per-turn rewards are normalised in a group.", "choices": ["group", "mean", "none"]},
     )
+    rollout_tree: bool = field(
+        default=False, metadata={"help": "Sample each group as a tree: roots, then branches replaying their parent."}
+    )
+    tree_branches: int = field(default=2, metadata={"help": "Branch episodes per group (the rest are roots)."})
+    tree_branch_points: str = field(
+        default="uniform",
+        metadata={"help": "Where episodes are branched.", "choices": ["uniform", "entropy", "tool_error"]},
+    )
+    tree_depth: int = field(default=1, metadata={"help": "Levels of branches (2: branches of branches too)."})
+    tree_local_weight: float = field(
+        default=1.0, metadata={"help": "Weight of a tree segment's advantage over its parent segment's."}
+    )
     task_sampling: str = field(
         default="uniform", metadata={"help": "How tasks are chosen.", "choices": ["uniform", "adaptive"]}
     )
@@ -372,6 +408,8 @@ class AgenticGRPOConfig(GRPOConfig):
                 "own: set async_rollouts=True and use_vllm=False (a vLLM server already generates in its own process), "
                 "or set rollout_process=False."
             )
+        if self.rollout_tree:
+            self._check_rollout_tree()
         if self.task_sampling not in ("uniform", "adaptive"):
             raise ValueError(f"task_sampling must be 'uniform' or 'adaptive', got {self.task_sampling!r}.")
         if not (
@@ -402,6 +440,25 @@ class AgenticGRPOConfig(GRPOConfig):
         ):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}.")
+
+    def _check_rollout_tree(self) -> None:
+        """`rollout_tree=True`: the tree's shape fits a group, and the settings it cannot honour are refused."""
+        from .rollout.tree_groups import TreeSpec  # checks branches, depth and branch points
+
+        TreeSpec(self.tree_branches, self.tree_branch_points, self.tree_depth).roots(self.num_generations)
+        if not math.isfinite(self.tree_local_weight) or self.tree_local_weight < 0:
+            raise ValueError(f"tree_local_weight must be a finite number >= 0, got {self.tree_local_weight}.")
+        if self.scale_rewards not in ("group", "none") or self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "rollout_tree=True normalises rewards within each tree (its group): set scale_rewards='group' or "
+                f"'none' (got {self.scale_rewards!r}) and multi_objective_aggregation='sum_then_normalize' (got "
+                f"{self.multi_objective_aggregation!r}), or set rollout_tree=False."
+            )
+        if self.rollout_process:
+            raise ValueError(
+                "rollout_tree=True runs its branches through the producer of this process: set rollout_process=False "
+                "(async_rollouts=True still runs trees ahead of the trainer), or set rollout_tree=False."
+            )
 
     def _check_trl_generation_settings(self) -> None:
         """TRL's generation settings: those the episodes' sampling honours are checked, the others refused (issue 40:

@@ -56,6 +56,7 @@ from .rollout.harnesses import release_episodes
 from .rollout.loss_weights import micro_batch_scale
 from .rollout.rows import Row
 from .rollout.schedule import AsyncSchedule, AsyncWeightSync, behaviour_correction, check_staleness, task_batches
+from .rollout.tree_groups import batch_tree
 from .rollouts import Rollouts, check_rollout_process, log_engine_stats, rollout_output, trainer_inputs
 from .shared_prefix import RowScoring
 from .task_sampling import TaskSlots, adaptive_sampler, draw_generation_batch, observe_tasks, target_levels
@@ -260,7 +261,12 @@ class AgenticGRPOTrainer(GRPOTrainer):
         else:  # now, on the current weights (the synchronous schedule, and evaluation)
             self._own_state.rollouts += 1  # each rollout samples from a seed of its own
             episodes = self._rollouts_side.run(
-                tasks, num_generations, stats, rollout_index=self._own_state.rollouts, step=self.state.global_step
+                tasks,
+                num_generations,
+                stats,
+                rollout_index=self._own_state.rollouts,
+                step=self.state.global_step,
+                tree=self.args.rollout_tree and self.model.training,  # trees in training; evaluation stays flat
             )
         if stats is not None:  # the embedded engine's work during this rollout (continuous batching, KV reuse)
             log_engine_stats(stats, self._metrics[self._mode()])
@@ -308,7 +314,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         scales = row_scales(rows_results, self.loss_type, self.args.row_weighting)
         terms = self._turn_advantage_terms(episodes)
         token_advantages = None
-        if terms is not None:
+        if self.args.rollout_tree and self._mode() == "train":  # tree advantages per segment, shared ones counted once
+            output, token_advantages = self._tree_advantages(output, episodes, rows_results, terms)
+        elif terms is not None:
             rows = [result.rows for result in rows_results]
             token_advantages = episode_token_advantages(episodes, rows, advantages.tolist(), terms, scales)
         output["advantages"], extra_rows, extra_advantages = spread_advantages(
@@ -318,7 +326,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
         # that score them, and any collective they imply (DDP buffers, ZeRO-3 gathers), match across ranks.
         num_extra = int(self.accelerator.gather(torch.tensor([len(extra_rows)], device=advantages.device)).max())
         if num_extra:
-            pad_id, per_token = self._tokenizer.pad_token_id, terms is not None
+            pad_id, per_token = self._tokenizer.pad_token_id, token_advantages is not None
             extra_rows, extra = pad_extra_rows(
                 extra_rows, extra_advantages, num_extra, pad_id, per_token, advantages.device
             )
@@ -331,6 +339,49 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._episode_log.write(episodes, rows_results, episode_advantages.tolist(), inputs, **self._record_fields())
         self._observe_tasks(inputs, episodes)
         return output
+
+    def _tree_advantages(self, output: dict, episodes: list[Episode], rows_results, terms) -> tuple[dict, list]:
+        """Tree rollouts (`rollout_tree`): each group's tree of segments and their advantages (`rollout.tree_groups.
+        batch_tree`), per token; the tokens a main row does not own (the copies of a shared segment, unscorable
+        segments) leave the loss and its token count (TRL's `tool_mask`, `num_items_in_batch`). Logs `tree/branches`
+        and `tree/forward_tokens_saved`."""
+        if terms is not None:
+            raise ValueError(
+                "rollout_tree=True does not combine with per-turn (process) rewards yet: set turn_reward_weight=0 "
+                "(they are then logged, not trained on), return final rewards only, or set rollout_tree=False."
+            )
+        weights = dict(zip(self.reward_func_names, self.reward_weights.tolist(), strict=True))
+        rewards = []
+        for episode in episodes:
+            values = [
+                (weights[name], value)
+                for name, value in (episode.metadata.get("rewards") or {}).items()
+                if value is not None
+            ]
+            rewards.append(sum(w * v for w, v in values) if values else None)
+        tree = batch_tree(
+            episodes,
+            rows_results,
+            rewards,
+            self.num_generations,
+            local_weight=self.args.tree_local_weight,
+            scale=self.scale_rewards != "none",
+        )
+        device = self.accelerator.device
+        width = output["completion_ids"].size(1)
+        owned = torch.tensor([o + [1] * (width - len(o)) for o in tree.owned], device=device)
+        tool_mask = output.get("tool_mask")
+        output["tool_mask"] = owned.to(output["completion_mask"].dtype) * (1 if tool_mask is None else tool_mask)
+        loss_mask = output["completion_mask"] * output["tool_mask"]
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        counts = torch.tensor(
+            [tree.branches, tree.groups, tree.flat_tokens, tree.tree_tokens], dtype=torch.float64, device=device
+        )
+        branches, groups, flat, trie = self.accelerator.gather(counts).reshape(-1, 4).sum(0).tolist()
+        metrics = self._metrics["train"]
+        metrics["tree/branches"].append(branches / max(groups, 1.0))
+        metrics["tree/forward_tokens_saved"].append(1.0 - trie / flat if flat else 0.0)
+        return output, tree.token_advantages
 
     def _turn_advantage_terms(self, episodes: list[Episode]) -> list[list[float] | None] | None:
         """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no

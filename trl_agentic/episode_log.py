@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from .rewards.process import TURN_REWARDS_KEY
 from .rollout.rows import RowsResult
+from .rollout.tree_groups import TREE_KEY
 from .trace import EPISODE_STATUSES, Episode, json_text
 
 
@@ -76,6 +77,8 @@ class EpisodeLog:
                     "skipped_turns": result.skipped_turns,
                     "capped_turns": result.capped_turns,
                 }
+                if TREE_KEY in ep.metadata:  # tree rollouts: where it sits, its segments and their advantages
+                    record["tree"] = ep.metadata[TREE_KEY]
                 if error is not None:
                     record["reward_error"] = error
                 if column and column in example:  # the task's difficulty: the per-level metrics, recomputable

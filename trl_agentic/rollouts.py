@@ -25,6 +25,7 @@ from .rollout.producer import RolloutProducer
 from .rollout.rows import Row, episode_to_rows
 from .rollout.runner import run_episodes, run_rollout
 from .rollout.schedule import rollout_seed
+from .rollout.tree_groups import TreeSpec, run_tree_groups
 from .tiny_models import load_model_and_tokenizer
 from .trace import Episode
 
@@ -161,9 +162,17 @@ class Rollouts:
             for ep in episodes
         ]
 
-    def run(self, tasks: list[dict], num_generations: int, stats, *, rollout_index: int, step: int) -> list[Episode]:
+    def tree_spec(self) -> TreeSpec | None:
+        """The trees training groups are sampled as (`rollout_tree`), `None` for flat groups."""
+        args = self.args
+        return TreeSpec(args.tree_branches, args.tree_branch_points, args.tree_depth) if args.rollout_tree else None
+
+    def run(
+        self, tasks: list[dict], num_generations: int, stats, *, rollout_index: int, step: int, tree: bool = False
+    ) -> list[Episode]:
         """Run this process's episodes now, on the current weights (the synchronous schedule, and evaluation);
-        `rollout_index`: the rollouts run so far, this one included (its seed)."""
+        `rollout_index`: the rollouts run so far, this one included (its seed); `tree`: sample the groups as trees
+        (`rollout_tree`, training only)."""
         with self.generation_model() as unwrapped_model:
             # One gather for the whole rollout phase (ZeRO-3): agents make different numbers of calls per rank, so
             # nothing collective may happen per call.
@@ -183,9 +192,21 @@ class Rollouts:
                 stats.reset()
             # A thread of its own: works when the caller already runs an event loop (notebooks). `run_rollout`, not
             # `asyncio.run`: agents that ignore their timeout are abandoned, never awaited.
-            episodes = self.pool.submit(
-                run_rollout,
-                run_episodes(
+            spec = self.tree_spec() if tree else None
+            if spec is not None:  # roots, then branches from them once they closed (rollout/tree_groups.py)
+                rollout = run_tree_groups(
+                    self.endpoint,
+                    self.agent,
+                    tasks,
+                    num_generations,
+                    spec,
+                    max_concurrent=self.args.max_concurrent_episodes,
+                    timeout=self.args.episode_timeout,
+                    model=SERVED_MODEL_NAME,
+                    seed=seed,
+                )
+            else:
+                rollout = run_episodes(
                     self.endpoint,
                     self.agent,
                     tasks,
@@ -194,8 +215,8 @@ class Rollouts:
                     timeout=self.args.episode_timeout,
                     model=SERVED_MODEL_NAME,
                     seed=seed,
-                ),
-            ).result()
+                )
+            episodes = self.pool.submit(run_rollout, rollout).result()
         return episodes
 
     def batch_seed(self, index: int) -> int | None:
@@ -233,6 +254,7 @@ class Rollouts:
                 timeout=self.args.episode_timeout,
                 model=SERVED_MODEL_NAME,
                 version=version,
+                tree=self.tree_spec(),
             )
         return producer
 

@@ -29,6 +29,7 @@ from typing import Any
 from ..trace import Episode
 from .agents import EpisodeAgent
 from .runner import CANCEL_GRACE_S, EpisodeServer, run_episodes
+from .tree_groups import TreeSpec, run_tree_groups
 
 
 @dataclass
@@ -44,6 +45,7 @@ class _Batch:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+    group_size: int = 1  # episodes per group (`unit_size`): a tree's
 
 
 class RolloutProducer:
@@ -57,6 +59,9 @@ class RolloutProducer:
         timeout: seconds an episode may run (`run_episode`).
         model: model name handed to agents.
         version: the current policy version.
+        tree: sample each unit's groups as trees (`rollout_tree`, `rollout/tree_groups.py`): a unit is then whole
+            groups (`unit_size` a multiple of the group size), its roots and then its branches, all started under the
+            unit's version; `None`: flat groups.
 
     Example:
 
@@ -79,12 +84,14 @@ class RolloutProducer:
         timeout: float = 300.0,
         model: str | None = None,
         version: int = 0,
+        tree: TreeSpec | None = None,
     ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}.")
         self.server, self.agent = server, agent
         self.max_staleness, self.max_concurrent = max_staleness, max_concurrent
         self.timeout, self.model = timeout, model
+        self.tree = tree
         self._version = version
         self._queue: deque[_Batch] = deque()  # batches with units not started, in index order
         self._batches: dict[int, _Batch] = {}  # submitted and not taken by `result`
@@ -118,6 +125,7 @@ class RolloutProducer:
         size = unit_size if 0 < unit_size <= n and n % unit_size == 0 else n
         units = deque((start, start + size) for start in range(0, n, size))
         batch = _Batch(index, list(tasks), list(group_indices), consume_version, seed, units, [None] * n)
+        batch.group_size = unit_size if unit_size > 0 else max(n, 1)
         if n == 0:
             batch.done.set()
         with self._lock:
@@ -225,17 +233,31 @@ class RolloutProducer:
 
     async def _run_unit(self, batch: _Batch, start: int, end: int, version: int) -> None:
         try:
-            episodes = await run_episodes(
-                self.server,
-                self.agent,
-                batch.tasks[start:end],
-                group_indices=batch.group_indices[start:end],
-                max_concurrent=end - start,
-                timeout=self.timeout,
-                model=self.model,
-                seed=batch.seed,
-                first_index=start,
-            )
+            if self.tree is not None:  # the unit's trees: roots, then branches once their parents closed
+                episodes = await run_tree_groups(
+                    self.server,
+                    self.agent,
+                    batch.tasks[start:end],
+                    batch.group_size,
+                    self.tree,
+                    max_concurrent=end - start,
+                    timeout=self.timeout,
+                    model=self.model,
+                    seed=batch.seed,
+                    first_index=start,
+                )
+            else:
+                episodes = await run_episodes(
+                    self.server,
+                    self.agent,
+                    batch.tasks[start:end],
+                    group_indices=batch.group_indices[start:end],
+                    max_concurrent=end - start,
+                    timeout=self.timeout,
+                    model=self.model,
+                    seed=batch.seed,
+                    first_index=start,
+                )
             for i, episode in enumerate(episodes):
                 episode.metadata["start_version"] = version
                 batch.episodes[start + i] = episode

@@ -125,3 +125,105 @@ def tree_advantages(
         rows.append(advantages)
         owned.append(mine)
     return TreeAdvantages(segments=segments, leaves=leaves, rows=rows, owned=owned)
+
+
+@dataclass(frozen=True)
+class GroupTree:
+    """A group of tree rollouts as a tree of segments over its episodes' main rows (`group_tree`).
+
+    Attributes:
+        parents (`list[int | None]`): each episode's parent in the tree (an index in the group), `None` for a root; a
+            branch that shares no completion token with its parent (replay ended at call 0, or branched at 0) is a root.
+        shared (`list[int]`): completion tokens each episode's main row shares with its parent's (0 for a root).
+        segment_parents (`list[int | None]`), segment_lengths (`list[int]`): the segments, for `tree_advantages`.
+        spans (`list[list[tuple[int, int, int]]]`): per episode, the segments of its path, root first, as
+            `(segment, start, end)` in its row's completion tokens.
+    """
+
+    parents: list[int | None]
+    shared: list[int]
+    segment_parents: list[int | None]
+    segment_lengths: list[int]
+    spans: list[list[tuple[int, int, int]]]
+
+    def advantages(
+        self, rewards: Sequence[float | None], *, local_weight: float = 1.0, scale: bool = True
+    ) -> TreeAdvantages:
+        """`tree_advantages` with each episode's reward on its leaf (the last segment of its path): rows in episode
+        order."""
+        leaves = {spans[-1][0]: rewards[e] for e, spans in enumerate(self.spans)}
+        result = tree_advantages(
+            self.segment_parents, self.segment_lengths, leaves, local_weight=local_weight, scale=scale
+        )
+        if result.leaves != [spans[-1][0] for spans in self.spans]:  # segments are numbered episode by episode
+            raise AssertionError("tree segments out of episode order")
+        return result
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def group_tree(
+    parents: Sequence[int | None],
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    replayed: Sequence[int | None],
+) -> GroupTree:
+    """The tree of one group's episodes (children after their parents) from their main rows.
+
+    Args:
+        parents: each episode's parent episode (an index in the group, earlier than it), `None` for a root.
+        prompts, completions: each episode's main row (`Row.prompt_ids`, `Row.completion_ids`).
+        replayed: for a branch, how many of its row's completion tokens were replayed from its parent: the offset in
+            its row of the completion of its first call that was sampled, not replayed (the row's length when every
+            call was replayed); `None` for a root.
+
+    A branch shares with its parent the completion tokens of its replayed calls and the context up to its first
+    sampled call, capped at the tokens the two rows have in common (a replay that diverged shares less): those are the
+    parent's tokens (its segments; the branch's row holds copies). A branch whose shared part ends at or before its
+    parent's own branch point is a child of the parent's parent (it shares nothing the parent sampled).
+    """
+    count = len(parents)
+    shared, tree_parents = [0] * count, [None] * count
+    for e, parent in enumerate(parents):
+        if parent is None:
+            continue
+        if not 0 <= parent < e:
+            raise ValueError(f"episode {e}'s parent is {parent}: a parent must be an earlier episode of the group.")
+        length = 0
+        if list(prompts[e]) == list(prompts[parent]):
+            length = min(replayed[e] or 0, _common_prefix(completions[e], completions[parent]))
+        while parent is not None and length <= shared[parent]:
+            parent = tree_parents[parent]
+        if parent is not None and length > 0:
+            shared[e], tree_parents[e] = length, parent
+    children: list[list[int]] = [[] for _ in range(count)]
+    for e, parent in enumerate(tree_parents):
+        if parent is not None:
+            children[parent].append(e)
+
+    segment_parents: list[int | None] = []
+    segment_lengths: list[int] = []
+    spans: list[list[tuple[int, int, int]]] = []
+    ending_at: list[dict[int, int]] = []  # per episode: end offset -> its segment ending there
+    for e in range(count):
+        parent = tree_parents[e]
+        path = [] if parent is None else [span for span in spans[parent] if span[2] <= shared[e]]
+        above = None if parent is None else ending_at[parent][shared[e]]
+        cuts = sorted({shared[c] for c in children[e]} | {shared[e]})
+        own = {}
+        bounds = cuts + [len(completions[e])]
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            segment_parents.append(above)
+            segment_lengths.append(end - start)
+            above = len(segment_parents) - 1
+            own.setdefault(end, above)  # a zero-length leaf after a cut at the row's end keeps its own
+            path.append((above, start, end))
+        spans.append(path)
+        ending_at.append({**({} if parent is None else ending_at[parent]), **own})
+    return GroupTree(tree_parents, shared, segment_parents, segment_lengths, spans)
