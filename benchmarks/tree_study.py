@@ -44,6 +44,7 @@ RATIO_GOAL = 0.6
 # The study's GRPO settings (PipelineConfig fields); `--set` overrides them.
 STUDY_SETTINGS = dict(
     task_sampling="uniform",
+    levels=(1,),  # the target level alone (operands up to 9)
     steps=40,
     learning_rate=5e-4,
     warmup_steps=5,
@@ -198,12 +199,14 @@ def seed_line(flat: dict | None, tree: dict | None) -> str:
     flat_points, tree_points = [tuple(p) for p in flat["curve"]], [tuple(p) for p in tree["curve"]]
     flat_final, flat_tokens = flat_points[-1][2], flat_points[-1][1]
     tree_final, tree_tokens = tree_points[-1][2], tree_points[-1][1]
-    reach = tokens_to_reach(tree_points, flat_final)
+    reach = tokens_to_reach(tree_points[1:], flat_final)  # after training: step 0 is the shared warm start
     ratio = reach / flat_tokens if reach is not None and flat_tokens else None
     # Equal tokens: at the smaller of the two totals, each curve interpolated there.
     equal = min(flat_tokens, tree_tokens)
     flat_at, tree_at = interpolate(flat_points, equal), interpolate(tree_points, equal)
     verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or (tree_at or 0) > (flat_at or 0) else "misses"
+    if flat_final <= flat_points[0][2]:
+        verdict += " (flat did not gain: no level to reach)"
     return (
         f"  {flat['seed']:>4} {flat_points[0][2]:>7.1%} {flat_final:>7.1%} {flat_tokens:>9,} {tree_final:>7.1%} "
         f"{tree_tokens:>9,} {('never' if reach is None else f'{reach:,}'):>9} "

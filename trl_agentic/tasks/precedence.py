@@ -1,6 +1,6 @@
 """Order of operations: a two-tool task where the first tool call decides the outcome (issue 42's learning study).
 
-The question is a three-operand expression in one of four shapes, `a + b * c`, `a * b + c`, `(a + b) * c` and
+The question is a three-operand expression (operands 3 to `max_operand`, 9 by default) in one of four shapes, `a + b * c`, `a * b + c`, `(a + b) * c` and
 `a * (b + c)`. The agent has two tools, `add(a, b)` and `multiply(a, b)`, one operation per call, and three model calls
 (`max_rounds=3`): the operation evaluated first, the second on its result, then `The answer is N.`. The first call is
 the decision: `add(7, 3)` for `7 + 3 * 12` (the classic precedence mistake) leaves no call to undo it, and the end is
@@ -15,10 +15,10 @@ Example:
 >>> from trl_agentic.tasks.precedence import PRECEDENCE, reference_calls
 >>> row = PRECEDENCE.build_dataset(split="eval", size=1, seed=0)[0]
 >>> row["expression"], row["answer"]
-('4 * 16 + 9', 73)
+('4 * 4 + 4', 20)
 >>> reference_calls(row["expression"])
-[('multiply', 4, 16, 64), ('add', 64, 9, 73)]
->>> finishable("4 * 16 + 9", ("add", 16, 9))  # the sum first: no second call gives 73
+[('multiply', 4, 4, 16), ('add', 16, 4, 20)]
+>>> finishable("4 * 4 + 4", ("add", 4, 4))  # the sum first: no second call gives 20
 False
 ```
 """
@@ -142,7 +142,7 @@ def decisive(expression: str) -> bool:
     return not any(finishable(expression, (other, x, y)) for x in numbers for y in numbers)
 
 
-def make_question(rng: random.Random, max_operand: int = 20) -> tuple[str, dict[str, Any]]:
+def make_question(rng: random.Random, max_operand: int = 9) -> tuple[str, dict[str, Any]]:
     """One question: a shape and three operands in `[3, max_operand]`, redrawn until `decisive`. Returns its split key
     (the expression) and its row."""
     while True:
@@ -160,7 +160,7 @@ def make_question(rng: random.Random, max_operand: int = 20) -> tuple[str, dict[
 
 
 def build_precedence_dataset(
-    split: str = "train", size: int = 256, seed: int = 0, max_operand: int = 20
+    split: str = "train", size: int = 256, seed: int = 0, max_operand: int = 9
 ) -> datasets.Dataset:
     """`size` questions of `split` (`"train"` and `"eval"` share no expression: `sample_split` by its text)."""
     if max_operand < 4:
@@ -171,7 +171,7 @@ def build_precedence_dataset(
 AGENT = ToolAgent([add, multiply], max_rounds=MAX_ROUNDS)
 
 
-def precedence_demonstrations(n: int, seed: int = 0, max_operand: int = 20) -> list[dict[str, Any]]:
+def precedence_demonstrations(n: int, seed: int = 0, max_operand: int = 9) -> list[dict[str, Any]]:
     """The reference solver on `n` training questions: the first operation, the second on its result, the answer.
 
     Example:
@@ -204,4 +204,7 @@ PRECEDENCE = TaskSuite(
     reward_funcs=[calculator_correct],  # the last number of the final answer equals `answer`
     demonstrations=precedence_demonstrations,
     agent_columns=("prompt",),  # `expression` and `answer` are the checker's
+    # Operands up to 9 (one token each: a warm-started tiny model copies them), or up to 20.
+    difficulty_levels={1: {"max_operand": 9}, 2: {"max_operand": 20}},
+    target_difficulty=1,
 )
