@@ -57,9 +57,9 @@ STUDY_SETTINGS = dict(
     max_turns=4,
     train_size=3000,
     # The warm start, cut for a loaded 2-core machine (the demo's: 600 / 32, 64 tasks checked every phase-2 step)
-    short_steps=200,
+    short_steps=400,
     short_batch_size=16,
-    full_steps=120,
+    full_steps=200,
     validation_size=32,
     warm_start_check_every=4,
 )
