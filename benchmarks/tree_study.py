@@ -45,12 +45,12 @@ RATIO_GOAL = 0.6
 STUDY_SETTINGS = dict(
     task_sampling="uniform",
     levels=(1,),  # the target level alone (operands up to 9)
-    steps=40,
-    learning_rate=5e-4,
+    steps=30,
+    learning_rate=2e-4,  # 5e-4 with 16 episodes a step collapsed the flat arm of seed 0 (95% malformed calls by step 15)
     warmup_steps=5,
     decay_steps=10,
     num_generations=8,
-    tasks_per_step=2,
+    tasks_per_step=4,
     eval_size=64,
     eval_every=10,
     max_completion_length=48,
@@ -206,7 +206,7 @@ def seed_line(flat: dict | None, tree: dict | None) -> str:
     flat_at, tree_at = interpolate(flat_points, equal), interpolate(tree_points, equal)
     verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or (tree_at or 0) > (flat_at or 0) else "misses"
     if flat_final <= flat_points[0][2]:
-        verdict += " (flat did not gain: no level to reach)"
+        verdict = "n/a (the flat arm did not gain: no level to reach)"
     return (
         f"  {flat['seed']:>4} {flat_points[0][2]:>7.1%} {flat_final:>7.1%} {flat_tokens:>9,} {tree_final:>7.1%} "
         f"{tree_tokens:>9,} {('never' if reach is None else f'{reach:,}'):>9} "

@@ -71,3 +71,5 @@ def test_the_seed_line_compares_the_arms_at_the_flat_final_success_and_at_equal_
     slow = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1900, 0.3], [20, 3800, 0.4]]}
     assert study.seed_line(flat, slow).split()[-1] == "misses"
     assert "missing: tree" in study.seed_line(flat, None)
+    fell = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1000, 0.0]]}
+    assert study.seed_line(fell, tree).endswith("n/a (the flat arm did not gain: no level to reach)")
