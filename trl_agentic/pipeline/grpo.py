@@ -56,9 +56,18 @@ def make_callbacks(
     return alarms, step_line_callback
 
 
-def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path, *, levels: tuple[float, ...] | None = None):
+def grpo_config(
+    config: PipelineConfig,
+    suite: TaskSuite,
+    output_dir: Path,
+    *,
+    levels: tuple[float, ...] | None = None,
+    **overrides: Any,
+):
     """The pipeline's `AgenticGRPOConfig` (its output in `<output_dir>/grpo`); `levels`: GRPO's difficulty levels when
-    already resolved (`PipelinePlan.levels`; default `level_list(suite, config.levels)`)."""
+    already resolved (`PipelinePlan.levels`; default `level_list(suite, config.levels)`); `overrides`: other
+    `AgenticGRPOConfig` fields, set when it is built (a study's arm, e.g. `rollout_tree=True` in
+    benchmarks/tree_study.py; TRL's checks forbid changing a built config with `dataclasses.replace`)."""
     from .. import AgenticGRPOConfig
     from ..console import interactive_console
 
@@ -120,6 +129,7 @@ def grpo_config(config: PipelineConfig, suite: TaskSuite, output_dir: Path, *, l
             if suite.reward_weights is not None
             else {}
         ),
+        **overrides,
     )
 
 

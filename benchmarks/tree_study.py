@@ -1,0 +1,291 @@
+"""Tree rollouts vs flat GRPO at equal sampled tokens (issue 42, "Learning").
+
+On `trl_agentic.tasks.precedence` (the first of three model calls, which operation to evaluate first, decides the
+outcome: a wrong one leaves no call to undo it), for each seed one warm-started model (the pipeline's warm start,
+cached per seed) is trained twice with the same GRPO settings:
+
+- `flat`: `AgenticGRPOTrainer` as today (`rollout_tree=False`);
+- `tree`: the same with `rollout_tree=True` (its knobs: `--tree-set NAME=VALUE`).
+
+Both arms are measured identically: held-out success (the eval split, one episode per task, success over all
+episodes) before training and every `--eval-every` steps. Cost is counted in **sampled tokens**: the completion tokens
+the engine sampled during training, read back from the episode log; a branch's replayed turns (`Turn.replayed`) are
+the parent's tokens and are not counted. Per seed the script prints the flat arm's final success, the sampled tokens
+the tree arm needed to reach it (ratio to the flat arm's total, goal <= 0.6) and both arms' success at equal sampled
+tokens (the flat curve interpolated at the tree arm's last point, or the tree curve at the flat arm's total).
+
+```bash
+python benchmarks/tree_study.py --arms flat                        # the flat arm of seeds 0-2 (no tree code needed)
+python benchmarks/tree_study.py --arms tree --tree-set tree_branches=4
+python benchmarks/tree_study.py --report-only                      # the table from the runs in --output-dir
+python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
+```
+
+Runs are one at a time (a seed's arms one after the other), each in its own process with one torch thread; a run's
+record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs that have one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+ARMS = ("flat", "tree")
+RATIO_GOAL = 0.6
+
+# The study's GRPO settings (PipelineConfig fields); `--set` overrides them.
+STUDY_SETTINGS = dict(
+    task_sampling="uniform",
+    levels=(1,),  # the target level alone (operands up to 9)
+    steps=30,
+    learning_rate=2e-4,  # 5e-4 with 16 episodes a step collapsed the flat arm of seed 0 (95% malformed calls by step 15)
+    warmup_steps=5,
+    decay_steps=10,
+    num_generations=8,
+    tasks_per_step=4,
+    eval_size=64,
+    eval_every=10,
+    max_completion_length=48,
+    max_turns=4,
+    train_size=3000,
+    # The warm start, cut for a loaded 2-core machine (the demo's: 600 / 32, 64 tasks checked every phase-2 step)
+    short_steps=400,
+    short_batch_size=16,
+    full_steps=200,
+    validation_size=32,
+    warm_start_check_every=4,
+)
+
+
+def sampled_tokens_by_step(episode_log: Path) -> dict[int, int]:
+    """Completion tokens the engine sampled per training step (`mode == "train"` records), replayed turns left out."""
+    opener = gzip.open if episode_log.suffix == ".gz" else open
+    counts: dict[int, int] = {}
+    with opener(episode_log, "rt") as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("mode") != "train":
+                continue
+            turns = record["episode"]["turns"]
+            sampled = sum(len(t["completion_ids"]) for t in turns if not t.get("replayed"))
+            counts[record["step"]] = counts.get(record["step"], 0) + sampled
+    return counts
+
+
+def curve(held_out: dict[int, float], tokens_by_step: dict[int, int]) -> list[tuple[int, int, float]]:
+    """`[(step, sampled tokens, success), ...]`: held-out success measured after `step` training steps, against the
+    tokens sampled for those steps (the episode log numbers steps from 0: step `s`'s episodes trained update `s + 1`)."""
+    points = []
+    for step in sorted(held_out):
+        tokens = sum(n for s, n in tokens_by_step.items() if s < step)
+        points.append((step, tokens, held_out[step]))
+    return points
+
+
+def interpolate(points: list[tuple[int, int, float]], tokens: float) -> float | None:
+    """Success at `tokens` on a curve, linear between its points; `None` beyond its last point."""
+    for (_, t0, s0), (_, t1, s1) in zip(points, points[1:], strict=False):
+        if t0 <= tokens <= t1:
+            return s0 if t1 == t0 else s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+    if points and tokens == points[-1][1]:
+        return points[-1][2]
+    return None
+
+
+def tokens_to_reach(points: list[tuple[int, int, float]], success: float) -> int | None:
+    """The sampled tokens at the first evaluation whose success is at least `success` (`None`: never)."""
+    for _, tokens, value in points:
+        if value >= success:
+            return tokens
+    return None
+
+
+def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
+    """Warm start (cached per seed), held-out before, GRPO with evaluations every `eval_every` steps."""
+    import torch
+    from transformers import set_seed
+
+    from trl_agentic import pipeline
+    from trl_agentic.pipeline.config import with_overrides
+    from trl_agentic.pipeline.data import grpo_tasks, warm_start_demonstrations
+    from trl_agentic.pipeline.grpo import grpo_config, make_callbacks, train_grpo
+    from trl_agentic.pipeline.printing import quiet_libraries
+    from trl_agentic.tasks.precedence import PRECEDENCE as suite
+
+    torch.set_num_threads(1)
+    quiet_libraries()
+    settings = pipeline.PipelineConfig(seed=seed, **STUDY_SETTINGS)
+    if args.smoke:
+        settings = dataclasses.replace(settings, **pipeline.SMOKE_OVERRIDES)
+    settings = with_overrides(settings, args.set)
+    output_dir = Path(args.output_dir) / f"{arm}-seed{seed}"
+    started = time.monotonic()
+    # The warm start: the run's seed's, or `--warm-start-seed`'s (one model shared by the seeds: GRPO's seed differs).
+    warm_seed = seed if args.warm_start_seed is None else args.warm_start_seed
+    set_seed(warm_seed)
+    model, tokenizer, info = pipeline.build_warm_started(
+        dataclasses.replace(settings, seed=warm_seed), suite, args.cache_dir, smoke=args.smoke
+    )
+    eval_dataset = suite.build_dataset(split="eval", size=settings.eval_size, seed=seed)
+    evaluator = pipeline.HeldOutEvaluator(
+        model, tokenizer, suite, eval_dataset, settings.temperature, settings.max_completion_length, settings.max_turns
+    )
+    held_out: dict[int, float] = {}
+    try:
+        before = evaluator.evaluate(model, seed=seed)["success"]
+        tree_settings = {"rollout_tree": True, **dict(_parse(item) for item in args.tree_set)} if arm == "tree" else {}
+        config = grpo_config(settings, suite, output_dir, **tree_settings)
+        callbacks = make_callbacks(settings, evaluator, held_out=held_out)
+        set_seed(seed)
+        train_started = time.monotonic()
+        trainer = train_grpo(
+            model,
+            tokenizer,
+            suite,
+            settings,
+            output_dir,
+            callbacks,
+            args=config,
+            train_dataset=grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings)),
+        )
+        train_seconds = time.monotonic() - train_started
+    finally:
+        evaluator.close()
+    held_out = {0: before, **held_out}
+    logs = sorted((output_dir / "grpo" / "episodes").glob("episodes-rank0.jsonl*"))
+    tokens = sampled_tokens_by_step(logs[0])
+    history = trainer.state.log_history
+    return {
+        "seed": seed,
+        "arm": arm,
+        "settings": dataclasses.asdict(settings),
+        "tree_settings": args.tree_set if arm == "tree" else [],
+        "warm_start_seed": warm_seed,
+        "warm_start": {k: info.get(k) for k in ("cached", "seconds", "validation_success", "cache_dir")},
+        "held_out": held_out,
+        "sampled_tokens_by_step": tokens,
+        "curve": curve(held_out, tokens),
+        "train_seconds": train_seconds,
+        "seconds": time.monotonic() - started,
+        "train_reward": [r["reward"] for r in history if "reward" in r],
+        "tree_metrics": {
+            key: [r[key] for r in history if key in r]
+            for key in sorted({k for r in history for k in r if k.startswith("tree/")})
+        },
+    }
+
+
+def _parse(item: str) -> tuple[str, object]:
+    name, sep, raw = item.partition("=")
+    if not sep:
+        raise ValueError(f"--tree-set {item!r}: expected NAME=VALUE")
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw
+
+
+def seed_line(flat: dict | None, tree: dict | None) -> str:
+    if flat is None or tree is None:
+        return "  (missing: " + ", ".join(a for a, r in (("flat", flat), ("tree", tree)) if r is None) + ")"
+    flat_points, tree_points = [tuple(p) for p in flat["curve"]], [tuple(p) for p in tree["curve"]]
+    flat_final, flat_tokens = flat_points[-1][2], flat_points[-1][1]
+    tree_final, tree_tokens = tree_points[-1][2], tree_points[-1][1]
+    reach = tokens_to_reach(tree_points[1:], flat_final)  # after training: step 0 is the shared warm start
+    ratio = reach / flat_tokens if reach is not None and flat_tokens else None
+    # Equal tokens: at the smaller of the two totals, each curve interpolated there.
+    equal = min(flat_tokens, tree_tokens)
+    flat_at, tree_at = interpolate(flat_points, equal), interpolate(tree_points, equal)
+    verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or (tree_at or 0) > (flat_at or 0) else "misses"
+    if flat_final <= flat_points[0][2]:
+        verdict = "n/a (the flat arm did not gain: no level to reach)"
+    return (
+        f"  {flat['seed']:>4} {flat_points[0][2]:>7.1%} {flat_final:>7.1%} {flat_tokens:>9,} {tree_final:>7.1%} "
+        f"{tree_tokens:>9,} {('never' if reach is None else f'{reach:,}'):>9} "
+        f"{('-' if ratio is None else f'{ratio:.2f}'):>6} {equal:>9,} {flat_at:>7.1%} {tree_at:>7.1%}  {verdict}"
+    )
+
+
+def format_report(records: dict[tuple[str, int], dict], seeds: list[int]) -> str:
+    lines = [
+        f"  goal: the tree arm reaches the flat arm's final held-out success with <= {RATIO_GOAL}x its sampled "
+        "tokens, or beats it at equal sampled tokens",
+        f"  {'seed':>4} {'before':>7} {'flat':>7} {'flat tok':>9} {'tree':>7} {'tree tok':>9} {'reach at':>9} "
+        f"{'ratio':>6} {'equal tok':>9} {'flat@':>7} {'tree@':>7}",
+    ]
+    for seed in seeds:
+        lines.append(seed_line(records.get(("flat", seed)), records.get(("tree", seed))))
+    for (arm, seed), record in sorted(records.items()):
+        points = " ".join(f"{step}:{tokens // 1000}k:{value:.0%}" for step, tokens, value in record["curve"])
+        lines.append(f"  {arm} seed {seed} (step:tokens:success) {points}  [{record['train_seconds'] / 60:.1f} min]")
+    return "\n".join(lines)
+
+
+def load_records(output_dir: Path, seeds: list[int]) -> dict[tuple[str, int], dict]:
+    records = {}
+    for arm in ARMS:
+        for seed in seeds:
+            path = output_dir / f"{arm}-seed{seed}.json"
+            if path.is_file():
+                records[(arm, seed)] = json.loads(path.read_text())
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="Override a PipelineConfig field (both arms)."
+    )
+    parser.add_argument(
+        "--tree-set", action="append", default=[], metavar="NAME=VALUE", help="An AgenticGRPOConfig field (tree arm)."
+    )
+    parser.add_argument("--output-dir", default="outputs/tree_study")
+    parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
+    parser.add_argument(
+        "--warm-start-seed", type=int, default=None, help="One warm start for every seed (default: each seed's own)."
+    )
+    parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
+    parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
+    parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
+    parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.one_run is not None:
+        seed, arm = int(args.one_run[0]), args.one_run[1]
+        record = run_one(seed, arm, args)
+        (output_dir / f"{arm}-seed{seed}.json").write_text(json.dumps(record, indent=2))
+        return 0
+
+    if not args.report_only:
+        forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
+        for seed in args.seeds:  # a seed's arms one after the other: complete pairs first, the same load for both
+            for arm in args.arms:
+                log_path = output_dir / f"{arm}-seed{seed}.log"
+                if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
+                    print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
+                    continue
+                command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+                print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
+                with open(log_path, "w") as log:
+                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+                if code != 0:
+                    print(f"{arm} seed {seed}: failed with exit status {code}; see {log_path}", flush=True)
+    print(format_report(load_records(output_dir, args.seeds), args.seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""benchmarks/tree_study.py's accounting: sampled tokens per step (a branch's replayed turns not counted), the success
+vs sampled tokens curve, the tokens the tree arm needs to reach a success and the success at equal tokens."""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+
+STUDY = Path(__file__).resolve().parents[1] / "benchmarks" / "tree_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("tree_study", STUDY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(step, turns, mode="train"):
+    return {"step": step, "mode": mode, "episode": {"turns": turns}}
+
+
+def _turn(n, replayed=False):
+    return {"completion_ids": list(range(n)), "replayed": replayed}
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_sampled_tokens_leave_out_replayed_turns_and_other_modes(study, tmp_path, compressed):
+    records = [
+        _record(0, [_turn(5), _turn(7), _turn(3)]),  # a root: 15 sampled
+        _record(0, [_turn(5, replayed=True), _turn(6), _turn(2)]),  # its branch at call 1: 8 sampled
+        _record(1, [_turn(4), _turn(4)]),
+        _record(1, [_turn(4, True), _turn(4, True), _turn(9)]),  # a branch at call 2: 9 sampled
+        _record(1, [_turn(50)], mode="eval"),  # not training
+        {"step": 2, "mode": "train", "episode": {"turns": [{"completion_ids": [1, 2, 3]}]}},  # no `replayed` key
+    ]
+    path = tmp_path / ("episodes-rank0.jsonl.gz" if compressed else "episodes-rank0.jsonl")
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    if compressed:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    assert study.sampled_tokens_by_step(path) == {0: 23, 1: 17, 2: 3}
+
+
+def test_curve_counts_the_tokens_of_the_steps_before_each_evaluation(study):
+    # The log numbers steps from 0: held-out success after 2 updates follows the episodes of steps 0 and 1.
+    points = study.curve({0: 0.2, 2: 0.4, 4: 0.5}, {0: 100, 1: 100, 2: 50, 3: 50})
+    assert points == [(0, 0, 0.2), (2, 200, 0.4), (4, 300, 0.5)]
+    assert study.interpolate(points, 100) == pytest.approx(0.3)
+    assert study.interpolate(points, 250) == pytest.approx(0.45)
+    assert study.interpolate(points, 300) == 0.5
+    assert study.interpolate(points, 301) is None
+    assert study.tokens_to_reach(points, 0.4) == 200
+    assert study.tokens_to_reach(points, 0.45) == 300
+    assert study.tokens_to_reach(points, 0.6) is None
+
+
+def test_the_seed_line_compares_the_arms_at_the_flat_final_success_and_at_equal_tokens(study):
+    flat = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1000, 0.3], [20, 2000, 0.5]]}
+    tree = {"seed": 0, "curve": [[0, 0, 0.2], [10, 600, 0.5], [20, 1200, 0.6]]}
+    line = study.seed_line(flat, tree)
+    # Tree reaches 50% at 600 tokens (0.30 of 2,000); at 1,200 tokens flat interpolates to 34%, tree has 60%.
+    assert line.split() == ["0", "20.0%", "50.0%", "2,000", "60.0%", "1,200", "600", "0.30", "1,200", "34.0%",
+                            "60.0%", "meets"]  # fmt: skip
+    slow = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1900, 0.3], [20, 3800, 0.4]]}
+    assert study.seed_line(flat, slow).split()[-1] == "misses"
+    assert "missing: tree" in study.seed_line(flat, None)
+    fell = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1000, 0.0]]}
+    assert study.seed_line(fell, tree).endswith("n/a (the flat arm did not gain: no level to reach)")
