@@ -268,12 +268,22 @@ def test_a_training_step_with_prefix_tree_training_matches_the_flat_one(tmp_path
     gradient norm TRL logs, with and without `prefix_tree_training` (the same episodes: same seed, same model)."""
     from test_agentic_grpo_trainer import config, dataset, length_reward, tool_agent
 
-    stats = {}
+    stats = {}  # what every prefix-tree scoring of the run counted (the trainer resets its own when it logs)
     original = agentic_grpo_trainer.chunked_prefix_tree_logps
+
+    def counted(*args, stats_of_trainer=None, **kwargs):
+        counts = {}
+        result = original(*args, **kwargs, stats=counts)
+        for target in (stats, stats_of_trainer):
+            for key, value in counts.items():
+                if target is not None:
+                    target[key] = target.get(key, 0) + value
+        return result
+
     monkeypatch.setattr(
         agentic_grpo_trainer,
         "chunked_prefix_tree_logps",
-        lambda *args, **kwargs: original(*args, **kwargs, stats=stats),
+        lambda *args, stats=None, **kwargs: counted(*args, stats_of_trainer=stats, **kwargs),
     )
     tokenizer = build_tiny_tokenizer("qwen2_5")
     logged = {}
