@@ -122,11 +122,13 @@ class Traffic:
             value = float(correct or 0.0)
             if rng.random() < self.noise:
                 value = 1.0 - value
-            await http.post(
+            answer = await http.post(
                 f"{self.server.base_url}/feedback", json={"episode_id": episode_id, "value": value}, headers=headers
             )
             with self.lock:
-                self.episodes.append({"id": episode_id, "correct": correct, "given": value})
+                self.episodes.append(
+                    {"id": episode_id, "correct": correct, "given": value, "feedback": answer.status_code}
+                )
         await http.aclose()
 
 
@@ -192,8 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
     parser.add_argument("--wait-for-verdict", action="store_true")
-    parser.add_argument("--harmful-step", type=int, default=3, help="0: no harmful update.")
+    parser.add_argument(
+        "--harmful-step", type=int, default=0, help="Make this step harmful (0: none; the learning run has none)."
+    )
     parser.add_argument("--harmful-factor", type=float, default=300.0)
+    parser.add_argument(
+        "--feedback-per-minute",
+        type=int,
+        default=100_000,
+        help="Serving's feedback rate limit per user key (the simulated users are checkers that rate every episode; at "
+        "serve's default of 60 most of their feedback was refused, and the refusals went unseen).",
+    )
     parser.add_argument("--output", default=None, help="JSON file for the figures.")
     args = parser.parse_args(argv)
 
@@ -231,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         store=store,
         versions=versions,
         user_episode_idle_timeout=600.0,
+        feedback_per_minute=args.feedback_per_minute,
     )
     server = EndpointServer(app).start()
     admin = {"Authorization": f"Bearer {server.admin_token}"}
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "gain_points": 100 * (after - before),
         "curve": curve,
         "episodes": len(traffic.episodes),
+        "feedback_refused": sum(1 for e in traffic.episodes if e["feedback"] != 200),
         "steps": trainer.state.global_step,
         "calls": len(traffic.calls),
         "failed_requests": failed,
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sum(d[0] == 'promoted' for d in figures['decisions'])} promoted, "
             f"{sum(d[0] == 'rolled_back' for d in figures['decisions'])} rolled back"
         )
-    print(f"  failed requests {failed}   goal 0")
+    print(f"  failed requests {failed}   goal 0   (feedback refused: {figures['feedback_refused']})")
     print(
         f"  p99 latency near swaps / otherwise: {ratio and f'{ratio:.2f}x'} "
         f"({figures['p99_near_swaps_s']}, {figures['p99_otherwise_s']} s)   goal <= 2x"

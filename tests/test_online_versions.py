@@ -13,6 +13,7 @@ import torch
 from trl_agentic.endpoint.app import EndpointSettings, create_app
 from trl_agentic.endpoint.chat import ChatRenderer
 from trl_agentic.endpoint.server import EndpointServer
+from trl_agentic.endpoint.users import task_fingerprint
 from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
 from trl_agentic.generation.transformers_engine import TransformersEngine
 from trl_agentic.store import SQLiteEpisodeStore
@@ -96,6 +97,54 @@ def test_a_noisy_trial_goes_on_until_the_difference_is_sure_and_a_harmful_candid
         RolloutPolicy(confidence=1.0)
 
 
+def test_the_verdict_pairs_episodes_by_task_so_a_different_task_mix_is_not_read_as_better_or_worse():
+    """Two versions equally good on each task, the incumbent served mostly an easy task and the candidate mostly a
+    hard one. Unpaired (no task named), the candidate is rolled back on the mix alone; paired by task it is promoted.
+    A candidate worse by 0.5 on every task, on the easy task's mix, is rolled back paired (unpaired its mix hid it)."""
+    easy = [1.0] * 9 + [0.0]  # 0.9
+    hard = [0.0] * 9 + [1.0]  # 0.1
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=20, margin=0.1, confidence=0.9, max_episodes=200)
+
+    def trial(named: bool, incumbent_mix, candidate_mix):
+        manager = VersionManager(Engine(), policy, seed=0)
+        manager.add_candidate(Engine(), version=1)
+        for value, task in incumbent_mix:
+            manager.record_reward(0, value, task=task if named else None)
+        made = [manager.record_reward(1, value, task=task if named else None) for value, task in candidate_mix]
+        return [(i + 1, d.action, d.reason) for i, d in enumerate(made) if d is not None]
+
+    mostly_easy = [(v, "easy") for v in easy * 12] + [(v, "hard") for v in hard * 3]  # 120 easy, 30 hard: 0.74
+    mostly_hard = [(v, "hard") for v in hard * 12] + [(v, "easy") for v in easy * 3]  # 120 hard, 30 easy: 0.26
+    unpaired = trial(False, mostly_easy, mostly_hard)
+    assert [(n, action) for n, action, _ in unpaired] == [(20, "rolled_back")]  # 0.1 vs 0.74 on its first 20
+    paired = trial(True, mostly_easy, mostly_hard)
+    assert [action for _, action, _ in paired] == ["promoted"]
+    # the hard task's 40 episodes (0.1, as the incumbent's 0.1 on it) pair and the error is within the margin
+    assert paired[0][0] == 40 and "paired by task over 40 of its 40 episodes (1 task both" in paired[0][2]
+    assert "difference +0.000" in paired[0][2] and "unpaired means 0.100 vs the incumbent's 0.740" in paired[0][2]
+
+    worse_easy = [0.0 if i % 5 in (0, 1, 2) else 1.0 for i in range(10)]  # 0.4 on the easy task (the incumbent: 0.9)
+    worse_hard = [0.0] * 10  # 0.0 on the hard one (0.1)
+    harmful = [(v, "easy") for v in worse_easy * 4] + [(v, "hard") for v in worse_hard]  # mean 0.32
+    against = [(v, "easy") for v in easy] + [(v, "hard") for v in hard * 4]  # the incumbent's mean 0.26
+    unpaired = trial(False, against, harmful)
+    assert [action for _, action, _ in unpaired] == ["promoted"]  # the easy mix hides a worse policy
+    paired = trial(True, against, harmful)
+    assert [action for _, action, _ in paired] == ["rolled_back"] and paired[0][0] == 20
+    assert "difference -0.500" in paired[0][2] and "unpaired means 0.400 vs the incumbent's 0.260" in paired[0][2]
+
+
+def test_a_candidate_whose_tasks_the_incumbent_did_not_serve_waits_then_is_judged_unpaired():
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1, confidence=0.5, max_episodes=8)
+    manager = VersionManager(Engine(), policy, seed=0)
+    manager.add_candidate(Engine(), version=1)
+    for value in (1.0, 0.0, 1.0, 1.0):
+        manager.record_reward(0, value, task="a")
+    made = [manager.record_reward(1, 1.0, task=f"new-{i}") for i in range(8)]  # no task in common: no pair
+    assert made[:7] == [None] * 7
+    assert made[7].action == "promoted" and "too few episodes paired by task" in made[7].reason
+
+
 def test_a_newer_candidate_supersedes_one_still_on_trial():
     manager = VersionManager(Engine(), RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1), seed=0)
     first = Engine()
@@ -140,10 +189,20 @@ def test_every_answer_names_its_version_and_an_episode_never_changes_version(tok
             (0, "incumbent", 0.5),
             (1, "candidate", 0.5),
         ]
-        httpx.post(f"{server.base_url}/episodes/end", headers={"Authorization": f"Bearer {key}"})
+        auth = {"Authorization": f"Bearer {key}"}
+        ended = httpx.post(f"{server.base_url}/episodes/end", json={"task": "What is 6 * 7?"}, headers=auth).json()
         for episode_id in store.episodes_of("alice"):
             episode = store.get_episode(episode_id)[0]
             assert len({turn.policy_version for turn in episode.turns}) == 1
+        # feedback on an episode whose client named its task reaches the rule with the task: verdicts pair by it
+        named = store.get_episode(ended["episode_id"])[0]
+        assert named.metadata["fingerprint"] == task_fingerprint("What is 6 * 7?")
+        feedback = httpx.post(
+            f"{server.base_url}/feedback", json={"episode_id": ended["episode_id"], "value": 1.0}, headers=auth
+        )
+        assert feedback.status_code == 200
+        version = named.turns[0].policy_version
+        assert manager._versions[version].tasks[-1] == task_fingerprint("What is 6 * 7?")
 
 
 def test_a_swap_neither_fails_nor_stalls_a_request_in_flight(tokenizer):

@@ -218,11 +218,15 @@ class SQLEpisodeStore:
             raise ValueError(f"Episode {episode.id!r} is stored already.") from None
 
     def get_episode(self, episode_id: str) -> tuple[Episode, str | None]:
-        """An episode and its user; `KeyError` if it is not stored."""
-        rows = self._read("SELECT data, owner FROM episodes WHERE id = ?", (episode_id,))
+        """An episode and its user; `KeyError` if it is not stored. The task fingerprint it was stored with, if any,
+        is in `episode.metadata["fingerprint"]`."""
+        rows = self._read("SELECT data, owner, fingerprint FROM episodes WHERE id = ?", (episode_id,))
         if not rows:
             raise KeyError(episode_id)
-        return Episode.from_dict(json.loads(rows[0][0])), rows[0][1]
+        episode = Episode.from_dict(json.loads(rows[0][0]))
+        if rows[0][2] is not None:
+            episode.metadata["fingerprint"] = rows[0][2]
+        return episode, rows[0][1]
 
     def owner(self, episode_id: str) -> tuple[bool, str | None]:
         """(whether the episode is stored, its user)."""

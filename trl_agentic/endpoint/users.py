@@ -162,8 +162,9 @@ class UserEpisodes:
         first = self.versions is not None and not self.store.rewards(episode_id)
         reward_id = self.store.add_reward(episode_id, float(value), source, giver, note)
         if first:
-            turns = self.store.get_episode(episode_id)[0].turns
-            self.versions.record_reward(turns[0].policy_version if turns else None, float(value))
+            episode = self.store.get_episode(episode_id)[0]
+            version = episode.turns[0].policy_version if episode.turns else None
+            self.versions.record_reward(version, float(value), task=episode.metadata.get("fingerprint"))
         return reward_id
 
     def close_all(self) -> None:

@@ -9,7 +9,13 @@ endpoint then serves two versions at once:
   `x-trl-agentic-version`, the trace's `policy_version`, Chat Completions' `system_fingerprint`).
 - **The rule** (`RolloutPolicy`): once the candidate has rewards for `min_episodes` episodes, compare its mean reward
   with the incumbent's over the same period (the incumbent's episodes rewarded since the candidate arrived; its
-  all-time mean when it has none there), with the standard error of the difference. Shown no worse than the
+  all-time mean when it has none there), with the standard error of the difference. **Paired by task** when clients
+  name their tasks (`record_reward(..., task=fingerprint)`): the difference is the mean over the candidate's episodes
+  of (its reward minus the incumbent's mean on the same task), counting only tasks both versions served in the
+  window, with a standard error from the within-task variances. Two versions that served different task mixes are
+  then compared on what they both did, not on how easy their tasks were (unpaired, a few popular tasks make the
+  verdict over-confident both ways). Until `min_episodes` of the candidate's episodes pair, the trial goes on; a
+  candidate that reaches `max_episodes` without them is judged unpaired (the reason says so). Shown no worse than the
   incumbent by more than `margin` at `confidence`: **promoted** (all new episodes go to it; the old incumbent is
   retired). Shown worse by more than `margin`, or not shown safe after `max_episodes`: **rolled back** (no new episode
   goes to it; an alarm is logged with the numbers; its weights stay where the trainer saved them, `path`). Between
@@ -95,7 +101,8 @@ class _Version:
     state: str
     path: str | None = None
     rewards: list[float] = field(default_factory=list)  # every rewarded episode's reward
-    window: list[float] = field(default_factory=list)  # the incumbent's, since the current candidate arrived
+    tasks: list[str | None] = field(default_factory=list)  # and its task fingerprint (`None`: not named)
+    window: list[tuple[float, str | None]] = field(default_factory=list)  # the incumbent's, since the candidate came
     sessions: list = field(default_factory=list)  # episodes opened on it and not yet seen closed
     episodes: int = 0
 
@@ -164,15 +171,17 @@ class VersionManager:
 
     # The rule
 
-    def record_reward(self, version: int | None, value: float) -> Decision | None:
-        """Count one rewarded episode of `version`; returns the decision it triggered, if any."""
+    def record_reward(self, version: int | None, value: float, task: str | None = None) -> Decision | None:
+        """Count one rewarded episode of `version` (`task`: its task's fingerprint, when the client named it: the
+        comparison is then paired by task); returns the decision it triggered, if any."""
         with self._lock:
             entry = self._versions.get(version) if version is not None else None
             if entry is None:
                 return None
             entry.rewards.append(float(value))
+            entry.tasks.append(task)
             if version == self.incumbent:
-                entry.window.append(float(value))
+                entry.window.append((float(value), task))
             if version != self.candidate or len(entry.rewards) < self.policy.min_episodes:
                 return None
             decision = self._decide(version, entry)
@@ -185,21 +194,39 @@ class VersionManager:
 
     def _decide(self, version: int, entry: _Version) -> Decision | None:
         incumbent, policy = self._versions[self.incumbent], self.policy
-        candidate_mean, candidate_var = _mean_var(entry.rewards)
-        reference = incumbent.window or incumbent.rewards
-        over = "over the same period" if incumbent.window else "all time (none rewarded during the trial)"
-        if not reference:
+        candidate_mean, _ = _mean_var(entry.rewards)
+        window = incumbent.window
+        over = "over the same period" if window else "all time (none rewarded during the trial)"
+        if not window and not incumbent.rewards:
             self._promote(version, entry)
             return Decision("promoted", version, f"mean reward {candidate_mean:.3f}; the incumbent has none to compare")
-        incumbent_mean, incumbent_var = _mean_var(reference)
-        diff = candidate_mean - incumbent_mean
-        se = math.sqrt(candidate_var / len(entry.rewards) + incumbent_var / len(reference))
+        paired = None
+        if any(task is not None for task in entry.tasks) and window:
+            paired = _paired_difference(list(zip(entry.rewards, entry.tasks, strict=True)), window)
+            if paired[2] < policy.min_episodes and len(entry.rewards) < policy.max_episodes:
+                return None  # clients name tasks: wait until enough of the candidate's episodes pair
+            if paired[2] < policy.min_episodes:
+                paired = None  # `max_episodes` reached with too few pairs: judged unpaired (said below)
         z = NormalDist().inv_cdf(policy.confidence)
-        numbers = (
-            f"mean reward {candidate_mean:.3f} over {len(entry.rewards)} episodes vs the incumbent's "
-            f"{incumbent_mean:.3f} over {len(reference)} ({over}): difference {diff:+.3f} +- {z * se:.3f} "
-            f"(confidence {policy.confidence:g}), margin {policy.margin:g}"
-        )
+        if paired is not None:
+            diff, se, pairs, tasks = paired
+            numbers = (
+                f"paired by task over {pairs} of its {len(entry.rewards)} episodes ({tasks} task{'s' * (tasks != 1)} "
+                f"both versions served {over}): difference {diff:+.3f} +- {z * se:.3f} (confidence {policy.confidence:g}), margin "
+                f"{policy.margin:g}; unpaired means {candidate_mean:.3f} vs the incumbent's "
+                f"{_mean_var([v for v, _ in window])[0]:.3f}"
+            )
+        else:
+            reference = [v for v, _ in window] or incumbent.rewards
+            incumbent_mean, incumbent_var = _mean_var(reference)
+            diff = candidate_mean - incumbent_mean
+            se = math.sqrt(_mean_var(entry.rewards)[1] / len(entry.rewards) + incumbent_var / len(reference))
+            unpaired = "" if not any(task is not None for task in entry.tasks) else " (too few episodes paired by task)"
+            numbers = (
+                f"mean reward {candidate_mean:.3f} over {len(entry.rewards)} episodes vs the incumbent's "
+                f"{incumbent_mean:.3f} over {len(reference)} ({over}){unpaired}: difference {diff:+.3f} +- "
+                f"{z * se:.3f} (confidence {policy.confidence:g}), margin {policy.margin:g}"
+            )
         if diff - z * se >= -policy.margin:
             self._promote(version, entry)
             return Decision("promoted", version, numbers)
@@ -261,3 +288,39 @@ def _mean_var(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return mean, 0.0
     return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+
+
+def _paired_difference(
+    candidate: list[tuple[float, str | None]], incumbent: list[tuple[float, str | None]]
+) -> tuple[float, float, int, int]:
+    """The candidate's mean reward minus the incumbent's, paired by task: over the candidate's episodes of tasks the
+    incumbent also served, the mean of (reward - the incumbent's mean on that task). Returns (difference, its standard
+    error, episodes paired, tasks). The error uses each version's within-task variance, pooled over tasks (a task
+    seen once or twice says little about its own spread): `se^2 = sum_t w_t^2 (s_c^2 / n_ct + s_i^2 / n_it)` with
+    `w_t = n_ct / n`."""
+    by_task: dict[str, tuple[list[float], list[float]]] = {}
+    for value, task in candidate:
+        if task is not None:
+            by_task.setdefault(task, ([], []))[0].append(value)
+    for value, task in incumbent:
+        if task in by_task:
+            by_task[task][1].append(value)
+    cells = {task: cell for task, cell in by_task.items() if cell[1]}
+    pairs = sum(len(c) for c, _ in cells.values())
+    if not pairs:
+        return 0.0, 0.0, 0, 0
+    diff = sum(len(c) * (sum(c) / len(c) - sum(i) / len(i)) for c, i in cells.values()) / pairs
+    pooled = [_pooled_variance([cell[arm] for cell in cells.values()]) for arm in (0, 1)]
+    variance = sum(
+        (len(c) / pairs) ** 2 * (pooled[0] / len(c) + pooled[1] / len(i)) for c, i in cells.values()
+    )
+    return diff, math.sqrt(variance), pairs, len(cells)
+
+
+def _pooled_variance(groups: list[list[float]]) -> float:
+    """The within-group variance pooled over groups; all values' variance when no group has two."""
+    squares = sum(sum((v - sum(g) / len(g)) ** 2 for v in g) for g in groups)
+    freedom = sum(len(g) - 1 for g in groups)
+    if freedom > 0:
+        return squares / freedom
+    return _mean_var([v for g in groups for v in g])[1]
