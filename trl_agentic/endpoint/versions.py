@@ -311,9 +311,7 @@ def _paired_difference(
         return 0.0, 0.0, 0, 0
     diff = sum(len(c) * (sum(c) / len(c) - sum(i) / len(i)) for c, i in cells.values()) / pairs
     pooled = [_pooled_variance([cell[arm] for cell in cells.values()]) for arm in (0, 1)]
-    variance = sum(
-        (len(c) / pairs) ** 2 * (pooled[0] / len(c) + pooled[1] / len(i)) for c, i in cells.values()
-    )
+    variance = sum((len(c) / pairs) ** 2 * (pooled[0] / len(c) + pooled[1] / len(i)) for c, i in cells.values())
     return diff, math.sqrt(variance), pairs, len(cells)
 
 
