@@ -10,9 +10,15 @@ the goals:
   before it serves more than its canary share, and the incumbent keeps serving.
 
 ```bash
-python benchmarks/online_benchmark.py --minutes 20 --users 6                 # the measurement
-python benchmarks/online_benchmark.py --minutes 3 --users 2 --eval-size 40   # a quick look
+python benchmarks/online_benchmark.py --minutes 20 --users 4 --eval-size 200      # the learning measurement
+python benchmarks/online_benchmark.py --minutes 4 --users 4 --harmful-step 5      # the harmful update (its own run)
+python benchmarks/online_benchmark.py --minutes 3 --users 2 --eval-size 40        # a quick look
 ```
+
+The learning run and the harmful-update run are separate: in one run, a harmful step that got through would decide
+the learning figure, and the learning figure would hide whether it got through. The defaults are the demo's GRPO
+settings (groups of 12, 4 tasks a step, sampled at 1.2) with every update vetted before the next builds on it
+(`--wait-for-verdict`, serve --train's default).
 
 Traffic repeats tasks, as real traffic does: the users draw from a pool of `--task-pool` popular tasks, each asked
 `--task-repeats` times (by any user) before a fresh task replaces it, and name the task when they end the episode
@@ -174,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.1, help="Share of feedback flipped.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--episodes-per-step", type=int, default=16)
-    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--episodes-per-step", type=int, default=48, help="The demo's (4 tasks x 12).")
+    parser.add_argument("--num-generations", type=int, default=12, help="The demo's.")
     parser.add_argument("--learning-rate", type=float, default=2e-4, help="The demo's.")
     parser.add_argument("--warmup-steps", type=int, default=30, help="The demo's warm-up (then constant).")
     parser.add_argument(
@@ -183,17 +189,27 @@ def main(argv: list[str] | None = None) -> int:
         default="target",
         help="Digits of the users' tasks: 'target' (the held-out's), 'all', or e.g. '1,2'.",
     )
-    parser.add_argument("--temperature", type=float, default=None, help="Serving's (default: the held-out's, 1.0).")
+    parser.add_argument(
+        "--temperature", type=float, default=1.2, help="Serving's, and training's (the demo's GRPO temperature)."
+    )
     parser.add_argument("--task-pool", type=int, default=4, help="Popular tasks at a time (0: every task fresh).")
     parser.add_argument("--task-repeats", type=int, default=None, help="Times each is asked (default: a group).")
-    parser.add_argument("--group-wait", type=float, default=30.0, help="Seconds a step waits for same-task groups.")
+    parser.add_argument(
+        "--group-wait", type=float, default=600.0, help="Seconds a step waits for same-task groups (600: only those)."
+    )
     parser.add_argument("--candidate-share", type=float, default=0.5)
-    parser.add_argument("--min-episodes", type=int, default=32)
-    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--min-episodes", type=int, default=48)
+    parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--confidence", type=float, default=0.8)
     parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
-    parser.add_argument("--wait-for-verdict", action="store_true")
+    parser.add_argument(
+        "--wait-for-verdict",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Each step waits for its candidate's verdict (serve --train's default); --no-wait-for-verdict: training "
+        "goes on while a candidate is on trial.",
+    )
     parser.add_argument(
         "--harmful-step", type=int, default=0, help="Make this step harmful (0: none; the learning run has none)."
     )
@@ -226,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
     serving = copy.deepcopy(model).eval()
-    # users are served at the held-out's temperature, and training scores log-probabilities at the same one (the runs
-    # before served at GRPO's 1.2 and scored at 1.0)
-    temperature = config.temperature if args.temperature is None else args.temperature
+    # users are served at the demo's GRPO temperature, and training scores log-probabilities at the same one (run 1
+    # served at 1.2 and scored at 1.0: the importance-sampling correction compared two distributions); held-out
+    # success is measured at the held-out's 1.0
+    temperature = args.temperature
     engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
     policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
     versions = VersionManager(engine, policy, args.seed)
@@ -366,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         "harmful": harmful,
         "decisions": [(d.action, d.version, d.reason) for d in versions.decisions],
         "online_reward": [e["online/reward"] for e in trainer.state.log_history if "online/reward" in e],
+        "log_history": trainer.state.log_history,
         "fingerprint_groups": [
             e["online/fingerprint_groups"] for e in trainer.state.log_history if "online/fingerprint_groups" in e
         ],

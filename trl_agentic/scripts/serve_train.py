@@ -30,9 +30,12 @@ def make_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-steps", type=int, default=1000, help="Optimizer steps before training stops.")
     group.add_argument(
         "--wait-for-verdict",
-        action="store_true",
-        help="Each step's weights go on trial and the next step waits for the verdict (default: training goes on, "
-        "and the weights go on trial whenever no candidate is).",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Each step's weights go on trial and the next step waits for the verdict, so every update is vetted "
+        "before the next builds on it and trained tokens are at most one version old (the default). "
+        "--no-wait-for-verdict: training goes on, and the weights go on trial whenever no candidate is (faster steps, "
+        "staler tokens: docs/online.md).",
     )
     group.add_argument(
         "--wait-timeout", type=float, default=3600.0, help="Seconds a step waits for episodes or a verdict."
