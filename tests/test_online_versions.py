@@ -130,8 +130,34 @@ def test_the_verdict_pairs_episodes_by_task_so_a_different_task_mix_is_not_read_
     unpaired = trial(False, against, harmful)
     assert [action for _, action, _ in unpaired] == ["promoted"]  # the easy mix hides a worse policy
     paired = trial(True, against, harmful)
-    assert [action for _, action, _ in paired] == ["rolled_back"] and paired[0][0] == 20
-    assert "difference -0.500" in paired[0][2] and "unpaired means 0.400 vs the incumbent's 0.260" in paired[0][2]
+    # its first 40 episodes are of the easy task, which the incumbent served 10 times (< min_episodes on its side):
+    # judged once its first hard-task episode pairs it against the incumbent's 40 of those
+    assert [action for _, action, _ in paired] == ["rolled_back"] and paired[0][0] == 41
+    # (40 x (0.4 - 0.9) + 1 x (0.0 - 0.1)) / 41 = -0.490
+    assert "difference -0.490" in paired[0][2] and "unpaired means 0.390 vs the incumbent's 0.260" in paired[0][2]
+
+
+def test_a_candidate_whose_episodes_fail_fast_waits_for_the_incumbents_episodes_before_it_is_judged():
+    """Reproduces the harmful-update run: the broken candidate's episodes (2 tokens each) were all rewarded 0 before
+    the incumbent had 3 rewards in the window, also 0 by chance, and it was promoted. Now both sides need
+    `min_episodes`, paired or not."""
+    policy = RolloutPolicy(candidate_share=0.5, min_episodes=16, margin=0.1, confidence=0.8, max_episodes=200)
+    for named in (True, False):
+        manager = VersionManager(Engine(), policy, seed=0)
+        manager.add_candidate(Engine(), version=1)
+        tasks = [f"task-{i % 4}" if named else None for i in range(64)]
+        for i in range(3):
+            manager.record_reward(0, 0.0, task=tasks[i])
+        assert [manager.record_reward(1, 0.0, task=tasks[i]) for i in range(32)] == [None] * 32
+        incumbent = [1.0 if i % 4 == 0 else 0.0 for i in range(64)]  # 0.25
+        made = [manager.record_reward(0, value, task=tasks[i]) for i, value in enumerate(incumbent)]
+        window = [(i + 4, d.action) for i, d in enumerate(made) if d is not None]  # the incumbent's reward decides,
+        assert window == [(16, "rolled_back")], named  # once its window holds min_episodes (3 before + 13)
+        assert (
+            "mean reward 0.000" in manager.decisions[-1].reason
+            or "unpaired means 0.000" in manager.decisions[-1].reason
+        )
+        assert manager.incumbent == 0 and manager.candidate is None
 
 
 def test_a_candidate_whose_tasks_the_incumbent_did_not_serve_waits_then_is_judged_unpaired():

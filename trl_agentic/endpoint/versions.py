@@ -7,8 +7,8 @@ endpoint then serves two versions at once:
   probability `candidate_share`, decided from the episode's id, so reproducible) and keeps that version's engine until
   it closes, whatever is promoted meanwhile. Every answer names the version that produced it (the header
   `x-trl-agentic-version`, the trace's `policy_version`, Chat Completions' `system_fingerprint`).
-- **The rule** (`RolloutPolicy`): once the candidate has rewards for `min_episodes` episodes, compare its mean reward
-  with the incumbent's over the same period (the incumbent's episodes rewarded since the candidate arrived; its
+- **The rule** (`RolloutPolicy`): once the candidate has rewards for `min_episodes` episodes (and the incumbent as
+  many over the same period, when it has any there), compare its mean reward with the incumbent's over the same period (the incumbent's episodes rewarded since the candidate arrived; its
   all-time mean when it has none there), with the standard error of the difference. **Paired by task** when clients
   name their tasks (`record_reward(..., task=fingerprint)`): the difference is the mean over the candidate's episodes
   of (its reward minus the incumbent's mean on the same task), counting only tasks both versions served in the
@@ -55,7 +55,8 @@ class RolloutPolicy:
 
     Args:
         candidate_share: share of new episodes the candidate serves while on trial (0 < share <= 1).
-        min_episodes: rewarded episodes the candidate needs before it is judged.
+        min_episodes: rewarded episodes the candidate needs before it is judged, and the incumbent over the same period
+            (paired: on the same tasks); a candidate whose episodes fail fast gets its count first.
         margin: how much lower than the incumbent's its mean reward may be and still be promoted.
         confidence: how sure the verdict must be (one-sided, normal approximation of the difference of the two means):
             promoted once `diff - z * se >= -margin`, rolled back once `diff + z * se < -margin`, where `diff` is the
@@ -182,9 +183,13 @@ class VersionManager:
             entry.tasks.append(task)
             if version == self.incumbent:
                 entry.window.append((float(value), task))
-            if version != self.candidate or len(entry.rewards) < self.policy.min_episodes:
+            # a candidate's reward, or the incumbent's while a candidate waits for its side of the comparison
+            on_trial = self._versions.get(self.candidate) if self.candidate is not None else None
+            if version not in (self.candidate, self.incumbent) or on_trial is None:
                 return None
-            decision = self._decide(version, entry)
+            if len(on_trial.rewards) < self.policy.min_episodes:
+                return None
+            decision = self._decide(self.candidate, on_trial)
             if decision is None:  # not sure yet: the trial goes on
                 return None
             self.decisions.append(decision)
@@ -200,16 +205,21 @@ class VersionManager:
         if not window and not incumbent.rewards:
             self._promote(version, entry)
             return Decision("promoted", version, f"mean reward {candidate_mean:.3f}; the incumbent has none to compare")
+        # Both sides need `min_episodes`: a broken candidate whose episodes fail fast reaches its count first, and
+        # judged then against the incumbent's first few episodes it was promoted (issue 43's harmful-update run)
+        waiting = len(entry.rewards) < policy.max_episodes
         paired = None
         if any(task is not None for task in entry.tasks) and window:
             paired = _paired_difference(list(zip(entry.rewards, entry.tasks, strict=True)), window)
-            if paired[2] < policy.min_episodes and len(entry.rewards) < policy.max_episodes:
-                return None  # clients name tasks: wait until enough of the candidate's episodes pair
-            if paired[2] < policy.min_episodes:
+            if min(paired[2], paired[4]) < policy.min_episodes and waiting:
+                return None  # clients name tasks: wait until enough episodes of each version pair
+            if min(paired[2], paired[4]) < policy.min_episodes:
                 paired = None  # `max_episodes` reached with too few pairs: judged unpaired (said below)
+        elif 0 < len(window) < policy.min_episodes and waiting:
+            return None
         z = NormalDist().inv_cdf(policy.confidence)
         if paired is not None:
-            diff, se, pairs, tasks = paired
+            diff, se, pairs, tasks, _ = paired
             numbers = (
                 f"paired by task over {pairs} of its {len(entry.rewards)} episodes ({tasks} task{'s' * (tasks != 1)} "
                 f"both versions served {over}): difference {diff:+.3f} +- {z * se:.3f} (confidence {policy.confidence:g}), margin "
@@ -292,10 +302,10 @@ def _mean_var(values: list[float]) -> tuple[float, float]:
 
 def _paired_difference(
     candidate: list[tuple[float, str | None]], incumbent: list[tuple[float, str | None]]
-) -> tuple[float, float, int, int]:
+) -> tuple[float, float, int, int, int]:
     """The candidate's mean reward minus the incumbent's, paired by task: over the candidate's episodes of tasks the
     incumbent also served, the mean of (reward - the incumbent's mean on that task). Returns (difference, its standard
-    error, episodes paired, tasks). The error uses each version's within-task variance, pooled over tasks (a task
+    error, the candidate's episodes paired, tasks, the incumbent's episodes on those tasks). The error uses each version's within-task variance, pooled over tasks (a task
     seen once or twice says little about its own spread): `se^2 = sum_t w_t^2 (s_c^2 / n_ct + s_i^2 / n_it)` with
     `w_t = n_ct / n`."""
     by_task: dict[str, tuple[list[float], list[float]]] = {}
@@ -308,11 +318,11 @@ def _paired_difference(
     cells = {task: cell for task, cell in by_task.items() if cell[1]}
     pairs = sum(len(c) for c, _ in cells.values())
     if not pairs:
-        return 0.0, 0.0, 0, 0
+        return 0.0, 0.0, 0, 0, 0
     diff = sum(len(c) * (sum(c) / len(c) - sum(i) / len(i)) for c, i in cells.values()) / pairs
     pooled = [_pooled_variance([cell[arm] for cell in cells.values()]) for arm in (0, 1)]
     variance = sum((len(c) / pairs) ** 2 * (pooled[0] / len(c) + pooled[1] / len(i)) for c, i in cells.values())
-    return diff, math.sqrt(variance), pairs, len(cells)
+    return diff, math.sqrt(variance), pairs, len(cells), sum(len(i) for _, i in cells.values())
 
 
 def _pooled_variance(groups: list[list[float]]) -> float:
