@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--candidate-share", type=float, default=0.5)
     parser.add_argument("--min-episodes", type=int, default=48)
-    parser.add_argument("--margin", type=float, default=0.1)
+    parser.add_argument("--margin", type=float, default=0.05)
     parser.add_argument("--confidence", type=float, default=0.8)
     parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
