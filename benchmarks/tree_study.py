@@ -185,7 +185,11 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
         if args.warm_start_only:
             return {"seed": seed, "warm_start": info, "breakdown": breakdown}
         tree_settings = {"rollout_tree": True, **dict(_parse(item) for item in args.tree_set)} if arm == "tree" else {}
-        config = grpo_config(settings, suite, output_dir, **tree_settings)
+        # PipelineConfig's tree fields (rollout_tree, tree_branches, ...) through it, the others as config overrides
+        fields = {f.name for f in dataclasses.fields(settings)}
+        settings = dataclasses.replace(settings, **{k: v for k, v in tree_settings.items() if k in fields})
+        overrides = {k: v for k, v in tree_settings.items() if k not in fields}
+        config = grpo_config(settings, suite, output_dir, **overrides)
         callbacks = make_callbacks(settings, evaluator, held_out=held_out)
         set_seed(seed)
         train_started = time.monotonic()
