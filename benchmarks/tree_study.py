@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -244,6 +245,11 @@ def _parse(item: str) -> tuple[str, object]:
         return name, raw
 
 
+def two_standard_errors(p0: float, p1: float, n: int) -> float:
+    """Two standard errors of the difference of two success rates, each measured on `n` independent episodes."""
+    return 2 * math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
+
+
 def seed_line(flat: dict | None, tree: dict | None) -> str:
     if flat is None or tree is None:
         return "  (missing: " + ", ".join(a for a, r in (("flat", flat), ("tree", tree)) if r is None) + ")"
@@ -255,9 +261,19 @@ def seed_line(flat: dict | None, tree: dict | None) -> str:
     # Equal tokens: at the smaller of the two totals, each curve interpolated there.
     equal = min(flat_tokens, tree_tokens)
     flat_at, tree_at = interpolate(flat_points, equal), interpolate(tree_points, equal)
-    verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or (tree_at or 0) > (flat_at or 0) else "misses"
-    if flat_final <= flat_points[0][2]:
+    # With the held-out set's size known, differences within two standard errors are noise: a flat arm that gained
+    # less has no level to reach, and "beats at equal tokens" needs more than that margin.
+    n = (flat.get("settings") or {}).get("eval_size")
+    before = flat_points[0][2]
+    beats = (tree_at or 0) - (flat_at or 0) > (two_standard_errors(flat_at or 0, tree_at or 0, n) if n else 0)
+    verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or beats else "misses"
+    if flat_final <= before:
         verdict = "n/a (the flat arm did not gain: no level to reach)"
+    elif n and flat_final - before <= two_standard_errors(before, flat_final, n):
+        verdict = (
+            f"n/a (the flat arm's gain, {flat_final - before:+.1%}, is within two standard errors, "
+            f"{two_standard_errors(before, flat_final, n):.1%}, of {n} episodes)"
+        )
     return (
         f"  {flat['seed']:>4} {flat_points[0][2]:>7.1%} {flat_final:>7.1%} {flat_tokens:>9,} {tree_final:>7.1%} "
         f"{tree_tokens:>9,} {('never' if reach is None else f'{reach:,}'):>9} "
