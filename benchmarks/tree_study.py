@@ -2,21 +2,23 @@
 
 On `trl_agentic.tasks.precedence` (the first of three model calls, which operation to evaluate first, decides the
 outcome: a wrong one leaves no call to undo it), for each seed one warm-started model (the pipeline's warm start,
-cached per seed) is trained twice with the same GRPO settings:
+cached per seed, on demonstrations whose first operation is wrong `--decision-noise` of the time, 0.5: the model
+learns the mechanics and is left at chance on the decision) is trained twice with the same GRPO settings:
 
 - `flat`: `AgenticGRPOTrainer` as today (`rollout_tree=False`);
 - `tree`: the same with `rollout_tree=True` (its knobs: `--tree-set NAME=VALUE`).
 
 Both arms are measured identically: held-out success (the eval split, one episode per task, success over all
-episodes) before training and every `--eval-every` steps. Cost is counted in **sampled tokens**: the completion tokens
+episodes) before training and every `eval_every` steps, and before and after training what the episodes got right
+(`decision_breakdown`: the first operation, and success given it). Cost is counted in **sampled tokens**: the completion tokens
 the engine sampled during training, read back from the episode log; a branch's replayed turns (`Turn.replayed`) are
 the parent's tokens and are not counted. Per seed the script prints the flat arm's final success, the sampled tokens
 the tree arm needed to reach it (ratio to the flat arm's total, goal <= 0.6) and both arms' success at equal sampled
 tokens (the flat curve interpolated at the tree arm's last point, or the tree curve at the flat arm's total).
 
 ```bash
-python benchmarks/tree_study.py --arms flat                        # the flat arm of seeds 0-2 (no tree code needed)
-python benchmarks/tree_study.py --arms tree --tree-set tree_branches=4
+python benchmarks/tree_study.py --warm-start-only --seeds 0         # the warm start, its held-out first-op accuracy
+python benchmarks/tree_study.py --warm-start-seed 0 --tree-set tree_branches=4 --tree-set tree_branch_points=first
 python benchmarks/tree_study.py --report-only                      # the table from the runs in --output-dir
 python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
 ```
@@ -31,6 +33,7 @@ import argparse
 import dataclasses
 import gzip
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,24 +48,63 @@ RATIO_GOAL = 0.6
 STUDY_SETTINGS = dict(
     task_sampling="uniform",
     levels=(1,),  # the target level alone (operands up to 9)
-    steps=30,
+    steps=100,  # at 50 the flat arm's held-out gain was beyond noise on seed 0 only (+17.5, +4.0, +3.5 points)
     learning_rate=2e-4,  # 5e-4 with 16 episodes a step collapsed the flat arm of seed 0 (95% malformed calls by step 15)
     warmup_steps=5,
     decay_steps=10,
     num_generations=8,
     tasks_per_step=4,
-    eval_size=64,
+    eval_size=200,
     eval_every=10,
     max_completion_length=48,
     max_turns=4,
     train_size=3000,
-    # The warm start, cut for a loaded 2-core machine (the demo's: 600 / 32, 64 tasks checked every phase-2 step)
-    short_steps=400,
-    short_batch_size=16,
+    # The warm start at the demo's length (600 phase-1 steps of 32, up to 200 phase-2 steps of 16), on demonstrations
+    # whose first operation is wrong half the time (`--decision-noise`): it stops once the model solves 35% of 48
+    # training-split tasks (at most ~50% with the decision at chance: copying right ~70% of the time).
+    short_steps=600,
+    short_batch_size=32,
     full_steps=200,
-    validation_size=32,
+    warm_start_target=0.35,
+    validation_size=48,
     warm_start_check_every=4,
 )
+DECISION_NOISE = 0.5  # the warm start's demonstrations take the wrong first operation this often
+
+
+def study_suite(decision_noise: float = DECISION_NOISE):
+    """The precedence suite whose demonstrations take the wrong first operation `decision_noise` of the time
+    (`precedence_demonstrations(decision_noise=...)`): the warm start learns the mechanics, not the decision."""
+    import functools
+
+    from trl_agentic.tasks.precedence import PRECEDENCE, precedence_demonstrations
+
+    demonstrations = functools.partial(precedence_demonstrations, decision_noise=decision_noise)
+    return dataclasses.replace(PRECEDENCE, demonstrations=demonstrations)
+
+
+def decision_breakdown(tasks: list[dict], episodes: list, rewards: list) -> dict[str, float]:
+    """What the episodes got right: `first_op_right` (the first tool call names the reference's first tool: the
+    decision), `success`, and `success_given_right` (success among those: how well the rest, copying operands and
+    results, goes)."""
+    from trl_agentic.tasks.precedence import reference_calls
+
+    right, wins, wins_right = 0, 0, 0
+    for task, episode, reward in zip(tasks, episodes, rewards, strict=True):
+        calls = [c for t in episode.turns for c in t.response_message.get("tool_calls") or []]
+        first = calls[0]["function"].get("name") if calls else None
+        is_right = first == reference_calls(task["expression"])[0][0]
+        won = reward is not None and reward >= 1.0
+        right, wins, wins_right = right + is_right, wins + won, wins_right + (won and is_right)
+    n = max(len(episodes), 1)
+    return {"first_op_right": right / n, "success": wins / n, "success_given_right": wins_right / max(right, 1)}
+
+
+def measure(evaluator, model, seed: int) -> dict[str, float]:
+    """Held-out success (as `HeldOutEvaluator.evaluate`) with its `decision_breakdown`."""
+    episodes = evaluator.run(model, seed)
+    rewards, _, _ = evaluator.score(episodes)
+    return decision_breakdown(evaluator.tasks, episodes, rewards)
 
 
 def sampled_tokens_by_step(episode_log: Path) -> dict[int, int]:
@@ -118,8 +160,8 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     from trl_agentic.pipeline.data import grpo_tasks, warm_start_demonstrations
     from trl_agentic.pipeline.grpo import grpo_config, make_callbacks, train_grpo
     from trl_agentic.pipeline.printing import quiet_libraries
-    from trl_agentic.tasks.precedence import PRECEDENCE as suite
 
+    suite = study_suite(args.decision_noise)
     torch.set_num_threads(1)
     quiet_libraries()
     settings = pipeline.PipelineConfig(seed=seed, **STUDY_SETTINGS)
@@ -140,9 +182,17 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     )
     held_out: dict[int, float] = {}
     try:
-        before = evaluator.evaluate(model, seed=seed)["success"]
+        breakdown = {"before": measure(evaluator, model, seed)}
+        before = breakdown["before"]["success"]
+        print(f"held-out before: {breakdown['before']}", flush=True)
+        if args.warm_start_only:
+            return {"seed": seed, "warm_start": info, "breakdown": breakdown}
         tree_settings = {"rollout_tree": True, **dict(_parse(item) for item in args.tree_set)} if arm == "tree" else {}
-        config = grpo_config(settings, suite, output_dir, **tree_settings)
+        # PipelineConfig's tree fields (rollout_tree, tree_branches, ...) through it, the others as config overrides
+        fields = {f.name for f in dataclasses.fields(settings)}
+        settings = dataclasses.replace(settings, **{k: v for k, v in tree_settings.items() if k in fields})
+        overrides = {k: v for k, v in tree_settings.items() if k not in fields}
+        config = grpo_config(settings, suite, output_dir, **overrides)
         callbacks = make_callbacks(settings, evaluator, held_out=held_out)
         set_seed(seed)
         train_started = time.monotonic()
@@ -157,6 +207,10 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
             train_dataset=grpo_tasks(suite, settings, warm_start_demonstrations(suite, settings)),
         )
         train_seconds = time.monotonic() - train_started
+        # The held-out tasks again, sampled with the seed of the "before" measurement (the evaluations during training
+        # use seed + step): a second draw beside the last evaluation's, with what the episodes got right
+        breakdown["after"] = measure(evaluator, model, seed)
+        print(f"held-out after: {breakdown['after']}", flush=True)
     finally:
         evaluator.close()
     held_out = {0: before, **held_out}
@@ -171,6 +225,8 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
         "warm_start_seed": warm_seed,
         "warm_start": {k: info.get(k) for k in ("cached", "seconds", "validation_success", "cache_dir")},
         "held_out": held_out,
+        "breakdown": breakdown,
+        "decision_noise": args.decision_noise,
         "sampled_tokens_by_step": tokens,
         "curve": curve(held_out, tokens),
         "train_seconds": train_seconds,
@@ -193,6 +249,11 @@ def _parse(item: str) -> tuple[str, object]:
         return name, raw
 
 
+def two_standard_errors(p0: float, p1: float, n: int) -> float:
+    """Two standard errors of the difference of two success rates, each measured on `n` independent episodes."""
+    return 2 * math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / n)
+
+
 def seed_line(flat: dict | None, tree: dict | None) -> str:
     if flat is None or tree is None:
         return "  (missing: " + ", ".join(a for a, r in (("flat", flat), ("tree", tree)) if r is None) + ")"
@@ -204,9 +265,19 @@ def seed_line(flat: dict | None, tree: dict | None) -> str:
     # Equal tokens: at the smaller of the two totals, each curve interpolated there.
     equal = min(flat_tokens, tree_tokens)
     flat_at, tree_at = interpolate(flat_points, equal), interpolate(tree_points, equal)
-    verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or (tree_at or 0) > (flat_at or 0) else "misses"
-    if flat_final <= flat_points[0][2]:
+    # With the held-out set's size known, differences within two standard errors are noise: a flat arm that gained
+    # less has no level to reach, and "beats at equal tokens" needs more than that margin.
+    n = (flat.get("settings") or {}).get("eval_size")
+    before = flat_points[0][2]
+    beats = (tree_at or 0) - (flat_at or 0) > (two_standard_errors(flat_at or 0, tree_at or 0, n) if n else 0)
+    verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or beats else "misses"
+    if flat_final <= before:
         verdict = "n/a (the flat arm did not gain: no level to reach)"
+    elif n and flat_final - before <= two_standard_errors(before, flat_final, n):
+        verdict = (
+            f"n/a (the flat arm's gain, {flat_final - before:+.1%}, is within two standard errors, "
+            f"{two_standard_errors(before, flat_final, n):.1%}, of {n} episodes)"
+        )
     return (
         f"  {flat['seed']:>4} {flat_points[0][2]:>7.1%} {flat_final:>7.1%} {flat_tokens:>9,} {tree_final:>7.1%} "
         f"{tree_tokens:>9,} {('never' if reach is None else f'{reach:,}'):>9} "
@@ -254,6 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warm-start-seed", type=int, default=None, help="One warm start for every seed (default: each seed's own)."
     )
+    parser.add_argument(
+        "--decision-noise",
+        type=float,
+        default=DECISION_NOISE,
+        help="The share of warm-start demonstrations that take the wrong first operation.",
+    )
+    parser.add_argument(
+        "--warm-start-only",
+        action="store_true",
+        help="Build (or load) the warm start and print its held-out success and first-operation accuracy.",
+    )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
     parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
@@ -262,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
+    if args.warm_start_only:
+        record = run_one(args.seeds[0], "flat", args)
+        (output_dir / "warm-start.json").write_text(json.dumps(record, indent=2, default=str))
+        return 0
     if args.one_run is not None:
         seed, arm = int(args.one_run[0]), args.one_run[1]
         record = run_one(seed, arm, args)

@@ -15,6 +15,7 @@ from trl_agentic.tasks.precedence import (
     multiply,
     precedence_demonstrations,
     reference_calls,
+    wrong_order_calls,
 )
 from trl_agentic.tasks.splits import split_of
 from trl_agentic.trace import Episode
@@ -114,3 +115,71 @@ def test_demonstrations_are_what_the_agent_sends_and_the_checker_scores_them_1()
     # The precedence mistake's answer scores 0.
     wrong = [Episode(id="w", status="ok", result="The answer is 120.")]
     assert calculator_correct([None], [[]], [43], episodes=wrong) == [0.0]
+
+
+def _calls(demonstration):
+    return [
+        (m["tool_calls"][0]["function"]["name"], m["tool_calls"][0]["function"]["arguments"], m["tool_calls"][0]["id"])
+        for m in demonstration["messages"]
+        if m.get("tool_calls")
+    ]
+
+
+def test_the_wrong_order_evaluates_the_other_operation_first_with_its_results_copied_right():
+    assert wrong_order_calls("7 + 3 * 12") == [("add", 7, 3, 10), ("multiply", 10, 12, 120)]
+    assert wrong_order_calls("7 * 3 + 12") == [("add", 3, 12, 15), ("multiply", 7, 15, 105)]
+    assert wrong_order_calls("(7 + 3) * 12") == [("multiply", 3, 12, 36), ("add", 7, 36, 43)]
+    assert wrong_order_calls("7 * (3 + 12)") == [("multiply", 7, 3, 21), ("add", 21, 12, 33)]
+    for row in build_precedence_dataset("train", 100, seed=3):
+        (right, _), (wrong, _) = reference_calls(row["expression"]), wrong_order_calls(row["expression"])
+        assert right[0] != wrong[0] and not finishable(row["expression"], wrong[:3])
+        assert wrong_order_calls(row["expression"])[-1][-1] != row["answer"]  # decisive: the mistake never wins
+
+
+def test_decision_noise_makes_the_first_operation_wrong_at_its_rate_and_keeps_the_mechanics_right():
+    clean = precedence_demonstrations(20, seed=0)
+    assert precedence_demonstrations(20, seed=0, decision_noise=0.0) == clean  # noise 0: unchanged
+    noisy = precedence_demonstrations(20, seed=0, decision_noise=0.5)
+    # The same questions, system prompt and tools; only the order of some demonstrations' calls differs.
+    assert [d["messages"][:2] for d in noisy] == [d["messages"][:2] for d in clean]
+    assert all(d["tools"] == AGENT.tool_schemas for d in noisy)
+    wrong = [int(_calls(n)[0][0] != _calls(c)[0][0]) for n, c in zip(noisy, clean, strict=True)]
+    assert wrong == [0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]  # the stream of seed 0
+    assert (
+        sum(
+            _calls(n)[0][0] != _calls(c)[0][0]
+            for n, c in zip(
+                precedence_demonstrations(400, seed=0, decision_noise=0.5), precedence_demonstrations(400), strict=True
+            )
+        )
+        == 214
+    )  # 53.5% of 400
+    for demonstration, is_wrong in zip(noisy, wrong, strict=True):
+        messages = demonstration["messages"]
+        expression = messages[1]["content"].removeprefix("What is ").removesuffix("?")
+        expected = (wrong_order_calls if is_wrong else reference_calls)(expression)
+        assert [m["role"] for m in messages] == [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "assistant",
+            "tool",
+            "assistant",
+        ]
+        # Well-formed calls with the operands and results copied right, and the last result as the answer.
+        assert _calls(demonstration) == [
+            (tool, {"a": a, "b": b}, f"call_{i}") for i, (tool, a, b, _) in enumerate(expected)
+        ]
+        assert [m["content"] for m in messages if m["role"] == "tool"] == [str(r) for *_, r in expected]
+        assert [m["name"] for m in messages if m["role"] == "tool"] == [t for t, *_ in expected]
+        assert messages[-1]["content"] == f"The answer is {expected[-1][-1]}."
+        episode = Episode(id="d", status="ok", result=messages[-1]["content"])
+        assert calculator_correct([None], [messages[2:]], [eval(expression)], episodes=[episode]) == [1.0 - is_wrong]
+    everything_wrong = precedence_demonstrations(5, seed=1, decision_noise=1.0)
+    assert [_calls(d)[0][0] for d in everything_wrong] == [
+        wrong_order_calls(d["messages"][1]["content"].removeprefix("What is ").removesuffix("?"))[0][0]
+        for d in everything_wrong
+    ]
+    with pytest.raises(ValueError, match=r"decision_noise must be a probability in \[0, 1\], got 1.5"):
+        precedence_demonstrations(2, decision_noise=1.5)

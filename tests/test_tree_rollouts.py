@@ -130,10 +130,13 @@ def test_branch_point_rules():
     assert first_tool_error(episode) == 2  # call 2's reply was answered with an error
     assert branch_candidates(episode, "tool_error", rng)[0] == 2
     assert sorted(branch_candidates(episode, "uniform", rng)) == [1, 2, 3]
+    assert branch_candidates(episode, "first", rng) == [1, 2, 3]  # after the first call, then in order
     # A branch is branched after its own branch point only; a one-call episode not at all.
     episode.metadata[TREE_KEY] = {"root": "r", "parent": "r", "branch_point": 2}
     assert branch_candidates(episode, "entropy", rng) == [3]
+    assert branch_candidates(episode, "first", rng) == [3]
     assert branch_candidates(Episode("one", turns=calls[:1]), "uniform", rng) == []
+    assert branch_candidates(Episode("one", turns=calls[:1]), "first", rng) == []
     assert first_tool_error(Episode("m", turns=[turn(0, [1], [5], malformed=True), calls[1]])) == 0
 
 

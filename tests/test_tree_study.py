@@ -73,3 +73,36 @@ def test_the_seed_line_compares_the_arms_at_the_flat_final_success_and_at_equal_
     assert "missing: tree" in study.seed_line(flat, None)
     fell = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1000, 0.0]]}
     assert study.seed_line(fell, tree).endswith("n/a (the flat arm did not gain: no level to reach)")
+    # With the held-out size known: 20% -> 50% on 200 episodes is beyond two standard errors (2 x 0.0458 = 9.2%)...
+    assert study.two_standard_errors(0.2, 0.5, 200) == pytest.approx(2 * ((0.16 + 0.25) / 200) ** 0.5)
+    sized = {**flat, "settings": {"eval_size": 200}}
+    assert study.seed_line(sized, tree).split()[-1] == "meets"
+    # ...20% -> 25% on 200 is not (8.3%): the flat arm's gain is noise, there is no level to reach.
+    small = {"seed": 0, "curve": [[0, 0, 0.2], [10, 1000, 0.25]], "settings": {"eval_size": 200}}
+    assert study.seed_line(small, tree).endswith(
+        "n/a (the flat arm's gain, +5.0%, is within two standard errors, 8.3%, of 200 episodes)"
+    )
+    # At equal tokens a lead within two standard errors is not a win: 34% vs 40% at 1,200 tokens on 200 episodes.
+    level = {"seed": 0, "curve": [[0, 0, 0.2], [10, 600, 0.25], [20, 1200, 0.40]]}
+    assert study.seed_line(sized, level).split()[-1] == "misses"
+    assert study.seed_line(flat, level).split()[-1] == "meets"  # (without the size: any lead)
+
+
+def test_the_decision_breakdown_counts_the_first_operation_and_success_given_it(study):
+    from trl_agentic.trace import Episode, Turn
+
+    def episode(*tools):
+        calls = [{"function": {"name": name, "arguments": {"a": 1, "b": 2}}} for name in tools]
+        turns = [Turn(i, [1], [2], [-0.5], "stop", response_message={"tool_calls": [c]}) for i, c in enumerate(calls)]
+        return Episode(str(tools), status="ok", turns=turns + [Turn(len(calls), [1], [2], [-0.5], "stop")])
+
+    tasks = [{"expression": e} for e in ("7 + 3 * 4", "(7 + 3) * 4", "7 * 3 + 4", "7 * (3 + 4)", "3 + 4 * 5")]
+    episodes = [
+        episode("multiply", "add"),  # right, won
+        episode("add", "multiply"),  # right, copied wrong
+        episode("add", "multiply"),  # the precedence mistake
+        episode(),  # no call
+        episode("multiply", "add"),  # right, unscorable
+    ]
+    result = study.decision_breakdown(tasks, episodes, [1.0, 0.0, 0.0, 0.0, None])
+    assert result == {"first_op_right": 3 / 5, "success": 1 / 5, "success_given_right": 1 / 3}

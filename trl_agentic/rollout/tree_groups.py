@@ -18,6 +18,9 @@ own branch point would make a sibling of the parent, not a child. The rules (`TR
 - `"tool_error"`: the call whose reply led to the first tool error of the parent (a malformed tool call, or a tool
   result starting with `"Error"`, as `ToolAgent` and the tool loop answer a broken call): that decision sampled again
   (`k` may then be the parent's own first sampled call). Without a tool error: `"uniform"`.
+- `"first"`: the earliest of those calls (`b + 1`: a root is branched after its first call), then the next ones in
+  order: siblings share the parent's first call, so the leaves under it estimate that call's value (a task whose
+  first call is the decision, `trl_agentic/tasks/precedence.py`).
 
 The slots of a group: roots first, then the branches level by level; a branch's `group_index` is its slot in the group
 and its `task_index` its parent's (`rollout/replay.py`). Each episode's `metadata["tree"]` says where it sits:
@@ -42,7 +45,7 @@ from .runner import EpisodeServer, run_episode
 from .tree import GroupTree, group_tree
 
 
-TREE_BRANCH_POINTS = ("uniform", "entropy", "tool_error")
+TREE_BRANCH_POINTS = ("uniform", "entropy", "tool_error", "first")
 TREE_KEY = "tree"  # episode.metadata[TREE_KEY] = {"root", "parent", "branch_point"} (+ "segments" once trained)
 
 
@@ -126,8 +129,8 @@ def branch_candidates(episode: Episode, rule: str, rng: random.Random) -> list[i
             rest = [k for k in candidates if k != error]
             rng.shuffle(rest)
             return [error] + rest
-    if not candidates:
-        return []
+    if not candidates or rule == "first":
+        return candidates
     if rule == "entropy" and any(math.isfinite(surprisal(calls[k])) for k in candidates):
         return sorted(candidates, key=lambda k: (-surprisal(calls[k]), k))
     rng.shuffle(candidates)

@@ -94,13 +94,35 @@ def reference_calls(expression: str) -> list[tuple[str, int, int, int]]:
     [('add', 3, 4, 7), ('multiply', 2, 7, 14)]
     ```
     """
+    return _calls_in_order(expression, wrong_order=False)
+
+
+def wrong_order_calls(expression: str) -> list[tuple[str, int, int, int]]:
+    """The precedence mistake, carried out correctly: the other operation evaluated first (`add(7, 3)` for
+    `7 + 3 * 4`), then the second on its result. Well-formed calls, operands and results copied right; the last
+    result is not the answer (the questions are `decisive`).
+
+    Example:
+
+    ```python
+    >>> wrong_order_calls("7 + 3 * 4")
+    [('add', 7, 3, 10), ('multiply', 10, 4, 40)]
+    >>> wrong_order_calls("(2 + 3) * 4")
+    [('multiply', 3, 4, 12), ('add', 2, 12, 14)]
+    ```
+    """
+    return _calls_in_order(expression, wrong_order=True)
+
+
+def _calls_in_order(expression: str, wrong_order: bool) -> list[tuple[str, int, int, int]]:
     match = _EXPRESSION.match(expression)
     if match is None or expression.count("(") != expression.count(")"):
         raise ValueError(f"{expression!r} is not one of the shapes {SHAPES}")
     a, first, b, second, c = match.groups()
     a, b, c = int(a), int(b), int(c)
     name = {"+": "add", "*": "multiply"}
-    if expression.startswith("(") or (first == "*" and "(" not in expression):  # (a + b) * c, a * b + c
+    left_first = expression.startswith("(") or (first == "*" and "(" not in expression)  # (a + b) * c, a * b + c
+    if left_first != wrong_order:
         inner = int(TOOLS[name[first]](a, b))
         return [(name[first], a, b, inner), (name[second], inner, c, int(TOOLS[name[second]](inner, c)))]
     inner = int(TOOLS[name[second]](b, c))  # a * (b + c), a + b * c
@@ -171,8 +193,17 @@ def build_precedence_dataset(
 AGENT = ToolAgent([add, multiply], max_rounds=MAX_ROUNDS)
 
 
-def precedence_demonstrations(n: int, seed: int = 0, max_operand: int = 9) -> list[dict[str, Any]]:
+def precedence_demonstrations(
+    n: int, seed: int = 0, max_operand: int = 9, decision_noise: float = 0.0
+) -> list[dict[str, Any]]:
     """The reference solver on `n` training questions: the first operation, the second on its result, the answer.
+
+    `decision_noise`: the share of demonstrations that take the other operation first (`wrong_order_calls`: the
+    precedence mistake, with well-formed calls, operands and tool results copied right, and `The answer is N.` with
+    the last result), each drawn independently from a stream of its own seeded by `seed`. At 0.5 a warm start on them
+    learns the mechanics (the call format, copying numbers) and is left at chance on the decision, which is then what
+    GRPO has to learn (`benchmarks/tree_study.py`); those demonstrations are not all successful. 0: every
+    demonstration is the reference solver's (the stream is not drawn from).
 
     Example:
 
@@ -182,15 +213,20 @@ def precedence_demonstrations(n: int, seed: int = 0, max_operand: int = 9) -> li
     ['system', 'user', 'assistant', 'tool', 'assistant', 'tool', 'assistant']
     ```
     """
+    if not 0.0 <= decision_noise <= 1.0:
+        raise ValueError(f"decision_noise must be a probability in [0, 1], got {decision_noise!r}")
+    noise = random.Random(f"precedence-decision-noise-{seed}")
     solved = []
     for row in build_precedence_dataset("train", n, seed, max_operand):
+        wrong = decision_noise > 0 and noise.random() < decision_noise
+        calls = wrong_order_calls(row["expression"]) if wrong else reference_calls(row["expression"])
         messages = list(row["prompt"])
-        for index, (tool, a, b, result) in enumerate(reference_calls(row["expression"])):
+        for index, (tool, a, b, result) in enumerate(calls):
             call_id = f"call_{index}"
             call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": {"a": a, "b": b}}}
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": call_id, "name": tool, "content": str(result)})
-        messages.append({"role": "assistant", "content": f"The answer is {row['answer']}."})
+        messages.append({"role": "assistant", "content": f"The answer is {calls[-1][-1]}."})
         solved.append({"messages": messages, "tools": AGENT.tool_schemas})
     return solved
 
