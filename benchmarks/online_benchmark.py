@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             (
                 v
                 for v in sorted(rows)
-                if v >= args.harmful_step and not any(args.harmful_step <= s <= v for s in trainer.restored_at)
+                # a rollback acted on at global step s restores the weights before step s + 1 trains: versions up
+                # to s may carry the update, later ones do not
+                if v >= args.harmful_step and not any(args.harmful_step <= s < v for s in trainer.restored_at)
             ),
             None,
         )
@@ -383,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         "harmful": harmful,
         "decisions": [(d.action, d.version, d.reason) for d in versions.decisions],
         "online_reward": [e["online/reward"] for e in trainer.state.log_history if "online/reward" in e],
+        "versions": list(rows.values()),
         "log_history": trainer.state.log_history,
         "fingerprint_groups": [
             e["online/fingerprint_groups"] for e in trainer.state.log_history if "online/fingerprint_groups" in e
