@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--confidence", type=float, default=0.8)
     parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
+    parser.add_argument("--length-guard", type=float, default=0.5, help="RolloutPolicy.length_guard (<= 0: off).")
     parser.add_argument(
         "--wait-for-verdict",
         action=argparse.BooleanOptionalAction,
@@ -247,7 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     # success is measured at the held-out's 1.0
     temperature = args.temperature
     engine = build_engine(serving, tokenizer, max_batch_size=32, batch_wait_ms=5.0)
-    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    policy = RolloutPolicy(
+        args.candidate_share,
+        args.min_episodes,
+        args.margin,
+        args.confidence,
+        args.max_episodes,
+        args.length_guard if args.length_guard > 0 else None,
+    )
     versions = VersionManager(engine, policy, args.seed)
     store = SQLiteEpisodeStore(workdir / "store.db")
     app = create_endpoint_app(

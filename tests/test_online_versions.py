@@ -160,6 +160,41 @@ def test_a_candidate_whose_episodes_fail_fast_waits_for_the_incumbents_episodes_
         assert manager.incumbent == 0 and manager.candidate is None
 
 
+def test_the_length_guard_rolls_back_a_candidate_whose_episodes_change_length_whatever_its_reward():
+    """The harmful-update runs' spikes that the reward let through: answers as often right, every episode at the token
+    limit (48 against 31), or cut to a few tokens. With `length_guard=0.5` both are rolled back once each version has
+    `min_episodes`; a candidate within 1.5x is judged on its reward as before, and with the guard off nothing
+    changes."""
+    incumbent_tokens = [30, 32, 31, 31] * 5  # 31 a episode
+    rewards = [1.0, 0.0, 0.0, 0.0] * 5  # the same for both versions
+
+    def trial(guard, candidate_tokens):
+        policy = RolloutPolicy(candidate_share=0.5, min_episodes=20, margin=0.1, confidence=0.5, length_guard=guard)
+        manager = VersionManager(Engine(), policy, seed=0)
+        manager.add_candidate(Engine(), version=1)
+        for value, tokens in zip(rewards, incumbent_tokens, strict=True):
+            manager.record_reward(0, value, tokens=tokens)
+        made = [
+            manager.record_reward(1, value, tokens=tokens)
+            for value, tokens in zip(rewards, candidate_tokens, strict=True)
+        ]
+        return [(i + 1, d.action, d.reason) for i, d in enumerate(made) if d is not None]
+
+    to_the_limit = trial(0.5, [48] * 20)
+    assert [(n, action) for n, action, _ in to_the_limit] == [(20, "rolled_back")]
+    assert (
+        "length guard: 48.0 sampled tokens per episode over 20 episodes vs the incumbent's 31.0" in to_the_limit[0][2]
+    )
+    assert "(1.55x, outside 1/1.5-1.5x)" in to_the_limit[0][2]
+    cut_short = trial(0.5, [2, 3] * 10)
+    assert [(n, action) for n, action, _ in cut_short] == [(20, "rolled_back")] and "(0.08x" in cut_short[0][2]
+    within = trial(0.5, [40] * 20)  # 1.29x: judged on the reward, as good: promoted
+    assert [(n, action) for n, action, _ in within] == [(20, "promoted")]
+    assert [action for _, action, _ in trial(None, [48] * 20)] == ["promoted"]  # off: the reward alone
+    with pytest.raises(ValueError, match="length_guard"):
+        RolloutPolicy(length_guard=0.0)
+
+
 def test_a_candidate_whose_tasks_the_incumbent_did_not_serve_waits_then_is_judged_unpaired():
     policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1, confidence=0.5, max_episodes=8)
     manager = VersionManager(Engine(), policy, seed=0)
@@ -229,6 +264,7 @@ def test_every_answer_names_its_version_and_an_episode_never_changes_version(tok
         assert feedback.status_code == 200
         version = named.turns[0].policy_version
         assert manager._versions[version].tasks[-1] == task_fingerprint("What is 6 * 7?")
+        assert manager._versions[version].tokens[-1] == named.num_sampled_tokens > 0  # for the length guard
 
 
 def test_a_swap_neither_fails_nor_stalls_a_request_in_flight(tokenizer):

@@ -157,6 +157,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-episodes", type=int, default=None, help="Rewarded episodes before an unproven candidate is rolled back."
     )
+    group.add_argument(
+        "--length-guard",
+        type=float,
+        default=None,
+        help="Roll back a candidate whose sampled tokens per episode differ from the incumbent's by more than this "
+        "factor either way (0.5: above 1.5x or below 1/1.5x), whatever its reward (default: off).",
+    )
     group.add_argument("--version-poll", type=float, default=1.0, help="Seconds between two looks for new versions.")
 
 
@@ -213,7 +220,9 @@ def serve_published_versions(args, engine, tokenizer, store, admin_token: str, b
     from .versions import RolloutPolicy, VersionManager
 
     device, dtype, shown_token, origin = banner
-    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    policy = RolloutPolicy(
+        args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes, args.length_guard
+    )
     versions = VersionManager(engine, policy)
 
     def load(path: str, version: int):

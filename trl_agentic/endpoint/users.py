@@ -164,7 +164,9 @@ class UserEpisodes:
         if first:
             episode = self.store.get_episode(episode_id)[0]
             version = episode.turns[0].policy_version if episode.turns else None
-            self.versions.record_reward(version, float(value), task=episode.metadata.get("fingerprint"))
+            self.versions.record_reward(
+                version, float(value), task=episode.metadata.get("fingerprint"), tokens=episode.num_sampled_tokens
+            )
         return reward_id
 
     def close_all(self) -> None:

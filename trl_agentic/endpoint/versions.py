@@ -64,6 +64,11 @@ class RolloutPolicy:
             on. 0.5 (z = 0) compares the means alone.
         max_episodes: rewarded episodes after which a candidate not shown safe is rolled back (default
             `4 * min_episodes`): a harmful update's exposure is bounded by its share and this.
+        length_guard: a guard beside the reward (`None`: off). Once both versions have `min_episodes`, a candidate
+            whose mean sampled tokens per episode differ from the incumbent's by more than this factor (either way:
+            0.5 rolls back above 1.5x and below 1/1.5x) is rolled back, whatever its reward. The reward alone let
+            through learning-rate spikes that left answers as often right but ran every episode to the token limit,
+            or cut them to a few tokens (docs/benchmarks.md, "Online RL").
     """
 
     candidate_share: float = 0.1
@@ -71,6 +76,7 @@ class RolloutPolicy:
     margin: float = 0.05
     confidence: float = 0.95
     max_episodes: int | None = None
+    length_guard: float | None = None
 
     def __post_init__(self):
         if not 0 < self.candidate_share <= 1:
@@ -83,6 +89,8 @@ class RolloutPolicy:
             raise ValueError(f"confidence must be in [0.5, 1), not {self.confidence}.")
         if self.max_episodes is None:
             self.max_episodes = 4 * self.min_episodes
+        if self.length_guard is not None and not self.length_guard > 0:
+            raise ValueError(f"length_guard must be > 0 (or None: off), not {self.length_guard}.")
         if self.max_episodes < self.min_episodes:
             raise ValueError(f"max_episodes ({self.max_episodes}) must be >= min_episodes ({self.min_episodes}).")
 
@@ -104,6 +112,8 @@ class _Version:
     rewards: list[float] = field(default_factory=list)  # every rewarded episode's reward
     tasks: list[str | None] = field(default_factory=list)  # and its task fingerprint (`None`: not named)
     window: list[tuple[float, str | None]] = field(default_factory=list)  # the incumbent's, since the candidate came
+    tokens: list[int] = field(default_factory=list)  # sampled tokens of each rewarded episode that reported them
+    window_tokens: list[int] = field(default_factory=list)  # the incumbent's, since the candidate came
     sessions: list = field(default_factory=list)  # episodes opened on it and not yet seen closed
     episodes: int = 0
 
@@ -164,6 +174,7 @@ class VersionManager:
             self._versions[version] = _Version(engine, "candidate", path)
             self.candidate = version
             self._versions[self.incumbent].window = []
+            self._versions[self.incumbent].window_tokens = []
 
     async def add_candidate_async(self, engine: Any, version: int, path: str | None = None) -> None:
         """Start `engine` (on the server's event loop) and put it on trial."""
@@ -172,17 +183,24 @@ class VersionManager:
 
     # The rule
 
-    def record_reward(self, version: int | None, value: float, task: str | None = None) -> Decision | None:
+    def record_reward(
+        self, version: int | None, value: float, task: str | None = None, tokens: int | None = None
+    ) -> Decision | None:
         """Count one rewarded episode of `version` (`task`: its task's fingerprint, when the client named it: the
-        comparison is then paired by task); returns the decision it triggered, if any."""
+        comparison is then paired by task; `tokens`: the tokens it sampled, for `RolloutPolicy.length_guard`);
+        returns the decision it triggered, if any."""
         with self._lock:
             entry = self._versions.get(version) if version is not None else None
             if entry is None:
                 return None
             entry.rewards.append(float(value))
             entry.tasks.append(task)
+            if tokens is not None:
+                entry.tokens.append(int(tokens))
             if version == self.incumbent:
                 entry.window.append((float(value), task))
+                if tokens is not None:
+                    entry.window_tokens.append(int(tokens))
             # a candidate's reward, or the incumbent's while a candidate waits for its side of the comparison
             on_trial = self._versions.get(self.candidate) if self.candidate is not None else None
             if version not in (self.candidate, self.incumbent) or on_trial is None:
@@ -217,6 +235,11 @@ class VersionManager:
                 paired = None  # `max_episodes` reached with too few pairs: judged unpaired (said below)
         elif 0 < len(window) < policy.min_episodes and waiting:
             return None
+        guard = self._length_guard(entry, incumbent)
+        if guard is not None:
+            entry.state, self.candidate = "rolled_back", None
+            kept = f"; its weights stay at {entry.path}" if entry.path else ""
+            return Decision("rolled_back", version, guard + kept)
         z = NormalDist().inv_cdf(policy.confidence)
         if paired is not None:
             diff, se, pairs, tasks, _ = paired
@@ -246,6 +269,23 @@ class VersionManager:
         entry.state, self.candidate = "rolled_back", None
         kept = f"; its weights stay at {entry.path}" if entry.path else ""
         return Decision("rolled_back", version, numbers + why + kept)
+
+    def _length_guard(self, entry: _Version, incumbent: _Version) -> str | None:
+        """Why the candidate's tokens per episode are outside `length_guard` (`None`: within, or not enough known)."""
+        guard, least = self.policy.length_guard, self.policy.min_episodes
+        reference = incumbent.window_tokens if len(incumbent.window_tokens) >= least else incumbent.tokens
+        if guard is None or len(entry.tokens) < least or len(reference) < least:
+            return None
+        mine, theirs = sum(entry.tokens) / len(entry.tokens), sum(reference) / len(reference)
+        if theirs <= 0 or mine <= 0:
+            return None
+        ratio = mine / theirs
+        if 1 / (1 + guard) <= ratio <= 1 + guard:
+            return None
+        return (
+            f"length guard: {mine:.1f} sampled tokens per episode over {len(entry.tokens)} episodes vs the incumbent's "
+            f"{theirs:.1f} over {len(reference)} ({ratio:.2f}x, outside 1/{1 + guard:g}-{1 + guard:g}x)"
+        )
 
     def _promote(self, version: int, entry: _Version) -> None:
         self._versions[self.incumbent].state = "retired"

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
-    policy = RolloutPolicy(args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes)
+    policy = RolloutPolicy(
+        args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes, args.length_guard
+    )
     versions = VersionManager(engine, policy, args.seed)
     store = open_store(args.store)
     admin_token, shown_token, origin = resolve_admin_token(args)
