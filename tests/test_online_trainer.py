@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trl_agentic import AgenticGRPOConfig
 from trl_agentic.endpoint.app import EndpointSettings, create_app
@@ -175,6 +176,18 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
         logged = [entry for entry in trainer.state.log_history if "online/rewards_per_episode" in entry]
         assert len(logged) == 3 and all(entry["online/rewards_per_episode"] >= 1 for entry in logged)
+        # each version serves its own weights: those saved when it was published, never the trainer's later ones
+        for version in sorted(states):
+            engine = versions.engine_of(version)
+            if engine is None:
+                continue
+            saved = (
+                before
+                if version == 0
+                else AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "versions" / f"v{version}").state_dict()
+            )
+            served = engine.model.state_dict()
+            assert all(torch.equal(served[k], saved[k]) for k in saved), version
 
 
 @pytest.mark.slow
