@@ -263,8 +263,9 @@ def test_every_answer_names_its_version_and_an_episode_never_changes_version(tok
         )
         assert feedback.status_code == 200
         version = named.turns[0].policy_version
-        assert manager._versions[version].tasks[-1] == task_fingerprint("What is 6 * 7?")
-        assert manager._versions[version].tokens[-1] == named.num_sampled_tokens > 0  # for the length guard
+        recorded = manager._versions[version].rewards[-1]
+        assert recorded.task == task_fingerprint("What is 6 * 7?")
+        assert recorded.tokens == named.num_sampled_tokens > 0  # for the length guard
 
 
 def test_a_swap_neither_fails_nor_stalls_a_request_in_flight(tokenizer):

@@ -8,8 +8,9 @@ endpoint then serves two versions at once:
   it closes, whatever is promoted meanwhile. Every answer names the version that produced it (the header
   `x-trl-agentic-version`, the trace's `policy_version`, Chat Completions' `system_fingerprint`).
 - **The rule** (`RolloutPolicy`): once the candidate has rewards for `min_episodes` episodes (and the incumbent as
-  many over the same period, when it has any there), compare its mean reward with the incumbent's over the same period (the incumbent's episodes rewarded since the candidate arrived; its
-  all-time mean when it has none there), with the standard error of the difference. **Paired by task** when clients
+  many over the same period, when it has any there), compare its mean reward with the incumbent's over the same
+  period (the incumbent's episodes rewarded since the candidate arrived; its all-time mean when it has none there),
+  with the standard error of the difference. **Paired by task** when clients
   name their tasks (`record_reward(..., task=fingerprint)`): the difference is the mean over the candidate's episodes
   of (its reward minus the incumbent's mean on the same task), counting only tasks both versions served in the
   window, with a standard error from the within-task variances. Two versions that served different task mixes are
@@ -40,7 +41,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import Any
+from typing import Any, NamedTuple
 
 
 logger = logging.getLogger(__name__)
@@ -104,18 +105,28 @@ class Decision:
     reason: str
 
 
+class _Reward(NamedTuple):
+    """One rewarded episode: its reward, its task's fingerprint (`None`: not named), its sampled tokens (`None`: not
+    reported)."""
+
+    value: float
+    task: str | None
+    tokens: int | None
+
+
 @dataclass
 class _Version:
     engine: Any
     state: str
     path: str | None = None
-    rewards: list[float] = field(default_factory=list)  # every rewarded episode's reward
-    tasks: list[str | None] = field(default_factory=list)  # and its task fingerprint (`None`: not named)
-    window: list[tuple[float, str | None]] = field(default_factory=list)  # the incumbent's, since the candidate came
-    tokens: list[int] = field(default_factory=list)  # sampled tokens of each rewarded episode that reported them
-    window_tokens: list[int] = field(default_factory=list)  # the incumbent's, since the candidate came
+    rewards: list[_Reward] = field(default_factory=list)  # every rewarded episode
+    window_start: int = 0  # the incumbent's `rewards[window_start:]` came since the current candidate arrived
     sessions: list = field(default_factory=list)  # episodes opened on it and not yet seen closed
     episodes: int = 0
+
+    @property
+    def window(self) -> list[_Reward]:
+        return self.rewards[self.window_start :]
 
 
 class VersionManager:
@@ -173,8 +184,8 @@ class VersionManager:
                 self._versions[self.candidate].state = "superseded"
             self._versions[version] = _Version(engine, "candidate", path)
             self.candidate = version
-            self._versions[self.incumbent].window = []
-            self._versions[self.incumbent].window_tokens = []
+            incumbent = self._versions[self.incumbent]
+            incumbent.window_start = len(incumbent.rewards)
 
     async def add_candidate_async(self, engine: Any, version: int, path: str | None = None) -> None:
         """Start `engine` (on the server's event loop) and put it on trial."""
@@ -193,14 +204,7 @@ class VersionManager:
             entry = self._versions.get(version) if version is not None else None
             if entry is None:
                 return None
-            entry.rewards.append(float(value))
-            entry.tasks.append(task)
-            if tokens is not None:
-                entry.tokens.append(int(tokens))
-            if version == self.incumbent:
-                entry.window.append((float(value), task))
-                if tokens is not None:
-                    entry.window_tokens.append(int(tokens))
+            entry.rewards.append(_Reward(float(value), task, None if tokens is None else int(tokens)))
             # a candidate's reward, or the incumbent's while a candidate waits for its side of the comparison
             on_trial = self._versions.get(self.candidate) if self.candidate is not None else None
             if version not in (self.candidate, self.incumbent) or on_trial is None:
@@ -217,7 +221,8 @@ class VersionManager:
 
     def _decide(self, version: int, entry: _Version) -> Decision | None:
         incumbent, policy = self._versions[self.incumbent], self.policy
-        candidate_mean, _ = _mean_var(entry.rewards)
+        mine = [r.value for r in entry.rewards]
+        candidate_mean, candidate_var = _mean_var(mine)
         window = incumbent.window
         over = "over the same period" if window else "all time (none rewarded during the trial)"
         if not window and not incumbent.rewards:
@@ -226,16 +231,17 @@ class VersionManager:
         # Both sides need `min_episodes`: a broken candidate whose episodes fail fast reaches its count first, and
         # judged then against the incumbent's first few episodes it was promoted (issue 43's harmful-update run)
         waiting = len(entry.rewards) < policy.max_episodes
+        named = any(r.task is not None for r in entry.rewards)
         paired = None
-        if any(task is not None for task in entry.tasks) and window:
-            paired = _paired_difference(list(zip(entry.rewards, entry.tasks, strict=True)), window)
+        if named and window:
+            paired = _paired_difference(entry.rewards, window)
             if min(paired[2], paired[4]) < policy.min_episodes and waiting:
                 return None  # clients name tasks: wait until enough episodes of each version pair
             if min(paired[2], paired[4]) < policy.min_episodes:
                 paired = None  # `max_episodes` reached with too few pairs: judged unpaired (said below)
         elif 0 < len(window) < policy.min_episodes and waiting:
             return None
-        guard = self._length_guard(entry, incumbent)
+        guard = self._length_guard(entry.rewards, window if len(window) >= policy.min_episodes else incumbent.rewards)
         if guard is not None:
             entry.state, self.candidate = "rolled_back", None
             kept = f"; its weights stay at {entry.path}" if entry.path else ""
@@ -244,19 +250,19 @@ class VersionManager:
         if paired is not None:
             diff, se, pairs, tasks, _ = paired
             numbers = (
-                f"paired by task over {pairs} of its {len(entry.rewards)} episodes ({tasks} task{'s' * (tasks != 1)} "
-                f"both versions served {over}): difference {diff:+.3f} +- {z * se:.3f} (confidence {policy.confidence:g}), margin "
-                f"{policy.margin:g}; unpaired means {candidate_mean:.3f} vs the incumbent's "
-                f"{_mean_var([v for v, _ in window])[0]:.3f}"
+                f"paired by task over {pairs} of its {len(mine)} episodes ({tasks} task{'s' * (tasks != 1)} both "
+                f"versions served {over}): difference {diff:+.3f} +- {z * se:.3f} (confidence {policy.confidence:g}), "
+                f"margin {policy.margin:g}; unpaired means {candidate_mean:.3f} vs the incumbent's "
+                f"{_mean_var([r.value for r in window])[0]:.3f}"
             )
         else:
-            reference = [v for v, _ in window] or incumbent.rewards
+            reference = [r.value for r in (window or incumbent.rewards)]
             incumbent_mean, incumbent_var = _mean_var(reference)
             diff = candidate_mean - incumbent_mean
-            se = math.sqrt(_mean_var(entry.rewards)[1] / len(entry.rewards) + incumbent_var / len(reference))
-            unpaired = "" if not any(task is not None for task in entry.tasks) else " (too few episodes paired by task)"
+            se = math.sqrt(candidate_var / len(mine) + incumbent_var / len(reference))
+            unpaired = " (too few episodes paired by task)" if named else ""
             numbers = (
-                f"mean reward {candidate_mean:.3f} over {len(entry.rewards)} episodes vs the incumbent's "
+                f"mean reward {candidate_mean:.3f} over {len(mine)} episodes vs the incumbent's "
                 f"{incumbent_mean:.3f} over {len(reference)} ({over}){unpaired}: difference {diff:+.3f} +- "
                 f"{z * se:.3f} (confidence {policy.confidence:g}), margin {policy.margin:g}"
             )
@@ -270,21 +276,23 @@ class VersionManager:
         kept = f"; its weights stay at {entry.path}" if entry.path else ""
         return Decision("rolled_back", version, numbers + why + kept)
 
-    def _length_guard(self, entry: _Version, incumbent: _Version) -> str | None:
-        """Why the candidate's tokens per episode are outside `length_guard` (`None`: within, or not enough known)."""
+    def _length_guard(self, candidate: list[_Reward], incumbent: list[_Reward]) -> str | None:
+        """Why the candidate's tokens per episode are outside `length_guard` against the incumbent's (`None`: within,
+        or fewer than `min_episodes` reported on a side)."""
         guard, least = self.policy.length_guard, self.policy.min_episodes
-        reference = incumbent.window_tokens if len(incumbent.window_tokens) >= least else incumbent.tokens
-        if guard is None or len(entry.tokens) < least or len(reference) < least:
+        mine = [r.tokens for r in candidate if r.tokens is not None]
+        theirs = [r.tokens for r in incumbent if r.tokens is not None]
+        if guard is None or len(mine) < least or len(theirs) < least:
             return None
-        mine, theirs = sum(entry.tokens) / len(entry.tokens), sum(reference) / len(reference)
-        if theirs <= 0 or mine <= 0:
+        mean, reference = sum(mine) / len(mine), sum(theirs) / len(theirs)
+        if reference <= 0 or mean <= 0:
             return None
-        ratio = mine / theirs
+        ratio = mean / reference
         if 1 / (1 + guard) <= ratio <= 1 + guard:
             return None
         return (
-            f"length guard: {mine:.1f} sampled tokens per episode over {len(entry.tokens)} episodes vs the incumbent's "
-            f"{theirs:.1f} over {len(reference)} ({ratio:.2f}x, outside 1/{1 + guard:g}-{1 + guard:g}x)"
+            f"length guard: {mean:.1f} sampled tokens per episode over {len(mine)} episodes vs the incumbent's "
+            f"{reference:.1f} over {len(theirs)} ({ratio:.2f}x, outside 1/{1 + guard:g}-{1 + guard:g}x)"
         )
 
     def _promote(self, version: int, entry: _Version) -> None:
@@ -311,7 +319,7 @@ class VersionManager:
                         "share": share,
                         "episodes": entry.episodes,
                         "rewarded": len(entry.rewards),
-                        "mean_reward": sum(entry.rewards) / len(entry.rewards) if entry.rewards else None,
+                        "mean_reward": _mean_var([r.value for r in entry.rewards])[0] if entry.rewards else None,
                         "path": entry.path,
                         "serving": entry.engine is not None,
                     }
@@ -340,21 +348,19 @@ def _mean_var(values: list[float]) -> tuple[float, float]:
     return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1)
 
 
-def _paired_difference(
-    candidate: list[tuple[float, str | None]], incumbent: list[tuple[float, str | None]]
-) -> tuple[float, float, int, int, int]:
+def _paired_difference(candidate: list[_Reward], incumbent: list[_Reward]) -> tuple[float, float, int, int, int]:
     """The candidate's mean reward minus the incumbent's, paired by task: over the candidate's episodes of tasks the
     incumbent also served, the mean of (reward - the incumbent's mean on that task). Returns (difference, its standard
-    error, the candidate's episodes paired, tasks, the incumbent's episodes on those tasks). The error uses each version's within-task variance, pooled over tasks (a task
-    seen once or twice says little about its own spread): `se^2 = sum_t w_t^2 (s_c^2 / n_ct + s_i^2 / n_it)` with
-    `w_t = n_ct / n`."""
+    error, the candidate's episodes paired, tasks, the incumbent's episodes on those tasks). The error uses each
+    version's within-task variance, pooled over tasks (a task seen once or twice says little about its own spread):
+    `se^2 = sum_t w_t^2 (s_c^2 / n_ct + s_i^2 / n_it)` with `w_t = n_ct / n`."""
     by_task: dict[str, tuple[list[float], list[float]]] = {}
-    for value, task in candidate:
-        if task is not None:
-            by_task.setdefault(task, ([], []))[0].append(value)
-    for value, task in incumbent:
-        if task in by_task:
-            by_task[task][1].append(value)
+    for reward in candidate:
+        if reward.task is not None:
+            by_task.setdefault(reward.task, ([], []))[0].append(reward.value)
+    for reward in incumbent:
+        if reward.task in by_task:
+            by_task[reward.task][1].append(reward.value)
     cells = {task: cell for task, cell in by_task.items() if cell[1]}
     pairs = sum(len(c) for c, _ in cells.values())
     if not pairs:
