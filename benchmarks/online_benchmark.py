@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import itertools
 import json
 import random
@@ -50,6 +49,7 @@ from trl_agentic import AgenticGRPOConfig
 from trl_agentic.endpoint.launch import build_engine, create_endpoint_app
 from trl_agentic.endpoint.server import EndpointServer
 from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
+from trl_agentic.generation.weights import copy_model
 from trl_agentic.online_trainer import OnlineGRPOTrainer
 from trl_agentic.pipeline.calculator import CalculatorDemoConfig
 from trl_agentic.pipeline.held_out import HeldOutEvaluator
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out success before: {before:.1%} ({len(plan.eval_tasks)} tasks)", flush=True)
 
     workdir = Path(tempfile.mkdtemp(prefix="online-benchmark-"))
-    serving = copy.deepcopy(model).eval()
+    serving = copy_model(model).eval()
     # users are served at the demo's GRPO temperature, and training scores log-probabilities at the same one (run 1
     # served at 1.2 and scored at 1.0: the importance-sampling correction compared two distributions); held-out
     # success is measured at the held-out's 1.0

@@ -188,6 +188,27 @@ def test_live_traffic_trains_each_episode_once_and_every_step_becomes_a_candidat
             )
             served = engine.model.state_dict()
             assert all(torch.equal(served[k], saved[k]) for k in saved), version
+        # and the tokens each version's episodes carry were sampled by that version's weights: every stored logprob is
+        # what the saved weights of the version it is labelled with give (the engines' copies used to run the trainer's
+        # live forward, through TRL's fused-head wrapper: late episodes of v<k> carried v<k+1>'s logprobs)
+        weights = {0: build_tiny_model(tokenizer, seed=0).eval()}
+        weights[0].load_state_dict(before)
+        for version in states:
+            if version:
+                weights[version] = AutoModelForCausalLM.from_pretrained(
+                    tmp_path / "out" / "versions" / f"v{version}"
+                ).eval()
+        scored = 0
+        for episode_id in store.rewarded_episode_ids():
+            for turn in store.get_episode(episode_id)[0].turns:
+                ids = torch.tensor([turn.prompt_ids + turn.completion_ids])
+                with torch.no_grad():
+                    logits = weights[turn.policy_version](ids).logits[0, len(turn.prompt_ids) - 1 : -1]
+                expected = torch.log_softmax(logits / args.temperature, -1)
+                expected = expected.gather(1, torch.tensor(turn.completion_ids)[:, None])[:, 0]
+                assert torch.allclose(expected, torch.tensor(turn.logprobs), atol=1e-4), turn.policy_version
+                scored += 1
+        assert scored >= 12
 
 
 @pytest.mark.slow

@@ -411,3 +411,52 @@ def test_sampling_params_refuse_bad_penalties():
         SamplingParams(repetition_penalty=0.0)
     with pytest.raises(ValueError, match=r"min_p=1.5 \(in \[0, 1\]\)"):
         SamplingParams(min_p=1.5)
+
+
+def test_a_copy_of_a_model_trl_wrapped_runs_on_its_own_weights():
+    """TRL's GRPOTrainer wraps the policy's `forward` (its fused LM head) in a closure holding the original bound
+    `forward`; `copy.deepcopy` keeps that closure, so a copy ran the source's forward (its weights, its training flag):
+    every serving version of online training served the trainer's latest weights (issue 43). `copy_model` rebinds it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trl_agentic.generation.weights import copy_model
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    ids = torch.tensor([chat_prompt(tokenizer)])
+    with torch.no_grad():
+        before = model(ids).logits
+    naive, copied = copy.deepcopy(model), copy_model(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+        after = model(ids).logits
+        assert not torch.allclose(after, before)
+        assert torch.equal(naive(ids).logits, after)  # the defect: the plain copy follows the source
+        assert torch.equal(copied(ids).logits, before)  # the copy runs on its own weights
+        # the fused path works on the copy too, and uses the copy's weights
+        fused = copied(ids, labels=ids, fused_lm_head=True).log_probs
+        reference = torch.log_softmax(before[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+        assert torch.allclose(fused[0], reference, atol=1e-5)
+
+
+def test_the_engines_inference_copy_of_a_trl_wrapped_model_never_runs_the_trainers_module():
+    """The engine's inference copy (`inference_copy=True`) of a policy TRL wrapped generates through its own module,
+    in eval mode: no engine forward reaches the trainer's module."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    model = build_tiny_model(tokenizer).train()
+    add_fused_lm_head(model)
+    engine = TransformersEngine(model, pad_token_id=tokenizer.pad_token_id, inference_copy=True)
+    reached = []
+    # on the backbone: the wrapper calls the source's `forward` directly (no hook of the source's top module fires)
+    handle = model.model.register_forward_pre_hook(lambda module, args: reached.append(module is model.model))
+    try:
+        out = asyncio.run(engine.generate(chat_prompt(tokenizer), SamplingParams(max_tokens=4, seed=0)))
+    finally:
+        asyncio.run(engine.stop())
+        handle.remove()
+    assert len(out.token_ids) == 4
+    assert reached and not any(reached)  # hooks are shared (they fire for the copy's forwards), the module is not

@@ -30,7 +30,6 @@ ids become rows (only sampled tokens trained), TRL's loss, KL and importance-sam
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from .agentic_grpo_config import AgenticGRPOConfig
 from .agentic_grpo_trainer import AgenticGRPOTrainer
 from .endpoint.versions import VersionManager
 from .generation.transformers_engine import TransformersEngine
+from .generation.weights import copy_model
 from .store import VERSION_PUBLISHED, EpisodeStore
 from .trace import Episode
 
@@ -271,7 +271,7 @@ class OnlineGRPOTrainer(AgenticGRPOTrainer):
         if self.versions is None:  # serving runs elsewhere: it loads the version from the store's record
             self.store.publish_version(step, str(path.resolve()))
             return
-        serving = copy.deepcopy(model).eval()
+        serving = copy_model(model).eval()
         for parameter in serving.parameters():
             parameter.requires_grad_(False)
         incumbent = self.versions.engine_of(self.versions.incumbent)

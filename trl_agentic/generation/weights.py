@@ -4,6 +4,8 @@ model, and copying the trained weights into it after an optimizer step (ZeRO-3 p
 from __future__ import annotations
 
 import copy
+import functools
+import types
 
 import torch
 
@@ -33,7 +35,70 @@ def _inference_module(model: torch.nn.Module, inference_copy: bool) -> torch.nn.
         for name, value in vars(m).items():
             if "hook" in name and isinstance(value, (dict, set)):
                 memo[id(value)] = value
-    return copy.deepcopy(model, memo).eval()
+    return copy_model(model, memo).eval()
+
+
+def copy_model(model: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
+    """`copy.deepcopy(model, memo)` that runs on its own weights: instance-level `forward` overrides are rebound to the
+    copy's parts.
+
+    A wrapper installed on a model's instance keeps what it wraps in its closure, and `copy.deepcopy` copies functions by
+    reference: the copy's `forward` still called the source's. TRL's `GRPOTrainer` installs one on the policy (its
+    fused LM head, `trl.trainer.utils.add_fused_lm_head`, holding the original bound `forward`), so every copy of a
+    trained model generated with the trainer's live weights and training flag: the serving versions of online training
+    all served the latest weights (issue 43), and the engine's inference copy ran the trainer's module. Here a
+    closure's references to the model's parts (modules, bound methods of them) point at the copy's.
+
+    Example:
+
+    ```python
+    >>> serving = copy_model(policy).eval()  # generates with these weights, whatever training does to `policy`
+    ```
+    """
+    memo = {} if memo is None else memo
+    clone = copy.deepcopy(model, memo)
+    for module in clone.modules():
+        forward = vars(module).get("forward")
+        if forward is not None:
+            module.forward = _rebound(forward, memo, set())
+    return clone
+
+
+def _rebound(value, memo: dict, seen: set):
+    """`value` with its references to copied objects (`memo`: id of the original -> the copy) replaced by the copies,
+    through bound methods, `functools.partial` and function closures; `value` itself when it holds none."""
+    if id(value) in memo and not isinstance(value, types.FunctionType):
+        return memo[id(value)]
+    if isinstance(value, types.MethodType):
+        func, owner = _rebound(value.__func__, memo, seen), memo.get(id(value.__self__), value.__self__)
+        return value if func is value.__func__ and owner is value.__self__ else types.MethodType(func, owner)
+    if isinstance(value, functools.partial):
+        func = _rebound(value.func, memo, seen)
+        args = [_rebound(a, memo, seen) for a in value.args]
+        keywords = {k: _rebound(v, memo, seen) for k, v in value.keywords.items()}
+        unchanged = func is value.func and all(a is b for a, b in zip(args, value.args, strict=True))
+        if unchanged and all(keywords[k] is v for k, v in value.keywords.items()):
+            return value
+        return functools.partial(func, *args, **keywords)
+    if not isinstance(value, types.FunctionType) or not value.__closure__ or id(value) in seen:
+        return value
+    seen.add(id(value))
+    contents = []
+    for cell in value.__closure__:
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            contents.append(cell)
+    rebound = [c if isinstance(c, types.CellType) else _rebound(c, memo, seen) for c in contents]
+    if all(a is b for a, b in zip(rebound, contents, strict=True)):
+        return value
+    cells = tuple(c if isinstance(c, types.CellType) else types.CellType(c) for c in rebound)
+    function = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__, cells)
+    function.__kwdefaults__ = value.__kwdefaults__
+    function.__dict__.update(value.__dict__)  # `functools.wraps`' `__wrapped__`, and the like
+    for name in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+        setattr(function, name, getattr(value, name))
+    return function
 
 
 def _same_layout(module: torch.nn.Module | None, model: torch.nn.Module, inference_copy: bool) -> bool:

@@ -11,7 +11,6 @@ trl-agentic serve --train --model outputs/demo/model --store online/store.db --o
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 
 
@@ -68,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     from ..endpoint.serve import build_app, load_policy, print_banner, resolve_admin_token
     from ..endpoint.server import EndpointServer
     from ..endpoint.versions import RolloutPolicy, VersionManager
+    from ..generation.weights import copy_model
     from ..online_trainer import OnlineGRPOTrainer
     from ..store import open_store
 
     model, tokenizer, device, dtype = load_policy(args)
     # The incumbent serves a copy: training changes `model`, and users see a change only once it is promoted.
-    serving = copy.deepcopy(model).eval()
+    serving = copy_model(model).eval()
     engine = build_engine(
         serving,
         tokenizer,
