@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-episodes", type=int, default=None)
     parser.add_argument("--length-guard", type=float, default=0.5, help="RolloutPolicy.length_guard (<= 0: off).")
     parser.add_argument(
+        "--malformed-guard", type=float, default=0.15, help="RolloutPolicy.malformed_guard (<= 0: off)."
+    )
+    parser.add_argument(
         "--wait-for-verdict",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         args.confidence,
         args.max_episodes,
         args.length_guard if args.length_guard > 0 else None,
+        args.malformed_guard if args.malformed_guard > 0 else None,
     )
     versions = VersionManager(engine, policy, args.seed)
     store = SQLiteEpisodeStore(workdir / "store.db")

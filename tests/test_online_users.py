@@ -182,3 +182,43 @@ def test_a_client_names_its_episodes_task_and_episodes_of_one_task_share_a_finge
     refused = httpx.post(f"{server.base_url}/episodes/end", json={"tsak": "x"}, headers=headers)
     assert refused.status_code == 400 and "tsak" in refused.json()["error"]["message"]
     assert httpx.post(f"{server.base_url}/episodes/end", headers=headers).json()["episode_id"] is not None
+
+
+def test_a_rewarded_user_episode_reaches_the_rollout_rule_with_its_task_tokens_calls_and_malformed_calls(
+    tokenizer, tmp_path
+):
+    """What the guards compare comes from the stored episode: the first reward of an episode is counted for its version
+    with its task's fingerprint, its sampled tokens, its model calls and those with a malformed tool call."""
+    from conftest import CALCULATOR_TOOL
+    from trl_agentic.endpoint.versions import RolloutPolicy, VersionManager
+
+    replies = iter(
+        ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}\n</tool_call>', "It is 5."]
+    )
+    engine = ScriptedEngine(tokenizer, lambda prompt: next(replies))
+    store = SQLiteEpisodeStore(tmp_path / "store.db")
+    versions = VersionManager(engine, RolloutPolicy(min_episodes=1))
+    settings = EndpointSettings(user_episode_idle_timeout=60.0)
+    app = create_app(engine, ChatRenderer(tokenizer), settings, store=store, versions=versions)
+    with EndpointServer(app) as server:
+        key = add_user(server, "alice")
+        client = openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="policy", messages=messages, tools=[CALCULATOR_TOOL]
+        )
+        broken = raw.parse().choices[0].message
+        assert broken.tool_calls is None  # malformed: returned as text
+        messages += [{"role": "assistant", "content": broken.content}, {"role": "user", "content": "And?"}]
+        client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL])
+        user = {"Authorization": f"Bearer {key}"}
+        ended = httpx.post(f"{server.base_url}/episodes/end", json={"task": "2 + 3"}, headers=user)
+        episode_id = ended.json()["episode_id"]
+        given = httpx.post(f"{server.base_url}/feedback", json={"episode_id": episode_id, "value": 1.0}, headers=user)
+        assert given.status_code == 200, given.text
+        httpx.post(f"{server.base_url}/feedback", json={"episode_id": episode_id, "value": 0.0}, headers=user)
+    stored = store.get_episode(episode_id)[0]
+    assert [turn.malformed_tool_call for turn in stored.turns] == [True, False]
+    (reward,) = versions._versions[0].rewards  # the first reward only
+    assert reward == (1.0, task_fingerprint("2 + 3"), stored.num_sampled_tokens, 2, 1)
+    assert stored.num_sampled_tokens == sum(len(turn.completion_ids) for turn in stored.turns) > 0

@@ -195,6 +195,48 @@ def test_the_length_guard_rolls_back_a_candidate_whose_episodes_change_length_wh
         RolloutPolicy(length_guard=0.0)
 
 
+def test_the_malformed_guard_rolls_back_a_candidate_that_broke_the_tool_call_format_whatever_its_reward():
+    """The harmful-update run after the version-sync fix: the spike's candidate made 1 model call an episode, 66% of
+    them malformed, against the incumbent's 23%, at as good a reward (feedback on a weak incumbent and on a broken
+    candidate differed by less than its noise) and as long episodes. With `malformed_guard=0.15` it is rolled back once
+    each version has `min_episodes`; a rise within the guard (or not shown beyond it at the confidence) is judged on
+    the reward; off, nothing changes."""
+    rewards = [1.0, 0.0, 0.0, 0.0] * 5  # the same for both versions
+    incumbent = [(2, m) for m in [0, 1, 0, 0, 1] * 4]  # (calls, malformed): 0.2 malformed per call on average
+
+    def trial(guard, candidate, confidence=0.5):
+        policy = RolloutPolicy(
+            candidate_share=0.5, min_episodes=20, margin=0.1, confidence=confidence, malformed_guard=guard
+        )
+        manager = VersionManager(Engine(), policy, seed=0)
+        manager.add_candidate(Engine(), version=1)
+        for value, (calls, malformed) in zip(rewards, incumbent, strict=True):
+            manager.record_reward(0, value, tokens=30, calls=calls, malformed=malformed)
+        made = [
+            manager.record_reward(1, value, tokens=30, calls=calls, malformed=malformed)
+            for value, (calls, malformed) in zip(rewards, candidate, strict=True)
+        ]
+        return [(i + 1, d.action, d.reason) for i, d in enumerate(made) if d is not None]
+
+    broken = [(1, m) for m in [1, 1, 1, 0] * 5]  # 0.75
+    made = trial(0.15, broken)
+    assert [(n, action) for n, action, _ in made] == [(20, "rolled_back")]
+    assert made[0][2] == (
+        "malformed guard: 75.0% of model calls with a malformed tool call over 20 episodes vs the incumbent's 20.0% "
+        "over 20: difference +0.550 +- 0.000 (confidence 0.5), guard 0.15"
+    )
+    assert [action for _, action, _ in trial(0.15, broken, confidence=0.8)] == ["rolled_back"]
+    within = [(2, m) for m in [1, 0, 0, 1, 1] * 4]  # 0.3: +0.1, within the guard: judged on the reward
+    assert [action for _, action, _ in trial(0.15, within)] == ["promoted"]
+    beyond = [(2, m) for m in [1, 1, 0, 1, 1] * 4]  # 0.4: +0.2 +- 0.061 at 0.8, not shown beyond 0.15 there
+    assert [action for _, action, _ in trial(0.15, beyond)] == ["rolled_back"]
+    # at 0.8 the guard does not fire; the reward rule then needs more episodes at 0.8 than these 20 (the trial goes on)
+    assert trial(0.15, beyond, confidence=0.8) == trial(None, beyond, confidence=0.8) == []
+    assert [action for _, action, _ in trial(None, broken)] == ["promoted"]  # off: the reward alone
+    with pytest.raises(ValueError, match="malformed_guard"):
+        RolloutPolicy(malformed_guard=1.5)
+
+
 def test_a_candidate_whose_tasks_the_incumbent_did_not_serve_waits_then_is_judged_unpaired():
     policy = RolloutPolicy(candidate_share=0.5, min_episodes=4, margin=0.1, confidence=0.5, max_episodes=8)
     manager = VersionManager(Engine(), policy, seed=0)

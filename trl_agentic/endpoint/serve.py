@@ -164,6 +164,13 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         help="Roll back a candidate whose sampled tokens per episode differ from the incumbent's by more than this "
         "factor either way (0.5: above 1.5x or below 1/1.5x), whatever its reward (default: off).",
     )
+    group.add_argument(
+        "--malformed-guard",
+        type=float,
+        default=None,
+        help="Roll back a candidate whose malformed tool calls per model call exceed the incumbent's by more than "
+        "this (e.g. 0.15), at --confidence, whatever its reward (default: off).",
+    )
     group.add_argument("--version-poll", type=float, default=1.0, help="Seconds between two looks for new versions.")
 
 
@@ -221,7 +228,13 @@ def serve_published_versions(args, engine, tokenizer, store, admin_token: str, b
 
     device, dtype, shown_token, origin = banner
     policy = RolloutPolicy(
-        args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes, args.length_guard
+        args.candidate_share,
+        args.min_episodes,
+        args.margin,
+        args.confidence,
+        args.max_episodes,
+        args.length_guard,
+        args.malformed_guard,
     )
     versions = VersionManager(engine, policy)
 

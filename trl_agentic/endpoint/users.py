@@ -165,7 +165,12 @@ class UserEpisodes:
             episode = self.store.get_episode(episode_id)[0]
             version = episode.turns[0].policy_version if episode.turns else None
             self.versions.record_reward(
-                version, float(value), task=episode.metadata.get("fingerprint"), tokens=episode.num_sampled_tokens
+                version,
+                float(value),
+                task=episode.metadata.get("fingerprint"),
+                tokens=episode.num_sampled_tokens,
+                calls=len(episode.turns),
+                malformed=episode.num_malformed_tool_calls,
             )
         return reward_id
 

@@ -70,6 +70,12 @@ class RolloutPolicy:
             0.5 rolls back above 1.5x and below 1/1.5x) is rolled back, whatever its reward. The reward alone let
             through learning-rate spikes that left answers as often right but ran every episode to the token limit,
             or cut them to a few tokens (docs/benchmarks.md, "Online RL").
+        malformed_guard: a second guard beside the reward (`None`: off). Once both versions have `min_episodes`, a
+            candidate whose malformed tool calls per model call (an episode's share, averaged over episodes) exceed
+            the incumbent's by more than this, at `confidence`, is rolled back, whatever its reward: `0.15` rolls back
+            once `diff - z * se > 0.15`. A learning-rate spike that broke the policy's tool-call format went through
+            the reward (users' feedback on a weak incumbent and on a broken candidate differed by less than its noise)
+            and the length guard (the broken calls were as long), and tripled this rate (docs/benchmarks.md).
     """
 
     candidate_share: float = 0.1
@@ -78,6 +84,7 @@ class RolloutPolicy:
     confidence: float = 0.95
     max_episodes: int | None = None
     length_guard: float | None = None
+    malformed_guard: float | None = None
 
     def __post_init__(self):
         if not 0 < self.candidate_share <= 1:
@@ -92,6 +99,8 @@ class RolloutPolicy:
             self.max_episodes = 4 * self.min_episodes
         if self.length_guard is not None and not self.length_guard > 0:
             raise ValueError(f"length_guard must be > 0 (or None: off), not {self.length_guard}.")
+        if self.malformed_guard is not None and not 0 < self.malformed_guard < 1:
+            raise ValueError(f"malformed_guard must be in (0, 1) (or None: off), not {self.malformed_guard}.")
         if self.max_episodes < self.min_episodes:
             raise ValueError(f"max_episodes ({self.max_episodes}) must be >= min_episodes ({self.min_episodes}).")
 
@@ -106,12 +115,14 @@ class Decision:
 
 
 class _Reward(NamedTuple):
-    """One rewarded episode: its reward, its task's fingerprint (`None`: not named), its sampled tokens (`None`: not
-    reported)."""
+    """One rewarded episode: its reward, its task's fingerprint (`None`: not named), its sampled tokens, its model
+    calls and how many of them held a malformed tool call (`None`: not reported)."""
 
     value: float
     task: str | None
     tokens: int | None
+    calls: int | None = None
+    malformed: int | None = None
 
 
 @dataclass
@@ -195,16 +206,31 @@ class VersionManager:
     # The rule
 
     def record_reward(
-        self, version: int | None, value: float, task: str | None = None, tokens: int | None = None
+        self,
+        version: int | None,
+        value: float,
+        task: str | None = None,
+        tokens: int | None = None,
+        calls: int | None = None,
+        malformed: int | None = None,
     ) -> Decision | None:
         """Count one rewarded episode of `version` (`task`: its task's fingerprint, when the client named it: the
-        comparison is then paired by task; `tokens`: the tokens it sampled, for `RolloutPolicy.length_guard`);
+        comparison is then paired by task; `tokens`: the tokens it sampled, for `RolloutPolicy.length_guard`; `calls`
+        and `malformed`: its model calls and those with a malformed tool call, for `RolloutPolicy.malformed_guard`);
         returns the decision it triggered, if any."""
         with self._lock:
             entry = self._versions.get(version) if version is not None else None
             if entry is None:
                 return None
-            entry.rewards.append(_Reward(float(value), task, None if tokens is None else int(tokens)))
+            entry.rewards.append(
+                _Reward(
+                    float(value),
+                    task,
+                    None if tokens is None else int(tokens),
+                    None if calls is None else int(calls),
+                    None if malformed is None else int(malformed),
+                )
+            )
             # a candidate's reward, or the incumbent's while a candidate waits for its side of the comparison
             on_trial = self._versions.get(self.candidate) if self.candidate is not None else None
             if version not in (self.candidate, self.incumbent) or on_trial is None:
@@ -241,12 +267,13 @@ class VersionManager:
                 paired = None  # `max_episodes` reached with too few pairs: judged unpaired (said below)
         elif 0 < len(window) < policy.min_episodes and waiting:
             return None
-        guard = self._length_guard(entry.rewards, window if len(window) >= policy.min_episodes else incumbent.rewards)
+        z = NormalDist().inv_cdf(policy.confidence)
+        reference = window if len(window) >= policy.min_episodes else incumbent.rewards
+        guard = self._length_guard(entry.rewards, reference) or self._malformed_guard(entry.rewards, reference, z)
         if guard is not None:
             entry.state, self.candidate = "rolled_back", None
             kept = f"; its weights stay at {entry.path}" if entry.path else ""
             return Decision("rolled_back", version, guard + kept)
-        z = NormalDist().inv_cdf(policy.confidence)
         if paired is not None:
             diff, se, pairs, tasks, _ = paired
             numbers = (
@@ -293,6 +320,24 @@ class VersionManager:
         return (
             f"length guard: {mean:.1f} sampled tokens per episode over {len(mine)} episodes vs the incumbent's "
             f"{reference:.1f} over {len(theirs)} ({ratio:.2f}x, outside 1/{1 + guard:g}-{1 + guard:g}x)"
+        )
+
+    def _malformed_guard(self, candidate: list[_Reward], incumbent: list[_Reward], z: float) -> str | None:
+        """Why the candidate's malformed tool calls per model call exceed the incumbent's by more than
+        `malformed_guard` at the policy's confidence (`None`: not shown, or fewer than `min_episodes` reported)."""
+        guard, least = self.policy.malformed_guard, self.policy.min_episodes
+        mine = [r.malformed / r.calls for r in candidate if r.calls and r.malformed is not None]
+        theirs = [r.malformed / r.calls for r in incumbent if r.calls and r.malformed is not None]
+        if guard is None or len(mine) < least or len(theirs) < least:
+            return None
+        (rate, mine_var), (reference, theirs_var) = _mean_var(mine), _mean_var(theirs)
+        diff, se = rate - reference, math.sqrt(mine_var / len(mine) + theirs_var / len(theirs))
+        if diff - z * se <= guard:
+            return None
+        return (
+            f"malformed guard: {rate:.1%} of model calls with a malformed tool call over {len(mine)} episodes vs the "
+            f"incumbent's {reference:.1%} over {len(theirs)}: difference {diff:+.3f} +- {z * se:.3f} (confidence "
+            f"{self.policy.confidence:g}), guard {guard:g}"
         )
 
     def _promote(self, version: int, entry: _Version) -> None:

@@ -82,7 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         max_context_length=args.max_context_length,
     )
     policy = RolloutPolicy(
-        args.candidate_share, args.min_episodes, args.margin, args.confidence, args.max_episodes, args.length_guard
+        args.candidate_share,
+        args.min_episodes,
+        args.margin,
+        args.confidence,
+        args.max_episodes,
+        args.length_guard,
+        args.malformed_guard,
     )
     versions = VersionManager(engine, policy, args.seed)
     store = open_store(args.store)
