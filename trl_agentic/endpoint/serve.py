@@ -174,6 +174,21 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--version-poll", type=float, default=1.0, help="Seconds between two looks for new versions.")
 
 
+def rollout_policy(args: argparse.Namespace):
+    """The [`RolloutPolicy`] of the "gradual rollout" options."""
+    from .versions import RolloutPolicy
+
+    return RolloutPolicy(
+        args.candidate_share,
+        args.min_episodes,
+        args.margin,
+        args.confidence,
+        args.max_episodes,
+        args.length_guard,
+        args.malformed_guard,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     if args.train:
@@ -224,18 +239,10 @@ def serve_published_versions(args, engine, tokenizer, store, admin_token: str, b
     from .launch import build_engine
     from .server import EndpointServer
     from .version_sync import PublishedVersions
-    from .versions import RolloutPolicy, VersionManager
+    from .versions import VersionManager
 
     device, dtype, shown_token, origin = banner
-    policy = RolloutPolicy(
-        args.candidate_share,
-        args.min_episodes,
-        args.margin,
-        args.confidence,
-        args.max_episodes,
-        args.length_guard,
-        args.malformed_guard,
-    )
+    policy = rollout_policy(args)
     versions = VersionManager(engine, policy)
 
     def load(path: str, version: int):

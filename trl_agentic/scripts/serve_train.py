@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..agentic_grpo_config import AgenticGRPOConfig
     from ..endpoint.launch import build_engine
-    from ..endpoint.serve import build_app, load_policy, print_banner, resolve_admin_token
+    from ..endpoint.serve import build_app, load_policy, print_banner, resolve_admin_token, rollout_policy
     from ..endpoint.server import EndpointServer
-    from ..endpoint.versions import RolloutPolicy, VersionManager
+    from ..endpoint.versions import VersionManager
     from ..generation.weights import copy_model
     from ..online_trainer import OnlineGRPOTrainer
     from ..store import open_store
@@ -81,15 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_wait_ms=args.batch_wait_ms,
         max_context_length=args.max_context_length,
     )
-    policy = RolloutPolicy(
-        args.candidate_share,
-        args.min_episodes,
-        args.margin,
-        args.confidence,
-        args.max_episodes,
-        args.length_guard,
-        args.malformed_guard,
-    )
+    policy = rollout_policy(args)
     versions = VersionManager(engine, policy, args.seed)
     store = open_store(args.store)
     admin_token, shown_token, origin = resolve_admin_token(args)
