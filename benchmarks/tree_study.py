@@ -69,29 +69,41 @@ STUDY_SETTINGS = dict(
     validation_size=48,
     warm_start_check_every=4,
 )
+# Per suite, over STUDY_SETTINGS: the episode limit above the agent's six model calls
+SUITE_SETTINGS = {"precedence": {}, "precedence_lookup": dict(max_turns=7)}
 DECISION_NOISE = 0.5  # the warm start's demonstrations take the wrong first operation this often
 
 
-def study_suite(decision_noise: float = DECISION_NOISE):
-    """The precedence suite whose demonstrations take the wrong first operation `decision_noise` of the time
+SUITES = ("precedence", "precedence_lookup")  # `--suite`: the decision at call 0, or at call 3 after three look-ups
+
+
+def study_suite(decision_noise: float = DECISION_NOISE, name: str = "precedence"):
+    """The suite `name` (`SUITES`) whose demonstrations take the wrong first operation `decision_noise` of the time
     (`precedence_demonstrations(decision_noise=...)`): the warm start learns the mechanics, not the decision."""
     import functools
 
-    from trl_agentic.tasks.precedence import PRECEDENCE, precedence_demonstrations
-
-    demonstrations = functools.partial(precedence_demonstrations, decision_noise=decision_noise)
-    return dataclasses.replace(PRECEDENCE, demonstrations=demonstrations)
+    if name == "precedence":
+        from trl_agentic.tasks.precedence import PRECEDENCE as suite
+        from trl_agentic.tasks.precedence import precedence_demonstrations as demonstrations
+    elif name == "precedence_lookup":
+        from trl_agentic.tasks.precedence_lookup import PRECEDENCE_LOOKUP as suite
+        from trl_agentic.tasks.precedence_lookup import precedence_lookup_demonstrations as demonstrations
+    else:
+        raise ValueError(f"--suite must be one of {SUITES}, got {name!r}")
+    demonstrations = functools.partial(demonstrations, decision_noise=decision_noise)
+    return dataclasses.replace(suite, demonstrations=demonstrations)
 
 
 def decision_breakdown(tasks: list[dict], episodes: list, rewards: list) -> dict[str, float]:
-    """What the episodes got right: `first_op_right` (the first tool call names the reference's first tool: the
-    decision), `success`, and `success_given_right` (success among those: how well the rest, copying operands and
-    results, goes)."""
+    """What the episodes got right: `first_op_right` (the first operation, the first tool call other than a look-up
+    (`read`), names the reference's first tool: the decision), `success`, and `success_given_right` (success among
+    those: how well the rest, copying operands and results, goes)."""
     from trl_agentic.tasks.precedence import reference_calls
 
     right, wins, wins_right = 0, 0, 0
     for task, episode, reward in zip(tasks, episodes, rewards, strict=True):
         calls = [c for t in episode.turns for c in t.response_message.get("tool_calls") or []]
+        calls = [c for c in calls if c["function"].get("name") != "read"]
         first = calls[0]["function"].get("name") if calls else None
         is_right = first == reference_calls(task["expression"])[0][0]
         won = reward is not None and reward >= 1.0
@@ -161,10 +173,10 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     from trl_agentic.pipeline.grpo import grpo_config, make_callbacks, train_grpo
     from trl_agentic.pipeline.printing import quiet_libraries
 
-    suite = study_suite(args.decision_noise)
+    suite = study_suite(args.decision_noise, args.suite)
     torch.set_num_threads(1)
     quiet_libraries()
-    settings = pipeline.PipelineConfig(seed=seed, **STUDY_SETTINGS)
+    settings = pipeline.PipelineConfig(seed=seed, **{**STUDY_SETTINGS, **SUITE_SETTINGS[args.suite]})
     if args.smoke:
         settings = dataclasses.replace(settings, **pipeline.SMOKE_OVERRIDES)
     settings = with_overrides(settings, args.set)
@@ -319,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--tree-set", action="append", default=[], metavar="NAME=VALUE", help="An AgenticGRPOConfig field (tree arm)."
+    )
+    parser.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="precedence",
+        help="precedence: the decision is the first call; precedence_lookup: three look-ups first, then the decision.",
     )
     parser.add_argument("--output-dir", default="outputs/tree_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")

@@ -106,3 +106,15 @@ def test_the_decision_breakdown_counts_the_first_operation_and_success_given_it(
     ]
     result = study.decision_breakdown(tasks, episodes, [1.0, 0.0, 0.0, 0.0, None])
     assert result == {"first_op_right": 3 / 5, "success": 1 / 5, "success_given_right": 1 / 3}
+    # precedence_lookup: the look-ups (`read`) come first; the first operation after them is the decision
+    looked_up = [
+        episode(
+            "read",
+            "read",
+            "read",
+            *[c["function"]["name"] for t in e.turns[:-1] for c in t.response_message["tool_calls"]],
+        )
+        for e in episodes
+    ]
+    assert study.decision_breakdown(tasks, looked_up, [1.0, 0.0, 0.0, 0.0, None]) == result
+    assert study.decision_breakdown(tasks[:1], [episode("read", "add", "multiply")], [0.0])["first_op_right"] == 0.0
