@@ -23,8 +23,14 @@ python benchmarks/tree_study.py --report-only                      # the table f
 python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
 ```
 
-Runs are one at a time (a seed's arms one after the other), each in its own process with one torch thread; a run's
-record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs that have one).
+Runs are one at a time (a seed's arms one after the other; `--jobs 2`: two at a time, in that order), each in its own
+process with one torch thread; a run's record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs
+that have one).
+
+`--suite precedence_lookup` (`trl_agentic.tasks.precedence_lookup`): the same decision after three `read(name)`
+look-ups, so it is call 3 of six, after a deterministic prefix; the tree arm branches AT it
+(`--tree-set tree_branch_points=call:3`): a branch replays the look-ups (not sampled tokens) and samples the decision
+afresh, so siblings differ exactly there.
 """
 
 from __future__ import annotations
@@ -355,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         help="Build (or load) the warm start and print its held-out success and first-operation accuracy.",
     )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
+    parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (each with one torch thread).")
     parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
     parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
@@ -374,19 +381,32 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.report_only:
         forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
-        for seed in args.seeds:  # a seed's arms one after the other: complete pairs first, the same load for both
-            for arm in args.arms:
-                log_path = output_dir / f"{arm}-seed{seed}.log"
-                if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
-                    print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
-                    continue
-                command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-                print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
-                with open(log_path, "w") as log:
-                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-                if code != 0:
-                    print(f"{arm} seed {seed}: failed with exit status {code}; see {log_path}", flush=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # A seed's arms one after the other (or side by side with --jobs 2): complete pairs first, the same load for
+        # both arms
+        queue = [(seed, arm) for seed in args.seeds for arm in args.arms]
+        running: list[tuple[int, str, subprocess.Popen, object]] = []
+
+        def wait_one() -> None:
+            seed, arm, process, log = running.pop(0)
+            code = process.wait()
+            log.close()
+            if code != 0:
+                print(f"{arm} seed {seed}: failed with exit status {code}; see {log.name}", flush=True)
+
+        for seed, arm in queue:
+            log_path = output_dir / f"{arm}-seed{seed}.log"
+            if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
+                print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
+                continue
+            while len(running) >= args.jobs:
+                wait_one()
+            command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
+            print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
+            log = open(log_path, "w")  # noqa: SIM115 - closed by wait_one
+            running.append((seed, arm, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        while running:
+            wait_one()
     print(format_report(load_records(output_dir, args.seeds), args.seeds))
     return 0
 

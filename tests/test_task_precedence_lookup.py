@@ -22,14 +22,14 @@ from trl_agentic.trace import Episode
 
 def test_read_answers_from_the_tasks_operands_and_tells_the_model_what_was_wrong():
     tools = task_tools([7, 3, 12])
-    assert [tools["read"]("a"), tools["read"]("b"), tools["read"]("C "), tools["multiply"](3, 12)] == [
-        "7",
-        "3",
-        "12",
+    assert [tools["read"]("x"), tools["read"]("y"), tools["read"]("Z "), tools["multiply"](3, 12)] == [
+        "x = 7",
+        "y = 3",
+        "z = 12",
         "36",
     ]
-    with pytest.raises(ValueError, match="unknown letter 'd'; the letters are a, b and c"):
-        tools["read"]("d")
+    with pytest.raises(ValueError, match="unknown letter 'a'; the letters are x, y and z"):
+        tools["read"]("a")
     with pytest.raises(ValueError):
         task_tools([1, 2])  # three operands, one per letter
     assert [s["function"]["name"] for s in TOOL_SCHEMAS] == ["read", "add", "multiply"] == list(tools)
@@ -38,7 +38,7 @@ def test_read_answers_from_the_tasks_operands_and_tells_the_model_what_was_wrong
 
 
 def test_the_reference_solver_reads_a_b_c_then_evaluates_in_arithmetic_order():
-    reads = [("read", {"name": "a"}, 7), ("read", {"name": "b"}, 3), ("read", {"name": "c"}, 12)]
+    reads = [("read", {"name": "x"}, "x = 7"), ("read", {"name": "y"}, "y = 3"), ("read", {"name": "z"}, "z = 12")]
     assert reference_calls("7 + 3 * 12") == reads + [
         ("multiply", {"a": 3, "b": 12}, 36),
         ("add", {"a": 7, "b": 36}, 43),
@@ -59,7 +59,9 @@ def test_the_reference_solver_reads_a_b_c_then_evaluates_in_arithmetic_order():
     assert DECISION_CALL == 3 and MAX_ROUNDS == 6  # three reads, two operations, the answer
     for row in build_precedence_lookup_dataset("train", 200, seed=3):
         right, wrong = reference_calls(row["expression"]), wrong_order_calls(row["expression"])
-        assert right[:3] == wrong[:3] and [c[2] for c in right[:3]] == row["operands"]
+        assert right[:3] == wrong[:3] and [c[2] for c in right[:3]] == [
+            f"{letter} = {value}" for letter, value in zip("xyz", row["operands"], strict=True)
+        ]
         assert right[-1][-1] == eval(row["expression"]) == row["answer"] != wrong[-1][-1]
         tool, arguments, _ = wrong[DECISION_CALL]
         assert tool != right[DECISION_CALL][0]
@@ -72,14 +74,14 @@ def test_questions_name_letters_and_splits_share_no_expression():
     assert not set(train["expression"]) & set(evaluation["expression"])
     assert {split_of(e) for e in evaluation["expression"]} == {"eval"}
     assert {row["prompt"][-1]["content"] for row in evaluation} == {
-        "What is a + b * c?",
-        "What is a * b + c?",
-        "What is (a + b) * c?",
-        "What is a * (b + c)?",
+        "What is x + y * z?",
+        "What is x * y + z?",
+        "What is (x + y) * z?",
+        "What is x * (y + z)?",
     }
     row = evaluation[0]
     assert (row["prompt"][-1]["content"], row["operands"], row["expression"], row["answer"]) == (
-        "What is a * b + c?",
+        "What is x * y + z?",
         [4, 4, 4],
         "4 * 4 + 4",
         20,

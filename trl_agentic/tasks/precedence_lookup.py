@@ -2,8 +2,9 @@
 second learning study).
 
 The precedence task (`trl_agentic.tasks.precedence`: same shapes, tools, checker and decisiveness) with the operands
-named by letters: "What is a + b * c?". A third tool, `read(name)`, returns a letter's value, and the agent must read
-`a`, `b` and `c` first (three calls, always in that order, each answered deterministically), then make the two
+named by letters: "What is x + y * z?". A third tool, `read(name)`, returns a letter's value (`"y = 3"`), and the
+agent must read `x`, `y` and `z` first (three calls, always in that order, each answered deterministically; not `a`
+and `b`, the names of `add`'s and `multiply`'s arguments), then make the two
 operations and answer: six model calls (`MAX_ROUNDS`). Call 3, the first operation, is the decision: the wrong
 operation first leaves one call, which cannot reach the answer (`precedence.finishable`). A tree rollout branched AT
 the decision (`AgenticGRPOConfig(tree_branch_points="call:3")`) replays the three look-ups for free and samples the
@@ -15,7 +16,7 @@ Example:
 >>> from trl_agentic.tasks.precedence_lookup import PRECEDENCE_LOOKUP, reference_calls
 >>> row = PRECEDENCE_LOOKUP.build_dataset(split="eval", size=1, seed=0)[0]
 >>> row["prompt"][-1]["content"], row["operands"], row["answer"]
-('What is a * b + c?', [4, 4, 4], 20)
+('What is x * y + z?', [4, 4, 4], 20)
 >>> reference_calls(row["expression"])[3:]
 [('multiply', {'a': 4, 'b': 4}, 16), ('add', {'a': 16, 'b': 4}, 20)]
 ```
@@ -42,11 +43,11 @@ from .splits import sample_split
 
 SYSTEM_PROMPT = (
     "The expression names its numbers with letters. First read the value of each letter with the read tool, one "
-    "call each, in the order a, b, c. Then evaluate the expression with the add and multiply tools, one operation "
+    "call each, in the order x, y, z. Then evaluate the expression with the add and multiply tools, one operation "
     "per call, in the order arithmetic evaluates it (parentheses first, then *, then +). Then reply with "
     "'The answer is N.'"
 )
-LETTERS = ("a", "b", "c")
+LETTERS = ("x", "y", "z")  # not a and b: the tools' argument names
 MAX_ROUNDS = 6  # three look-ups, two operations, the answer: no call is left to undo a wrong first operation
 DECISION_CALL = len(LETTERS)  # the first operation's call index (0-based), what `tree_branch_points="call:3"` branches
 _NUMBERS = re.compile(r"\d+")
@@ -56,7 +57,7 @@ def read(name: str) -> str:
     """Read the value of a letter of the expression.
 
     Args:
-        name: The letter, one of "a", "b", "c".
+        name: The letter, one of "x", "y", "z".
     """
     raise RuntimeError("read is bound to a task's operands by lookup_agent")  # the schema's source only
 
@@ -65,14 +66,14 @@ TOOL_SCHEMAS = [get_json_schema(read), get_json_schema(add), get_json_schema(mul
 
 
 def task_tools(operands: list[int]) -> dict[str, Any]:
-    """The tools of one task: `read` answering from its `operands` (a, b, c), `add` and `multiply`.
+    """The tools of one task: `read` answering from its `operands` (x, y, z), `add` and `multiply`.
 
     Example:
 
     ```python
     >>> tools = task_tools([7, 3, 4])
-    >>> tools["read"]("b"), tools["read"](" c ")
-    ('3', '4')
+    >>> tools["read"]("y"), tools["read"](" z ")
+    ('y = 3', 'z = 4')
     ```
     """
     values = dict(zip(LETTERS, operands, strict=True))
@@ -80,8 +81,8 @@ def task_tools(operands: list[int]) -> dict[str, Any]:
     def read(name: str) -> str:
         key = str(name).strip().lower()
         if key not in values:
-            raise ValueError(f"unknown letter {name!r}; the letters are a, b and c")
-        return str(values[key])
+            raise ValueError(f"unknown letter {name!r}; the letters are x, y and z")
+        return f"{key} = {values[key]}"
 
     return {"read": read, "add": add, "multiply": multiply}
 
@@ -90,27 +91,30 @@ def _operands(expression: str) -> list[int]:
     return [int(n) for n in _NUMBERS.findall(expression)]
 
 
-def _with_reads(expression: str, calls: list[tuple[str, int, int, int]]) -> list[tuple[str, dict[str, Any], int]]:
-    reads = [("read", {"name": letter}, value) for letter, value in zip(LETTERS, _operands(expression), strict=True)]
+def _with_reads(expression: str, calls: list[tuple[str, int, int, int]]) -> list[tuple[str, dict[str, Any], int | str]]:
+    reads = [
+        ("read", {"name": letter}, f"{letter} = {value}")
+        for letter, value in zip(LETTERS, _operands(expression), strict=True)
+    ]
     return reads + [(tool, {"a": a, "b": b}, result) for tool, a, b, result in calls]
 
 
-def reference_calls(expression: str) -> list[tuple[str, dict[str, Any], int]]:
+def reference_calls(expression: str) -> list[tuple[str, dict[str, Any], int | str]]:
     """The reference solver's five tool calls for the numeric `expression` (the row's `expression` column): the three
     look-ups, then `precedence.reference_calls` (the operation evaluated first, the second on its result), each as
-    `(tool, arguments, result)`.
+    `(tool, arguments, result)` (a look-up's result is its tool message, `"x = 7"`).
 
     Example:
 
     ```python
     >>> reference_calls("7 + 3 * 4")
-    [('read', {'name': 'a'}, 7), ('read', {'name': 'b'}, 3), ('read', {'name': 'c'}, 4), ('multiply', {'a': 3, 'b': 4}, 12), ('add', {'a': 7, 'b': 12}, 19)]
+    [('read', {'name': 'x'}, 'x = 7'), ('read', {'name': 'y'}, 'y = 3'), ('read', {'name': 'z'}, 'z = 4'), ('multiply', {'a': 3, 'b': 4}, 12), ('add', {'a': 7, 'b': 12}, 19)]
     ```
     """
     return _with_reads(expression, operation_calls(expression))
 
 
-def wrong_order_calls(expression: str) -> list[tuple[str, dict[str, Any], int]]:
+def wrong_order_calls(expression: str) -> list[tuple[str, dict[str, Any], int | str]]:
     """The look-ups, then the precedence mistake carried out correctly (`precedence.wrong_order_calls`)."""
     return _with_reads(expression, wrong_operation_calls(expression))
 
@@ -122,10 +126,10 @@ def make_question(rng: random.Random, max_operand: int = 9) -> tuple[str, dict[s
     while True:
         shape = rng.choice(SHAPES)
         operands = [rng.randint(3, max_operand) for _ in LETTERS]
-        expression = shape.format(**dict(zip(LETTERS, operands, strict=True)))
+        expression = shape.format(**dict(zip("abc", operands, strict=True)))
         if decisive(expression):
             break
-    question = f"What is {shape.format(**{letter: letter for letter in LETTERS})}?"
+    question = f"What is {shape.format(**dict(zip('abc', LETTERS, strict=True)))}?"
     row = {
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
         "operands": operands,
