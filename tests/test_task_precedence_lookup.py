@@ -21,29 +21,41 @@ from trl_agentic.trace import Episode
 
 
 def test_read_answers_from_the_tasks_operands_and_tells_the_model_what_was_wrong():
-    tools = task_tools([7, 3, 12])
+    tools = task_tools("x + y * z", [7, 3, 12])
+    # The expression as far as it is read: each look-up substitutes its letter; the last one is the numeric expression
     assert [tools["read"]("x"), tools["read"]("y"), tools["read"]("Z "), tools["multiply"](3, 12)] == [
-        "x = 7",
-        "y = 3",
-        "z = 12",
+        "7 + y * z",
+        "7 + 3 * z",
+        "7 + 3 * 12",
         "36",
     ]
+    assert tools["read"]("x") == "7 + 3 * 12"  # read again: nothing new
+    out_of_order = task_tools("(x + y) * z", [7, 3, 12])
+    assert [out_of_order["read"]("z"), out_of_order["read"]("x")] == ["(x + y) * 12", "(7 + y) * 12"]
+    assert task_tools("x + y * z", [7, 3, 12])["read"]("y") == "x + 3 * z"  # a fresh episode: a fresh state
     with pytest.raises(ValueError, match="unknown letter 'a'; the letters are x, y and z"):
         tools["read"]("a")
     with pytest.raises(ValueError):
-        task_tools([1, 2])  # three operands, one per letter
+        task_tools("x + y * z", [1, 2])  # three operands, one per letter
+    with pytest.raises(ValueError, match="shape must name each of the letters"):
+        task_tools("x + x * z", [1, 2, 3])
     assert [s["function"]["name"] for s in TOOL_SCHEMAS] == ["read", "add", "multiply"] == list(tools)
     assert PRECEDENCE_LOOKUP.tools == TOOL_SCHEMAS
     assert TOOL_SCHEMAS[0]["function"]["parameters"]["required"] == ["name"]
 
 
 def test_the_reference_solver_reads_a_b_c_then_evaluates_in_arithmetic_order():
-    reads = [("read", {"name": "x"}, "x = 7"), ("read", {"name": "y"}, "y = 3"), ("read", {"name": "z"}, "z = 12")]
+    reads = [
+        ("read", {"name": "x"}, "7 + y * z"),
+        ("read", {"name": "y"}, "7 + 3 * z"),
+        ("read", {"name": "z"}, "7 + 3 * 12"),
+    ]
     assert reference_calls("7 + 3 * 12") == reads + [
         ("multiply", {"a": 3, "b": 12}, 36),
         ("add", {"a": 7, "b": 36}, 43),
     ]
-    assert reference_calls("(7 + 3) * 12") == reads + [
+    parenthesised = [(t, a, r.replace("7 + ", "(7 + ").replace(" * ", ") * ")) for t, a, r in reads]
+    assert reference_calls("(7 + 3) * 12") == parenthesised + [
         ("add", {"a": 7, "b": 3}, 10),
         ("multiply", {"a": 10, "b": 12}, 120),
     ]
@@ -51,7 +63,7 @@ def test_the_reference_solver_reads_a_b_c_then_evaluates_in_arithmetic_order():
         ("add", {"a": 7, "b": 3}, 10),
         ("multiply", {"a": 10, "b": 12}, 120),
     ]
-    assert wrong_order_calls("7 * (3 + 12)") == reads + [
+    assert wrong_order_calls("7 * (3 + 12)")[3:] == [
         ("multiply", {"a": 7, "b": 3}, 21),
         ("add", {"a": 21, "b": 12}, 33),
     ]
@@ -59,9 +71,9 @@ def test_the_reference_solver_reads_a_b_c_then_evaluates_in_arithmetic_order():
     assert DECISION_CALL == 3 and MAX_ROUNDS == 6  # three reads, two operations, the answer
     for row in build_precedence_lookup_dataset("train", 200, seed=3):
         right, wrong = reference_calls(row["expression"]), wrong_order_calls(row["expression"])
-        assert right[:3] == wrong[:3] and [c[2] for c in right[:3]] == [
-            f"{letter} = {value}" for letter, value in zip("xyz", row["operands"], strict=True)
-        ]
+        assert right[:3] == wrong[:3] and right[2][2] == row["expression"]  # the last look-up: the numbers
+        tools = task_tools(row["shape"], row["operands"])
+        assert [tools["read"](letter) for letter in "xyz"] == [c[2] for c in right[:3]]
         assert right[-1][-1] == eval(row["expression"]) == row["answer"] != wrong[-1][-1]
         tool, arguments, _ = wrong[DECISION_CALL]
         assert tool != right[DECISION_CALL][0]
@@ -80,13 +92,18 @@ def test_questions_name_letters_and_splits_share_no_expression():
         "What is x * (y + z)?",
     }
     row = evaluation[0]
-    assert (row["prompt"][-1]["content"], row["operands"], row["expression"], row["answer"]) == (
+    assert (row["prompt"][-1]["content"], row["shape"], row["operands"], row["expression"], row["answer"]) == (
         "What is x * y + z?",
+        "x * y + z",
         [4, 4, 4],
         "4 * 4 + 4",
         20,
     )
-    assert PRECEDENCE_LOOKUP.agent_columns == ("prompt", "operands")  # the expression and answer stay the checker's
+    assert PRECEDENCE_LOOKUP.agent_columns == (
+        "prompt",
+        "shape",
+        "operands",
+    )  # the expression and answer stay the checker's
     with pytest.raises(ValueError, match="max_operand must be >= 4"):
         build_precedence_lookup_dataset("train", 2, max_operand=3)
 

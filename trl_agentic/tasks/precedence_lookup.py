@@ -2,8 +2,8 @@
 second learning study).
 
 The precedence task (`trl_agentic.tasks.precedence`: same shapes, tools, checker and decisiveness) with the operands
-named by letters: "What is x + y * z?". A third tool, `read(name)`, returns a letter's value (`"y = 3"`), and the
-agent must read `x`, `y` and `z` first (three calls, always in that order, each answered deterministically; not `a`
+named by letters: "What is x + y * z?". A third tool, `read(name)`, substitutes a letter's value and answers with the
+expression as far as it is read (`"7 + 3 * z"`), and the agent must read `x`, `y` and `z` first (three calls, always in that order, each answered deterministically; not `a`
 and `b`, the names of `add`'s and `multiply`'s arguments), then make the two
 operations and answer: six model calls (`MAX_ROUNDS`). Call 3, the first operation, is the decision: the wrong
 operation first leaves one call, which cannot reach the answer (`precedence.finishable`). A tree rollout branched AT
@@ -42,8 +42,9 @@ from .splits import sample_split
 
 
 SYSTEM_PROMPT = (
-    "The expression names its numbers with letters. First read the value of each letter with the read tool, one "
-    "call each, in the order x, y, z. Then evaluate the expression with the add and multiply tools, one operation "
+    "The expression names its numbers with letters. First read each letter with the read tool, one call each, in "
+    "the order x, y, z: it answers with the expression, the letters read so far replaced by their values. Then "
+    "evaluate the expression with the add and multiply tools, one operation "
     "per call, in the order arithmetic evaluates it (parentheses first, then *, then +). Then reply with "
     "'The answer is N.'"
 )
@@ -65,50 +66,65 @@ def read(name: str) -> str:
 TOOL_SCHEMAS = [get_json_schema(read), get_json_schema(add), get_json_schema(multiply)]
 
 
-def task_tools(operands: list[int]) -> dict[str, Any]:
-    """The tools of one task: `read` answering from its `operands` (x, y, z), `add` and `multiply`.
+def task_tools(shape: str, operands: list[int]) -> dict[str, Any]:
+    """The tools of one task (one episode: `read` keeps what it substituted): `read(name)` substitutes the letter's
+    value (`operands`: x, y, z) into the lettered expression `shape` and answers with the expression as far as it is
+    read (the letters read so far, in any order, replaced by their values); `add` and `multiply`. After the three
+    look-ups the last tool message is the numeric expression, which the operations copy from.
 
     Example:
 
     ```python
-    >>> tools = task_tools([7, 3, 4])
-    >>> tools["read"]("y"), tools["read"](" z ")
-    ('y = 3', 'z = 4')
+    >>> tools = task_tools("x + y * z", [7, 3, 4])
+    >>> tools["read"]("x"), tools["read"](" Y "), tools["read"]("z")
+    ('7 + y * z', '7 + 3 * z', '7 + 3 * 4')
     ```
     """
     values = dict(zip(LETTERS, operands, strict=True))
+    if sorted(re.findall(r"[a-z]", shape)) != sorted(LETTERS):
+        raise ValueError(f"shape must name each of the letters {LETTERS} once, got {shape!r}")
+    read_so_far: list[str] = []
 
     def read(name: str) -> str:
         key = str(name).strip().lower()
         if key not in values:
             raise ValueError(f"unknown letter {name!r}; the letters are x, y and z")
-        return f"{key} = {values[key]}"
+        if key not in read_so_far:
+            read_so_far.append(key)
+        return _substituted(shape, {letter: values[letter] for letter in read_so_far})
 
     return {"read": read, "add": add, "multiply": multiply}
+
+
+def _substituted(shape: str, values: dict[str, int]) -> str:
+    return re.sub(r"[a-z]", lambda m: str(values.get(m.group(0), m.group(0))), shape)
 
 
 def _operands(expression: str) -> list[int]:
     return [int(n) for n in _NUMBERS.findall(expression)]
 
 
+def _shape_of(expression: str) -> str:
+    letters = iter(LETTERS)
+    return _NUMBERS.sub(lambda _: next(letters), expression)
+
+
 def _with_reads(expression: str, calls: list[tuple[str, int, int, int]]) -> list[tuple[str, dict[str, Any], int | str]]:
-    reads = [
-        ("read", {"name": letter}, f"{letter} = {value}")
-        for letter, value in zip(LETTERS, _operands(expression), strict=True)
-    ]
+    tools = task_tools(_shape_of(expression), _operands(expression))
+    reads = [("read", {"name": letter}, tools["read"](letter)) for letter in LETTERS]
     return reads + [(tool, {"a": a, "b": b}, result) for tool, a, b, result in calls]
 
 
 def reference_calls(expression: str) -> list[tuple[str, dict[str, Any], int | str]]:
     """The reference solver's five tool calls for the numeric `expression` (the row's `expression` column): the three
     look-ups, then `precedence.reference_calls` (the operation evaluated first, the second on its result), each as
-    `(tool, arguments, result)` (a look-up's result is its tool message, `"x = 7"`).
+    `(tool, arguments, result)` (a look-up's result is its tool message, `"7 + y * z"`).
 
     Example:
 
     ```python
     >>> reference_calls("7 + 3 * 4")
-    [('read', {'name': 'x'}, 'x = 7'), ('read', {'name': 'y'}, 'y = 3'), ('read', {'name': 'z'}, 'z = 4'), ('multiply', {'a': 3, 'b': 4}, 12), ('add', {'a': 7, 'b': 12}, 19)]
+    [('read', {'name': 'x'}, '7 + y * z'), ('read', {'name': 'y'}, '7 + 3 * z'), ('read', {'name': 'z'}, '7 + 3 * 4'), ('multiply', {'a': 3, 'b': 4}, 12), ('add', {'a': 7, 'b': 12}, 19)]
     ```
     """
     return _with_reads(expression, operation_calls(expression))
@@ -121,17 +137,18 @@ def wrong_order_calls(expression: str) -> list[tuple[str, dict[str, Any], int | 
 
 def make_question(rng: random.Random, max_operand: int = 9) -> tuple[str, dict[str, Any]]:
     """One question: a shape and three operands in `[3, max_operand]`, redrawn until `precedence.decisive`. Returns
-    its split key (the numeric expression) and its row: the prompt names the letters, `operands` holds their values
-    (the agent's, for `read`), `expression` and `answer` the checker's."""
+    its split key (the numeric expression) and its row: the prompt names the letters, `shape` (the lettered expression)
+    and `operands` (their values) are the agent's, for `read`; `expression` and `answer` the checker's."""
     while True:
         shape = rng.choice(SHAPES)
         operands = [rng.randint(3, max_operand) for _ in LETTERS]
         expression = shape.format(**dict(zip("abc", operands, strict=True)))
         if decisive(expression):
             break
-    question = f"What is {shape.format(**dict(zip('abc', LETTERS, strict=True)))}?"
+    lettered = shape.format(**dict(zip("abc", LETTERS, strict=True)))
     row = {
-        "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+        "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {lettered}?"}],
+        "shape": lettered,
         "operands": operands,
         "expression": expression,
         "answer": operation_calls(expression)[-1][-1],
@@ -149,11 +166,11 @@ def build_precedence_lookup_dataset(
 
 
 async def lookup_agent(client: Any, task: dict[str, Any], *, max_rounds: int = MAX_ROUNDS) -> str:
-    """The reference agent: the tool loop with `read` bound to the task's `operands`, `add` and `multiply`."""
+    """The reference agent: the tool loop with the task's tools (`task_tools`: `read` on its `shape` and `operands`)."""
     return await run_tool_loop(
         client,
         list(task["prompt"]),
-        tools=task_tools(list(task["operands"])),
+        tools=task_tools(task["shape"], list(task["operands"])),
         tool_schemas=TOOL_SCHEMAS,
         model=task.get("model") or SERVED_MODEL_NAME,
         max_rounds=max_rounds,
@@ -203,7 +220,7 @@ PRECEDENCE_LOOKUP = TaskSuite(
     agent=lookup_agent,
     reward_funcs=[calculator_correct],  # the last number of the final answer equals `answer`
     demonstrations=precedence_lookup_demonstrations,
-    agent_columns=("prompt", "operands"),  # `expression` and `answer` are the checker's
+    agent_columns=("prompt", "shape", "operands"),  # `expression` and `answer` are the checker's
     difficulty_levels={1: {"max_operand": 9}, 2: {"max_operand": 20}},
     target_difficulty=1,
 )
