@@ -30,7 +30,13 @@ that have one).
 `--suite precedence_lookup` (`trl_agentic.tasks.precedence_lookup`): the same decision after three `read(name)`
 look-ups, so it is call 3 of six, after a deterministic prefix; the tree arm branches AT it
 (`--tree-set tree_branch_points=call:3`): a branch replays the look-ups (not sampled tokens) and samples the decision
-afresh, so siblings differ exactly there.
+afresh, so siblings differ exactly there. Its settings and outcome (the tiny model's warm start does not yet copy
+through six calls): docs/tree_rollouts.md, "Second study".
+
+```bash
+python benchmarks/tree_study.py --suite precedence_lookup --warm-start-seed 0 --jobs 2 --set steps=80 \
+    --tree-set tree_branches=7 --tree-set tree_branch_points=call:3
+```
 """
 
 from __future__ import annotations
