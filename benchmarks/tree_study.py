@@ -23,8 +23,20 @@ python benchmarks/tree_study.py --report-only                      # the table f
 python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
 ```
 
-Runs are one at a time (a seed's arms one after the other), each in its own process with one torch thread; a run's
-record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs that have one).
+Runs are one at a time (a seed's arms one after the other; `--jobs 2`: two at a time, in that order), each in its own
+process with one torch thread; a run's record is `<output-dir>/<arm>-seed<N>.json` (`--skip-done` leaves the runs
+that have one).
+
+`--suite precedence_lookup` (`trl_agentic.tasks.precedence_lookup`): the same decision after three `read(name)`
+look-ups, so it is call 3 of six, after a deterministic prefix; the tree arm branches AT it
+(`--tree-set tree_branch_points=call:3`): a branch replays the look-ups (not sampled tokens) and samples the decision
+afresh, so siblings differ exactly there. Its settings and outcome (the tiny model's warm start does not yet copy
+through six calls): docs/tree_rollouts.md, "Second study".
+
+```bash
+python benchmarks/tree_study.py --suite precedence_lookup --warm-start-seed 0 --jobs 2 --set steps=80 \
+    --tree-set tree_branches=7 --tree-set tree_branch_points=call:3
+```
 """
 
 from __future__ import annotations
@@ -69,29 +81,41 @@ STUDY_SETTINGS = dict(
     validation_size=48,
     warm_start_check_every=4,
 )
+# Per suite, over STUDY_SETTINGS: the episode limit above the agent's six model calls
+SUITE_SETTINGS = {"precedence": {}, "precedence_lookup": dict(max_turns=7)}
 DECISION_NOISE = 0.5  # the warm start's demonstrations take the wrong first operation this often
 
 
-def study_suite(decision_noise: float = DECISION_NOISE):
-    """The precedence suite whose demonstrations take the wrong first operation `decision_noise` of the time
+SUITES = ("precedence", "precedence_lookup")  # `--suite`: the decision at call 0, or at call 3 after three look-ups
+
+
+def study_suite(decision_noise: float = DECISION_NOISE, name: str = "precedence"):
+    """The suite `name` (`SUITES`) whose demonstrations take the wrong first operation `decision_noise` of the time
     (`precedence_demonstrations(decision_noise=...)`): the warm start learns the mechanics, not the decision."""
     import functools
 
-    from trl_agentic.tasks.precedence import PRECEDENCE, precedence_demonstrations
-
-    demonstrations = functools.partial(precedence_demonstrations, decision_noise=decision_noise)
-    return dataclasses.replace(PRECEDENCE, demonstrations=demonstrations)
+    if name == "precedence":
+        from trl_agentic.tasks.precedence import PRECEDENCE as suite
+        from trl_agentic.tasks.precedence import precedence_demonstrations as demonstrations
+    elif name == "precedence_lookup":
+        from trl_agentic.tasks.precedence_lookup import PRECEDENCE_LOOKUP as suite
+        from trl_agentic.tasks.precedence_lookup import precedence_lookup_demonstrations as demonstrations
+    else:
+        raise ValueError(f"--suite must be one of {SUITES}, got {name!r}")
+    demonstrations = functools.partial(demonstrations, decision_noise=decision_noise)
+    return dataclasses.replace(suite, demonstrations=demonstrations)
 
 
 def decision_breakdown(tasks: list[dict], episodes: list, rewards: list) -> dict[str, float]:
-    """What the episodes got right: `first_op_right` (the first tool call names the reference's first tool: the
-    decision), `success`, and `success_given_right` (success among those: how well the rest, copying operands and
-    results, goes)."""
+    """What the episodes got right: `first_op_right` (the first operation, the first tool call other than a look-up
+    (`read`), names the reference's first tool: the decision), `success`, and `success_given_right` (success among
+    those: how well the rest, copying operands and results, goes)."""
     from trl_agentic.tasks.precedence import reference_calls
 
     right, wins, wins_right = 0, 0, 0
     for task, episode, reward in zip(tasks, episodes, rewards, strict=True):
         calls = [c for t in episode.turns for c in t.response_message.get("tool_calls") or []]
+        calls = [c for c in calls if c["function"].get("name") != "read"]
         first = calls[0]["function"].get("name") if calls else None
         is_right = first == reference_calls(task["expression"])[0][0]
         won = reward is not None and reward >= 1.0
@@ -161,10 +185,10 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
     from trl_agentic.pipeline.grpo import grpo_config, make_callbacks, train_grpo
     from trl_agentic.pipeline.printing import quiet_libraries
 
-    suite = study_suite(args.decision_noise)
+    suite = study_suite(args.decision_noise, args.suite)
     torch.set_num_threads(1)
     quiet_libraries()
-    settings = pipeline.PipelineConfig(seed=seed, **STUDY_SETTINGS)
+    settings = pipeline.PipelineConfig(seed=seed, **{**STUDY_SETTINGS, **SUITE_SETTINGS[args.suite]})
     if args.smoke:
         settings = dataclasses.replace(settings, **pipeline.SMOKE_OVERRIDES)
     settings = with_overrides(settings, args.set)
@@ -320,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tree-set", action="append", default=[], metavar="NAME=VALUE", help="An AgenticGRPOConfig field (tree arm)."
     )
+    parser.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="precedence",
+        help="precedence: the decision is the first call; precedence_lookup: three look-ups first, then the decision.",
+    )
     parser.add_argument("--output-dir", default="outputs/tree_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")
     parser.add_argument(
@@ -337,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         help="Build (or load) the warm start and print its held-out success and first-operation accuracy.",
     )
     parser.add_argument("--smoke", action="store_true", help="Toy sizes: checks the plumbing.")
+    parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (each with one torch thread).")
     parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
     parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
@@ -356,19 +387,32 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.report_only:
         forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
-        for seed in args.seeds:  # a seed's arms one after the other: complete pairs first, the same load for both
-            for arm in args.arms:
-                log_path = output_dir / f"{arm}-seed{seed}.log"
-                if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
-                    print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
-                    continue
-                command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-                print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
-                with open(log_path, "w") as log:
-                    code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-                if code != 0:
-                    print(f"{arm} seed {seed}: failed with exit status {code}; see {log_path}", flush=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # A seed's arms one after the other (or side by side with --jobs 2): complete pairs first, the same load for
+        # both arms
+        queue = [(seed, arm) for seed in args.seeds for arm in args.arms]
+        running: list[tuple[int, str, subprocess.Popen, object]] = []
+
+        def wait_one() -> None:
+            seed, arm, process, log = running.pop(0)
+            code = process.wait()
+            log.close()
+            if code != 0:
+                print(f"{arm} seed {seed}: failed with exit status {code}; see {log.name}", flush=True)
+
+        for seed, arm in queue:
+            log_path = output_dir / f"{arm}-seed{seed}.log"
+            if args.skip_done and (output_dir / f"{arm}-seed{seed}.json").is_file():
+                print(f"{arm} seed {seed}: done already ({output_dir / f'{arm}-seed{seed}.json'})", flush=True)
+                continue
+            while len(running) >= args.jobs:
+                wait_one()
+            command = [sys.executable, __file__, "--one-run", str(seed), arm, *forwarded]
+            print(f"{arm} seed {seed}: running (log {log_path})", flush=True)
+            log = open(log_path, "w")  # noqa: SIM115 - closed by wait_one
+            running.append((seed, arm, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        while running:
+            wait_one()
     print(format_report(load_records(output_dir, args.seeds), args.seeds))
     return 0
 

@@ -137,6 +137,11 @@ def test_branch_point_rules():
     assert branch_candidates(episode, "first", rng) == [3]
     assert branch_candidates(Episode("one", turns=calls[:1]), "uniform", rng) == []
     assert branch_candidates(Episode("one", turns=calls[:1]), "first", rng) == []
+    # "call:K": call K and no other (a branch of a branch at K or later, or a parent of K calls or fewer: none)
+    root = Episode("root", turns=calls)
+    assert [branch_candidates(root, f"call:{k}", rng) for k in (1, 2, 3, 4)] == [[1], [2], [3], []]
+    assert branch_candidates(Episode("short", turns=calls[:3]), "call:3", rng) == []
+    assert branch_candidates(episode, "call:2", rng) == [] and branch_candidates(episode, "call:3", rng) == [3]
     assert first_tool_error(Episode("m", turns=[turn(0, [1], [5], malformed=True), calls[1]])) == 0
 
 
@@ -147,6 +152,8 @@ def test_branch_point_rules():
         (dict(tree_branches=0), "tree_branches must be >= 1"),
         (dict(tree_depth=3), "tree_depth in [1, tree_branches]"),
         (dict(tree_branch_points="best"), "tree_branch_points must be one of"),
+        (dict(tree_branch_points="call:0"), "write 'call:K' with K an integer >= 1"),
+        (dict(tree_branch_points="call:x"), "write 'call:K' with K an integer >= 1"),
         (dict(scale_rewards="batch"), "scale_rewards='group'"),
         (dict(tree_local_weight=-1.0), "tree_local_weight"),
     ],

@@ -106,3 +106,31 @@ def test_the_decision_breakdown_counts_the_first_operation_and_success_given_it(
     ]
     result = study.decision_breakdown(tasks, episodes, [1.0, 0.0, 0.0, 0.0, None])
     assert result == {"first_op_right": 3 / 5, "success": 1 / 5, "success_given_right": 1 / 3}
+    # precedence_lookup: the look-ups (`read`) come first; the first operation after them is the decision
+    looked_up = [
+        episode(
+            "read",
+            "read",
+            "read",
+            *[c["function"]["name"] for t in e.turns[:-1] for c in t.response_message["tool_calls"]],
+        )
+        for e in episodes
+    ]
+    assert study.decision_breakdown(tasks, looked_up, [1.0, 0.0, 0.0, 0.0, None]) == result
+    assert study.decision_breakdown(tasks[:1], [episode("read", "add", "multiply")], [0.0])["first_op_right"] == 0.0
+
+
+def test_the_study_suites_take_the_decision_noise_and_an_unknown_one_is_refused(study):
+    from trl_agentic.tasks.precedence_lookup import PRECEDENCE_LOOKUP, precedence_lookup_demonstrations
+
+    suite = study.study_suite(0.5, "precedence_lookup")
+    assert (suite.name, suite.agent_columns, suite.tools) == (
+        "precedence_lookup",
+        PRECEDENCE_LOOKUP.agent_columns,
+        PRECEDENCE_LOOKUP.tools,
+    )
+    assert suite.demonstrations(6, seed=0) == precedence_lookup_demonstrations(6, seed=0, decision_noise=0.5)
+    assert study.study_suite(0.5).name == "precedence"
+    assert study.SUITE_SETTINGS["precedence_lookup"]["max_turns"] > 6  # six model calls fit the episode limit
+    with pytest.raises(ValueError, match="--suite must be one of"):
+        study.study_suite(0.5, "calculator")

@@ -131,7 +131,10 @@ class AgenticGRPOConfig(GRPOConfig):
             Where an episode is branched: `"uniform"` (uniform over the calls it can be branched at), `"entropy"` (the
             call whose sampled tokens had the highest mean `-logprob`), or `"tool_error"` (the call whose reply led to
             its first tool error, sampled again; `"uniform"` when it has none), or `"first"` (the earliest call it can
-            be branched at: a root after its first call, so its branches share that call).
+            be branched at: a root after its first call, so its branches share that call), or `"call:K"` with `K` an
+            integer >= 1 (call `K` and no other: every branch replays calls `0 .. K-1` and samples call `K` afresh,
+            for a task whose decision is call `K` after deterministic calls; an episode with `K` calls or fewer is
+            not branched).
         tree_depth (`int`, *optional*, defaults to `1`):
             Levels of branches: `1` branches the roots only; `2` also branches the branches (a three-level tree), the
             branches split evenly over the levels. At most `tree_branches`.
@@ -281,7 +284,7 @@ class AgenticGRPOConfig(GRPOConfig):
     tree_branches: int = field(default=2, metadata={"help": "Branch episodes per group (the rest are roots)."})
     tree_branch_points: str = field(
         default="uniform",
-        metadata={"help": "Where episodes are branched.", "choices": ["uniform", "entropy", "tool_error", "first"]},
+        metadata={"help": "Where episodes are branched: uniform, entropy, tool_error, first, or call:K (K >= 1)."},
     )
     tree_depth: int = field(default=1, metadata={"help": "Levels of branches (2: branches of branches too)."})
     tree_local_weight: float = field(

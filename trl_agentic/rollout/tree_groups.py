@@ -21,6 +21,10 @@ own branch point would make a sibling of the parent, not a child. The rules (`TR
 - `"first"`: the earliest of those calls (`b + 1`: a root is branched after its first call), then the next ones in
   order: siblings share the parent's first call, so the leaves under it estimate that call's value (a task whose
   first call is the decision, `trl_agentic/tasks/precedence.py`).
+- `"call:K"` (an integer `K >= 1`): call `K` and no other, every branch of the parent: siblings replay calls
+  `0 .. K-1` and differ from call `K` on (a task whose decision is call `K`, after `K` deterministic calls:
+  `trl_agentic/tasks/precedence_lookup.py`, `"call:3"`). A parent with `K` calls or fewer, or branched at `K` or
+  later itself, cannot be branched.
 
 The slots of a group: roots first, then the branches level by level; a branch's `group_index` is its slot in the group
 and its `task_index` its parent's (`rollout/replay.py`). Each episode's `metadata["tree"]` says where it sits:
@@ -45,7 +49,33 @@ from .runner import EpisodeServer, run_episode
 from .tree import GroupTree, group_tree
 
 
-TREE_BRANCH_POINTS = ("uniform", "entropy", "tool_error", "first")
+TREE_BRANCH_POINTS = ("uniform", "entropy", "tool_error", "first", "call:K")
+FIXED_CALL = "call:"  # "call:K": branch at call K (an integer >= 1)
+
+
+def fixed_branch_call(rule: str) -> int | None:
+    """`K` of a `"call:K"` rule (`None` for the other rules); a `ValueError` that says how to write it if `K` is not
+    an integer >= 1.
+
+    Example:
+
+    ```python
+    >>> fixed_branch_call("call:3"), fixed_branch_call("first")
+    (3, None)
+    ```
+    """
+    if not isinstance(rule, str) or not rule.startswith(FIXED_CALL):
+        return None
+    raw = rule[len(FIXED_CALL) :].strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            f"tree_branch_points {rule!r}: write 'call:K' with K an integer >= 1, the 0-based index of the call the "
+            "branches sample again (e.g. 'call:3': calls 0-2 replayed); call 0 cannot be branched (a branch there "
+            "is a fresh root: lower num_generations - tree_branches instead)."
+        )
+    return int(raw)
+
+
 TREE_KEY = "tree"  # episode.metadata[TREE_KEY] = {"root", "parent", "branch_point"} (+ "segments" once trained)
 
 
@@ -59,7 +89,7 @@ class TreeSpec:
     depth: int = 1
 
     def __post_init__(self):
-        if self.branch_points not in TREE_BRANCH_POINTS:
+        if fixed_branch_call(self.branch_points) is None and self.branch_points not in TREE_BRANCH_POINTS[:-1]:
             raise ValueError(f"tree_branch_points must be one of {TREE_BRANCH_POINTS}, got {self.branch_points!r}.")
         if self.branches < 1 or not 1 <= self.depth <= self.branches:
             raise ValueError(
@@ -123,6 +153,9 @@ def branch_candidates(episode: Episode, rule: str, rng: random.Random) -> list[i
     calls = _calls(episode)
     low = _own_branch_point(episode) + 1
     candidates = list(range(low, len(calls)))
+    fixed = fixed_branch_call(rule)
+    if fixed is not None:
+        return [fixed] if fixed in candidates else []
     if rule == "tool_error":
         error = first_tool_error(episode)
         if error is not None and error >= low - 1 and error < len(calls):
