@@ -17,8 +17,9 @@ python benchmarks/online_benchmark.py --minutes 3 --users 2 --eval-size 40      
 
 The learning run and the harmful-update run are separate: in one run, a harmful step that got through would decide
 the learning figure, and the learning figure would hide whether it got through. The defaults are the demo's GRPO
-settings (groups of 12, 4 tasks a step, sampled at 1.2) with every update vetted before the next builds on it
-(`--wait-for-verdict`, serve --train's default).
+settings (groups of 12, sampled at 1.2) with 8 tasks a step at a learning rate of 3e-4 after 10 warm-up steps (what
+met the learning goal, docs/benchmarks.md "Online RL"), every update vetted before the next builds on it
+(`--wait-for-verdict`, serve --train's default), verdicts at margin 0.1 with the length and malformed-call guards.
 
 Traffic repeats tasks, as real traffic does: the users draw from a pool of `--task-pool` popular tasks, each asked
 `--task-repeats` times (by any user) before a fresh task replaces it, and name the task when they end the episode
@@ -180,10 +181,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise", type=float, default=0.1, help="Share of feedback flipped.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--episodes-per-step", type=int, default=48, help="The demo's (4 tasks x 12).")
+    parser.add_argument(
+        "--episodes-per-step",
+        type=int,
+        default=96,
+        help="8 tasks x 12 (the demo's 4 x 12 used a third of the traffic).",
+    )
     parser.add_argument("--num-generations", type=int, default=12, help="The demo's.")
-    parser.add_argument("--learning-rate", type=float, default=2e-4, help="The demo's.")
-    parser.add_argument("--warmup-steps", type=int, default=30, help="The demo's warm-up (then constant).")
+    parser.add_argument(
+        "--learning-rate", type=float, default=3e-4, help="The demo's 2e-4, raised with the batch (twice the demo's)."
+    )
+    parser.add_argument("--warmup-steps", type=int, default=10, help="Warm-up steps (then constant; the demo's: 30).")
     parser.add_argument(
         "--levels",
         default="target",
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--candidate-share", type=float, default=0.5)
     parser.add_argument("--min-episodes", type=int, default=48)
-    parser.add_argument("--margin", type=float, default=0.05)
+    parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--confidence", type=float, default=0.8)
     parser.add_argument("--eval-versions", type=int, default=4, help="Promoted versions evaluated (spread, last too).")
     parser.add_argument("--max-episodes", type=int, default=None)
