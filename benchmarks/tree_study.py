@@ -86,7 +86,7 @@ SUITE_SETTINGS = {"precedence": {}, "precedence_lookup": dict(max_turns=7)}
 DECISION_NOISE = 0.5  # the warm start's demonstrations take the wrong first operation this often
 
 
-SUITES = ("precedence", "precedence_lookup")  # `--suite`: the decision at call 0, or at call 3 after three look-ups
+SUITES = tuple(SUITE_SETTINGS)  # `--suite`: the decision at call 0, or at call 3 after three look-ups
 
 
 def study_suite(decision_noise: float = DECISION_NOISE, name: str = "precedence"):

@@ -49,8 +49,9 @@ from .runner import EpisodeServer, run_episode
 from .tree import GroupTree, group_tree
 
 
-TREE_BRANCH_POINTS = ("uniform", "entropy", "tool_error", "first", "call:K")
+NAMED_BRANCH_POINTS = ("uniform", "entropy", "tool_error", "first")
 FIXED_CALL = "call:"  # "call:K": branch at call K (an integer >= 1)
+TREE_BRANCH_POINTS = (*NAMED_BRANCH_POINTS, f"{FIXED_CALL}K")
 
 
 def fixed_branch_call(rule: str) -> int | None:
@@ -89,7 +90,7 @@ class TreeSpec:
     depth: int = 1
 
     def __post_init__(self):
-        if fixed_branch_call(self.branch_points) is None and self.branch_points not in TREE_BRANCH_POINTS[:-1]:
+        if fixed_branch_call(self.branch_points) is None and self.branch_points not in NAMED_BRANCH_POINTS:
             raise ValueError(f"tree_branch_points must be one of {TREE_BRANCH_POINTS}, got {self.branch_points!r}.")
         if self.branches < 1 or not 1 <= self.depth <= self.branches:
             raise ValueError(

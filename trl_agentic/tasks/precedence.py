@@ -213,21 +213,37 @@ def precedence_demonstrations(
     ['system', 'user', 'assistant', 'tool', 'assistant', 'tool', 'assistant']
     ```
     """
+    return noisy_demonstrations(
+        build_precedence_dataset("train", n, seed, max_operand),
+        lambda expression: [(tool, {"a": a, "b": b}, result) for tool, a, b, result in reference_calls(expression)],
+        lambda expression: [(tool, {"a": a, "b": b}, result) for tool, a, b, result in wrong_order_calls(expression)],
+        AGENT.tool_schemas,
+        decision_noise,
+        f"precedence-decision-noise-{seed}",
+    )
+
+
+def noisy_demonstrations(
+    rows, solver, wrong_solver, tools: list[dict], decision_noise: float, noise_key: str
+) -> list[dict[str, Any]]:
+    """Each row's reference solution (`solver(expression)`: `(tool, arguments, result)` calls), or `wrong_solver`'s
+    `decision_noise` of the time, drawn independently per row from the stream `random.Random(noise_key)` (not drawn
+    from at 0): the calls, their tool messages, then `The answer is N.` with the last result."""
     if not 0.0 <= decision_noise <= 1.0:
         raise ValueError(f"decision_noise must be a probability in [0, 1], got {decision_noise!r}")
-    noise = random.Random(f"precedence-decision-noise-{seed}")
+    noise = random.Random(noise_key)
     solved = []
-    for row in build_precedence_dataset("train", n, seed, max_operand):
+    for row in rows:
         wrong = decision_noise > 0 and noise.random() < decision_noise
-        calls = wrong_order_calls(row["expression"]) if wrong else reference_calls(row["expression"])
+        calls = (wrong_solver if wrong else solver)(row["expression"])
         messages = list(row["prompt"])
-        for index, (tool, a, b, result) in enumerate(calls):
+        for index, (tool, arguments, result) in enumerate(calls):
             call_id = f"call_{index}"
-            call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": {"a": a, "b": b}}}
+            call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": arguments}}
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": call_id, "name": tool, "content": str(result)})
         messages.append({"role": "assistant", "content": f"The answer is {calls[-1][-1]}."})
-        solved.append({"messages": messages, "tools": AGENT.tool_schemas})
+        solved.append({"messages": messages, "tools": tools})
     return solved
 
 

@@ -35,7 +35,8 @@ from ..endpoint import SERVED_MODEL_NAME
 from . import TaskSuite
 from .agent_loop import run_tool_loop
 from .calculator import calculator_correct
-from .precedence import SHAPES, add, decisive, multiply
+from .precedence import add, multiply, noisy_demonstrations
+from .precedence import make_question as precedence_question
 from .precedence import reference_calls as operation_calls
 from .precedence import wrong_order_calls as wrong_operation_calls
 from .splits import sample_split
@@ -136,20 +137,16 @@ def wrong_order_calls(expression: str) -> list[tuple[str, dict[str, Any], int | 
 
 
 def make_question(rng: random.Random, max_operand: int = 9) -> tuple[str, dict[str, Any]]:
-    """One question: a shape and three operands in `[3, max_operand]`, redrawn until `precedence.decisive`. Returns
+    """One question: `precedence.make_question`'s (a shape and three operands in `[3, max_operand]`, redrawn until
+    `precedence.decisive`), its numbers named by letters. Returns
     its split key (the numeric expression) and its row: the prompt names the letters, `shape` (the lettered expression)
     and `operands` (their values) are the agent's, for `read`; `expression` and `answer` the checker's."""
-    while True:
-        shape = rng.choice(SHAPES)
-        operands = [rng.randint(3, max_operand) for _ in LETTERS]
-        expression = shape.format(**dict(zip("abc", operands, strict=True)))
-        if decisive(expression):
-            break
-    lettered = shape.format(**dict(zip("abc", LETTERS, strict=True)))
+    expression, _ = precedence_question(rng, max_operand)
+    lettered = _shape_of(expression)
     row = {
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {lettered}?"}],
         "shape": lettered,
-        "operands": operands,
+        "operands": _operands(expression),
         "expression": expression,
         "answer": operation_calls(expression)[-1][-1],
     }
@@ -194,22 +191,14 @@ def precedence_lookup_demonstrations(
     ['assistant', 'tool', 'assistant', 'tool', 'assistant', 'tool', 'assistant', 'tool', 'assistant', 'tool', 'assistant']
     ```
     """
-    if not 0.0 <= decision_noise <= 1.0:
-        raise ValueError(f"decision_noise must be a probability in [0, 1], got {decision_noise!r}")
-    noise = random.Random(f"precedence-lookup-decision-noise-{seed}")
-    solved = []
-    for row in build_precedence_lookup_dataset("train", n, seed, max_operand):
-        wrong = decision_noise > 0 and noise.random() < decision_noise
-        calls = wrong_order_calls(row["expression"]) if wrong else reference_calls(row["expression"])
-        messages = list(row["prompt"])
-        for index, (tool, arguments, result) in enumerate(calls):
-            call_id = f"call_{index}"
-            call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": arguments}}
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            messages.append({"role": "tool", "tool_call_id": call_id, "name": tool, "content": str(result)})
-        messages.append({"role": "assistant", "content": f"The answer is {calls[-1][-1]}."})
-        solved.append({"messages": messages, "tools": TOOL_SCHEMAS})
-    return solved
+    return noisy_demonstrations(
+        build_precedence_lookup_dataset("train", n, seed, max_operand),
+        reference_calls,
+        wrong_order_calls,
+        TOOL_SCHEMAS,
+        decision_noise,
+        f"precedence-lookup-decision-noise-{seed}",
+    )
 
 
 PRECEDENCE_LOOKUP = TaskSuite(
