@@ -11,6 +11,7 @@ server recorded of each judge request.
 import json
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -186,7 +187,8 @@ def test_transient_server_errors_are_retried(judge_server):
 def test_results_are_cached_per_request_and_survive_a_restart(judge_server, tmp_path):
     server, session, script = judge_server()
     cache = tmp_path / "judge_cache.jsonl"
-    episodes = [episode(0, 0, 4), episode(1, 1, 5), episode(2, 0, 5), episode(3, 1, 4)]
+    # Two groups, {ep0, ep1} and {ep2, ep3}, that show the judge different trajectories.
+    episodes = [episode(0, 0, 4), episode(1, 1, 5), episode(2, 0, 3), episode(3, 1, 4)]
     judge = make_judge(server, session, cache_path=cache)
     assert judge(**batch(episodes)) == [1.0, 0.25, 0.25, 1.0]
     assert judge(**batch(episodes)) == [1.0, 0.25, 0.25, 1.0]
@@ -197,6 +199,24 @@ def test_results_are_cached_per_request_and_survive_a_restart(judge_server, tmp_
     resumed = make_judge(server, session, cache_path=cache)
     assert resumed(**batch(episodes)) == [1.0, 0.25, 0.25, 1.0]
     assert (resumed.stats.requests, resumed.stats.cache_hits) == (0, 2) and len(script.requests) == 2
+
+
+def test_identical_requests_in_flight_at_once_are_sent_once(judge_server, tokenizer):
+    """Two groups that show the judge the same trajectories make the same request. Sent concurrently, the second waits
+    for the first's answer (a cache hit), whatever the timing: the judge answers slowly here, so both are in flight
+    together (before the fix: two requests, or one and a hit, depending on which thread came first)."""
+    rule = ScriptedJudge(tokenizer)
+
+    def slow(prompt_ids):
+        time.sleep(0.5)
+        return rule(prompt_ids)
+
+    server, session, script = judge_server(script=slow)
+    # Groups {ep0, ep1} and {ep2, ep3} show answers 4 and 5 in the same order: the same request.
+    episodes = [episode(0, 0, 4), episode(1, 1, 5), episode(2, 0, 4), episode(3, 1, 5)]
+    judge = make_judge(server, session)
+    assert judge(**batch(episodes)) == [1.0, 0.25, 1.0, 0.25]
+    assert (judge.stats.requests, judge.stats.cache_hits) == (1, 1) and len(rule.requests) == 1
 
 
 def test_agent_text_cannot_close_the_trajectory_tag(judge_server):

@@ -241,6 +241,7 @@ class TrajectoryJudge:
         self.stats = JudgeStats()
         self._cache: dict[str, list[float]] = {}
         self._lock = threading.Lock()
+        self._in_flight: dict[str, list] = {}  # request key -> [its lock, the threads holding or waiting for it]
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if self.cache_path is not None and self.cache_path.exists():
@@ -405,8 +406,23 @@ class TrajectoryJudge:
 
     def _scores(self, count: int, system: str, user: str, ids: list[str]) -> tuple[list[float] | None, JudgeStats]:
         """The scores of one request's `count` episodes (from the cache, or asked, retried), or `None`."""
-        stats = JudgeStats()
         key = hashlib.sha256(json_text([self.model, self.mode, system, user, self.request_kwargs]).encode()).hexdigest()
+        with self._lock:
+            entry = self._in_flight.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:  # the same request in flight (two groups shown alike): wait for its answer, then a cache hit
+                return self._cached_or_asked(key, count, system, user, ids)
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._in_flight[key]
+
+    def _cached_or_asked(
+        self, key: str, count: int, system: str, user: str, ids: list[str]
+    ) -> tuple[list[float] | None, JudgeStats]:
+        stats = JudgeStats()
         with self._lock:
             cached = self._cache.get(key)
         if cached is not None:
