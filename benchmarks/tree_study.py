@@ -37,6 +37,11 @@ through six calls): docs/tree_rollouts.md, "Second study".
 python benchmarks/tree_study.py --suite precedence_lookup --warm-start-seed 0 --jobs 2 --set steps=80 \
     --tree-set tree_branches=7 --tree-set tree_branch_points=call:3
 ```
+
+`--suite precedence_plan` (`trl_agentic.tasks.precedence_plan`): the same decision after one `plan(steps)` call whose
+steps are the same for every question (about half of a successful episode's sampled tokens), so it is call 1 of four
+and the numbers stay in the question; the tree arm branches AT it (`--tree-set tree_branch_points=call:1`). Its
+settings and outcome: docs/tree_rollouts.md, "Third study".
 """
 
 from __future__ import annotations
@@ -82,11 +87,16 @@ STUDY_SETTINGS = dict(
     warm_start_check_every=4,
 )
 # Per suite, over STUDY_SETTINGS: the episode limit above the agent's six model calls
-SUITE_SETTINGS = {"precedence": {}, "precedence_lookup": dict(max_turns=7)}
+SUITE_SETTINGS = {
+    "precedence": {},
+    "precedence_lookup": dict(max_turns=7),
+    # the plan call alone is ~90 sampled tokens (the tiny tokenizer spends about one a character on English)
+    "precedence_plan": dict(max_turns=5, max_completion_length=128),
+}
 DECISION_NOISE = 0.5  # the warm start's demonstrations take the wrong first operation this often
 
 
-SUITES = tuple(SUITE_SETTINGS)  # `--suite`: the decision at call 0, or at call 3 after three look-ups
+SUITES = tuple(SUITE_SETTINGS)  # `--suite`: the decision at call 0, at call 3 after three look-ups, at 1 after a plan
 
 
 def study_suite(decision_noise: float = DECISION_NOISE, name: str = "precedence"):
@@ -100,6 +110,9 @@ def study_suite(decision_noise: float = DECISION_NOISE, name: str = "precedence"
     elif name == "precedence_lookup":
         from trl_agentic.tasks.precedence_lookup import PRECEDENCE_LOOKUP as suite
         from trl_agentic.tasks.precedence_lookup import precedence_lookup_demonstrations as demonstrations
+    elif name == "precedence_plan":
+        from trl_agentic.tasks.precedence_plan import PRECEDENCE_PLAN as suite
+        from trl_agentic.tasks.precedence_plan import precedence_plan_demonstrations as demonstrations
     else:
         raise ValueError(f"--suite must be one of {SUITES}, got {name!r}")
     demonstrations = functools.partial(demonstrations, decision_noise=decision_noise)
@@ -115,7 +128,7 @@ def decision_breakdown(tasks: list[dict], episodes: list, rewards: list) -> dict
     right, wins, wins_right = 0, 0, 0
     for task, episode, reward in zip(tasks, episodes, rewards, strict=True):
         calls = [c for t in episode.turns for c in t.response_message.get("tool_calls") or []]
-        calls = [c for c in calls if c["function"].get("name") != "read"]
+        calls = [c for c in calls if c["function"].get("name") not in ("read", "plan")]
         first = calls[0]["function"].get("name") if calls else None
         is_right = first == reference_calls(task["expression"])[0][0]
         won = reward is not None and reward >= 1.0
@@ -348,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         "--suite",
         choices=SUITES,
         default="precedence",
-        help="precedence: the decision is the first call; precedence_lookup: three look-ups first, then the decision.",
+        help="precedence: the decision is the first call; precedence_lookup: three look-ups first, then the decision; "
+        "precedence_plan: a plan call first (about half of an episode's sampled tokens), then the decision.",
     )
     parser.add_argument("--output-dir", default="outputs/tree_study")
     parser.add_argument("--cache-dir", default=None, help="Warm-start cache (default: the demo's).")

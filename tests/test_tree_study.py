@@ -134,3 +134,21 @@ def test_the_study_suites_take_the_decision_noise_and_an_unknown_one_is_refused(
     assert study.SUITE_SETTINGS["precedence_lookup"]["max_turns"] > 6  # six model calls fit the episode limit
     with pytest.raises(ValueError, match="--suite must be one of"):
         study.study_suite(0.5, "calculator")
+
+
+def test_the_plan_suite_fits_its_plan_call_in_one_completion(study):
+    """The plan call is ~90 sampled tokens with the study's tokenizer: the suite's per-call completion limit must hold it
+    (48, the other suites', would cut every plan off)."""
+    from trl_agentic.tasks.precedence_plan import MAX_ROUNDS, PRECEDENCE_PLAN, precedence_plan_demonstrations
+    from trl_agentic.tiny_models import build_tiny_tokenizer
+
+    suite = study.study_suite(0.5, "precedence_plan")
+    assert suite.demonstrations(4, seed=1) == precedence_plan_demonstrations(4, seed=1, decision_noise=0.5)
+    assert (suite.name, suite.tools) == ("precedence_plan", PRECEDENCE_PLAN.tools)
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    messages, tools = suite.demonstrations(1, seed=0)[0]["messages"], PRECEDENCE_PLAN.tools
+    before = tokenizer.apply_chat_template(messages[:2], tools=tools, add_generation_prompt=True, tokenize=False)
+    after = tokenizer.apply_chat_template(messages[:3], tools=tools, tokenize=False)
+    plan_tokens = len(tokenizer(after.removeprefix(before))["input_ids"])
+    settings = study.SUITE_SETTINGS["precedence_plan"]
+    assert 60 < plan_tokens < settings["max_completion_length"] and settings["max_turns"] > MAX_ROUNDS

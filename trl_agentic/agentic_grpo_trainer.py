@@ -60,7 +60,7 @@ from .rollout.tree_groups import batch_tree
 from .rollouts import Rollouts, check_rollout_process, log_engine_stats, rollout_output, trainer_inputs
 from .shared_prefix import RowScoring
 from .task_sampling import TaskSlots, adaptive_sampler, draw_generation_batch, observe_tasks, target_levels
-from .trace import Episode
+from .trace import Episode, weighted_reward
 
 
 class AgenticGRPOTrainer(GRPOTrainer):
@@ -226,6 +226,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
             self._own_state.task_sampler = self.task_sampler
         return TaskSlots(self.task_sampler)
 
+    def _reward_weights_by_name(self) -> dict[str, float]:
+        return dict(zip(self.reward_func_names, self.reward_weights.tolist(), strict=True))
+
     def _mode(self) -> str:
         """`"train"` or `"eval"`: the trainer module's own flag, which the engine never touches (it generates with a
         module of its own, issue 29 M1)."""
@@ -238,7 +241,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             inputs,
             episodes,
             mode=mode,
-            weights=self.reward_weights.tolist(),
+            weights=self._reward_weights_by_name(),
             agent_columns=self.args.agent_columns,
             difficulty_column=self.args.difficulty_column,
             group_size=self.num_generations if mode == "train" else self.num_generations_eval,  # (issue 29, L4)
@@ -356,15 +359,8 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 "rollout_tree=True does not combine with per-turn (process) rewards yet: set turn_reward_weight=0 "
                 "(they are then logged, not trained on), return final rewards only, or set rollout_tree=False."
             )
-        weights = dict(zip(self.reward_func_names, self.reward_weights.tolist(), strict=True))
-        rewards = []
-        for episode in episodes:
-            values = [
-                (weights[name], value)
-                for name, value in (episode.metadata.get("rewards") or {}).items()
-                if value is not None
-            ]
-            rewards.append(sum(w * v for w, v in values) if values else None)
+        weights = self._reward_weights_by_name()
+        rewards = [weighted_reward(episode, weights) for episode in episodes]
         tree = batch_tree(
             episodes,
             rows_results,

@@ -61,7 +61,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from .trace import json_text
+from .trace import json_text, weighted_reward
 
 
 # How many groups' worth of weight the formula's split probability has in a bucket's split rate (and a bucket's rate
@@ -491,7 +491,7 @@ def observe_tasks(
     episodes: list,
     *,
     mode: str,
-    weights: list[float],
+    weights: dict[str, float],
     agent_columns: Sequence[str],
     difficulty_column: str | None,
     group_size: int,
@@ -507,10 +507,9 @@ def observe_tasks(
     column = difficulty_column
     local = []
     for example, episode in zip(inputs, episodes, strict=True):
-        scores = list((episode.metadata.get("rewards") or {}).values())
-        scored = [w * v for w, v in zip(weights, scores, strict=False) if v is not None]
         keep = {c: example.get(c) for c in (*agent_columns, column) if c and c in example}
-        local.append((keep, sum(scored) if scored else None, len(episode.turns), episode.num_malformed_tool_calls))
+        reward = weighted_reward(episode, weights)
+        local.append((keep, reward, len(episode.turns), episode.num_malformed_tool_calls))
     gathered = gather(local)
     rows, rewards = [g[0] for g in gathered], [g[1] for g in gathered]
     keys = [json_text(row) for row in rows]

@@ -327,3 +327,18 @@ def _safe_repr(item: Any) -> str:
         return repr(item)[:10_000]
     except Exception as error:  # noqa: BLE001 - a broken __repr__ must not break the trace
         return f"<unrepresentable {type(item).__name__}: {type(error).__name__}>"
+
+
+def weighted_reward(episode: Episode, weights: dict[str, float]) -> float | None:
+    """The episode's reward as TRL sums it: its kept rewards (`keep_episode_rewards`) times the reward functions'
+    `weights` (by name), the unscorable ones left out; `None` when none scored it.
+
+    Example:
+
+    ```python
+    >>> weighted_reward(Episode("e", metadata={"rewards": {"right": 1.0, "short": None}}), {"right": 0.5, "short": 1.0})
+    0.5
+    ```
+    """
+    values = [(weights[name], v) for name, v in (episode.metadata.get("rewards") or {}).items() if v is not None]
+    return sum(w * v for w, v in values) if values else None
