@@ -45,7 +45,7 @@ class _Batch:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     submitted_at: float = field(default_factory=time.monotonic)
-    group_size: int = 1  # episodes per group (`unit_size`): a tree's
+    group_size: int = 1  # episodes per group (`unit_size`, or the whole batch): the size of a tree (run_tree_groups)
 
 
 class RolloutProducer:
@@ -124,8 +124,10 @@ class RolloutProducer:
         n = len(tasks)
         size = unit_size if 0 < unit_size <= n and n % unit_size == 0 else n
         units = deque((start, start + size) for start in range(0, n, size))
-        batch = _Batch(index, list(tasks), list(group_indices), consume_version, seed, units, [None] * n)
-        batch.group_size = unit_size if unit_size > 0 else max(n, 1)
+        group_size = unit_size if unit_size > 0 else max(n, 1)
+        batch = _Batch(
+            index, list(tasks), list(group_indices), consume_version, seed, units, [None] * n, group_size=group_size
+        )
         if n == 0:
             batch.done.set()
         with self._lock:
