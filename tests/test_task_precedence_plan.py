@@ -2,6 +2,7 @@
 whose steps are the same for every question; the tools, the reference solver, the splits, the demonstrations with
 decision noise."""
 
+import json
 import random
 
 import pytest
@@ -9,32 +10,37 @@ import pytest
 from trl_agentic.tasks.calculator import calculator_correct
 from trl_agentic.tasks.precedence import build_precedence_dataset, finishable
 from trl_agentic.tasks.precedence_plan import (
-    AGENT,
     DECISION_CALL,
     MAX_ROUNDS,
     PLAN,
     PRECEDENCE_PLAN,
     SYSTEM_PROMPT,
+    TOOL_SCHEMAS,
     build_precedence_plan_dataset,
-    plan,
     precedence_plan_demonstrations,
+    question_expression,
     reference_calls,
+    task_tools,
     wrong_order_calls,
 )
 from trl_agentic.trace import Episode
 
 
-def test_the_plan_tool_takes_any_steps_but_none():
-    assert plan(PLAN) == plan("add, then multiply") == "Noted."
+def test_the_plan_tool_takes_any_steps_but_none_and_restates_the_expression():
+    tools = task_tools("(7 + 3) * 12")
+    assert tools["plan"](PLAN) == tools["plan"]("add, then multiply") == "Noted. Evaluate (7 + 3) * 12."
+    assert [tools["add"](7, 3), tools["multiply"](10, 12)] == ["10", "120"]
     with pytest.raises(ValueError, match="the plan is empty; write the steps"):
-        plan("  ")
-    assert [s["function"]["name"] for s in PRECEDENCE_PLAN.tools] == ["plan", "add", "multiply"]
-    assert PRECEDENCE_PLAN.tools[0]["function"]["parameters"]["required"] == ["steps"]
-    assert AGENT.max_rounds == MAX_ROUNDS == 4 and DECISION_CALL == 1  # the plan, two operations, the answer
+        tools["plan"]("  ")
+    assert [s["function"]["name"] for s in TOOL_SCHEMAS] == ["plan", "add", "multiply"] == list(tools)
+    assert PRECEDENCE_PLAN.tools == TOOL_SCHEMAS and TOOL_SCHEMAS[0]["function"]["parameters"]["required"] == ["steps"]
+    assert MAX_ROUNDS == 4 and DECISION_CALL == 1  # the plan, two operations, the answer
+    prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "What is 7 * (3 + 12)?"}]
+    assert question_expression(prompt) == "7 * (3 + 12)"
 
 
 def test_the_reference_solver_plans_then_evaluates_in_arithmetic_order():
-    planned = ("plan", {"steps": PLAN}, "Noted.")
+    planned = ("plan", {"steps": PLAN}, "Noted. Evaluate 7 + 3 * 12.")
     assert reference_calls("7 + 3 * 12") == [
         planned,
         ("multiply", {"a": 3, "b": 12}, 36),
@@ -49,7 +55,8 @@ def test_the_reference_solver_plans_then_evaluates_in_arithmetic_order():
     # Call 1 is the decision: after the reference's first operation one call finishes, after the other none does.
     for row in build_precedence_plan_dataset("train", 200, seed=3):
         right, wrong = reference_calls(row["expression"]), wrong_order_calls(row["expression"])
-        assert right[0] == wrong[0] == planned
+        assert right[0] == wrong[0] == ("plan", {"steps": PLAN}, f"Noted. Evaluate {row['expression']}.")
+        assert question_expression(row["prompt"]) == row["expression"]  # what the agent's plan tool restates
         assert right[-1][-1] == eval(row["expression"]) == row["answer"] != wrong[-1][-1]
         tool, arguments, _ = wrong[DECISION_CALL]
         assert tool != right[DECISION_CALL][0]
@@ -97,3 +104,42 @@ def test_demonstrations_plan_then_operate_and_decision_noise_flips_the_order_onl
         assert [m["content"] for m in messages if m["role"] == "tool"] == [str(r) for *_, r in expected]
         episode = Episode(id="d", status="ok", result=messages[-1]["content"])
         assert calculator_correct([None], [messages[2:]], [row["answer"]], episodes=[episode]) == [1.0 - is_wrong]
+
+
+def test_the_agent_plays_a_demonstration_through_a_real_endpoint(start_server):
+    """A model scripted to send a demonstration's calls, through the endpoint and the agent: the conversation the agent
+    records is the demonstration (the plan tool's answer included), and the checker scores it 1."""
+    from conftest import ScriptedEngine
+    from trl_agentic.rollout.agents import resolve_agent
+    from trl_agentic.rollout.runner import run_episodes, run_rollout
+    from trl_agentic.tiny_models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer("qwen2_5")
+    row = build_precedence_plan_dataset("train", 1, seed=0)[0]
+    demonstration = precedence_plan_demonstrations(1, seed=0)[0]["messages"]
+    sent = [m for m in demonstration if m["role"] == "assistant"]
+
+    def respond(prompt_ids):  # the demonstration's next assistant message, by the tool results already in the prompt
+        message = sent[tokenizer.decode(prompt_ids).count("<tool_response>")]
+        if not message.get("tool_calls"):
+            return message["content"]
+        function = message["tool_calls"][0]["function"]
+        return (
+            f"<tool_call>\n{json.dumps({'name': function['name'], 'arguments': function['arguments']})}\n</tool_call>"
+        )
+
+    server = start_server(ScriptedEngine(tokenizer, respond), tokenizer)
+    (episode,) = run_rollout(
+        run_episodes(server, resolve_agent(PRECEDENCE_PLAN.agent), [{"prompt": row["prompt"]}], timeout=60)
+    )
+    assert episode.status == "ok", episode.error
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == [
+        str(result) for *_, result in reference_calls(row["expression"])
+    ]
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for m in episode.messages
+        for c in m.get("tool_calls") or []
+    ] == [(tool, arguments) for tool, arguments, _ in reference_calls(row["expression"])]
+    assert episode.result == demonstration[-1]["content"] == f"The answer is {row['answer']}."
+    assert calculator_correct([None], [episode.messages], [row["answer"]], episodes=[episode]) == [1.0]
