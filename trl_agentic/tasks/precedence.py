@@ -185,6 +185,12 @@ def build_precedence_dataset(
     split: str = "train", size: int = 256, seed: int = 0, max_operand: int = 9
 ) -> datasets.Dataset:
     """`size` questions of `split` (`"train"` and `"eval"` share no expression: `sample_split` by its text)."""
+    return question_dataset(make_question, split, size, seed, max_operand)
+
+
+def question_dataset(make_question, split: str, size: int, seed: int, max_operand: int) -> datasets.Dataset:
+    """`size` rows of `make_question(rng, max_operand)` (`(split key, row)`) in `split` (`sample_split` by the key):
+    the dataset builder of this task and of its variants."""
     if max_operand < 4:
         raise ValueError(f"max_operand must be >= 4, got {max_operand}")
     return datasets.Dataset.from_list(sample_split(lambda rng: make_question(rng, max_operand), split, size, seed))

@@ -35,11 +35,10 @@ from ..endpoint import SERVED_MODEL_NAME
 from . import TaskSuite
 from .agent_loop import run_tool_loop
 from .calculator import calculator_correct
-from .precedence import add, multiply, noisy_demonstrations
+from .precedence import add, multiply, noisy_demonstrations, question_dataset
 from .precedence import make_question as precedence_question
 from .precedence import reference_calls as operation_calls
 from .precedence import wrong_order_calls as wrong_operation_calls
-from .splits import sample_split
 
 
 SYSTEM_PROMPT = (
@@ -157,9 +156,7 @@ def build_precedence_lookup_dataset(
     split: str = "train", size: int = 256, seed: int = 0, max_operand: int = 9
 ) -> datasets.Dataset:
     """`size` questions of `split` (`"train"` and `"eval"` share no numeric expression: `sample_split` by its text)."""
-    if max_operand < 4:
-        raise ValueError(f"max_operand must be >= 4, got {max_operand}")
-    return datasets.Dataset.from_list(sample_split(lambda rng: make_question(rng, max_operand), split, size, seed))
+    return question_dataset(make_question, split, size, seed, max_operand)
 
 
 async def lookup_agent(client: Any, task: dict[str, Any], *, max_rounds: int = MAX_ROUNDS) -> str:
