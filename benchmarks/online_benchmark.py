@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 import openai
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 
 from trl_agentic import AgenticGRPOConfig
 from trl_agentic.endpoint.launch import build_engine, create_endpoint_app
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         logging_steps=1,
         save_strategy="no",
         seed=args.seed,
+        disable_tqdm=not sys.stdout.isatty(),  # a log file gets the benchmark's own lines, not a bar redrawn per step
     )
     trainer = OnlineGRPOTrainer(
         model,
@@ -331,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         group_wait=args.group_wait,
     )
     trainer.add_callback(clock)
+    trainer.remove_callback(PrinterCallback)  # (with disable_tqdm, transformers prints every log dict instead)
     try:
         trainer.train()
     finally:
