@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import transformers
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", default=None, help="JSON file for the figures.")
     args = parser.parse_args(argv)
+    if not sys.stdout.isatty():  # a log file: no bars ("Writing model shards" at every publish, "Loading weights")
+        transformers.utils.logging.disable_progress_bar()
 
     config = replace(CalculatorDemoConfig(), seed=args.seed, eval_size=args.eval_size)
     plan = make_plan("calculator", config)
