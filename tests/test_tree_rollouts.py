@@ -10,6 +10,7 @@ tokens the loss counts: a shared segment once).
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -163,6 +164,17 @@ def test_tree_settings_are_checked_with_the_fix(tmp_path, settings, message):
         AgenticGRPOConfig(output_dir=str(tmp_path), num_generations=4, use_cpu=True, rollout_tree=True, **settings)
     if "tree" in next(iter(settings)):  # the tree's settings are not checked while it is off
         AgenticGRPOConfig(output_dir=str(tmp_path), num_generations=4, use_cpu=True, rollout_tree=False, **settings)
+
+
+def test_one_root_per_group_is_warned_about(tmp_path):
+    """With one root its prefix is every episode's: advantage 0 always, never corrected (the third study's collapse)."""
+    settings = dict(output_dir=str(tmp_path), num_generations=4, use_cpu=True, rollout_tree=True)
+    with pytest.warns(UserWarning, match=r"leaves one root per group.*tree_branches <= num_generations - 2"):
+        AgenticGRPOConfig(tree_branches=3, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AgenticGRPOConfig(tree_branches=2, **settings)
+    assert not [w for w in caught if "root" in str(w.message)]
 
 
 def test_trie_tokens_and_batch_tree_metadata():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -126,7 +127,10 @@ class AgenticGRPOConfig(GRPOConfig):
             are its parent's). Needs whole groups on each process and `scale_rewards` `"group"` or `"none"`;
             evaluation stays flat. `False`: groups of independent episodes, exactly as before.
         tree_branches (`int`, *optional*, defaults to `2`):
-            Branch episodes per group (at most `num_generations - 1`; the rest are roots).
+            Branch episodes per group (at most `num_generations - 1`; the rest are roots). Keep two roots or more:
+            with one, the root's prefix is shared by every episode of the group, so its advantage is always 0 (it is
+            the group's baseline) and nothing corrects it; in the third learning study (docs/tree_rollouts.md) one
+            root per group let the model drop its first call, and the run collapsed.
         tree_branch_points (`str`, *optional*, defaults to `"uniform"`):
             Where an episode is branched: `"uniform"` (uniform over the calls it can be branched at), `"entropy"` (the
             call whose sampled tokens had the highest mean `-logprob`), or `"tool_error"` (the call whose reply led to
@@ -449,7 +453,15 @@ class AgenticGRPOConfig(GRPOConfig):
         """`rollout_tree=True`: the tree's shape fits a group, and the settings it cannot honour are refused."""
         from .rollout.tree_groups import TreeSpec  # checks branches, depth and branch points
 
-        TreeSpec(self.tree_branches, self.tree_branch_points, self.tree_depth).roots(self.num_generations)
+        roots = TreeSpec(self.tree_branches, self.tree_branch_points, self.tree_depth).roots(self.num_generations)
+        if roots == 1:
+            warnings.warn(
+                f"tree_branches={self.tree_branches} of num_generations={self.num_generations} leaves one root per "
+                "group: its prefix is shared by every episode of the group, so its advantage is always 0 and nothing "
+                "corrects it (one root let a study's model drop its first call, and the run collapsed: "
+                "docs/tree_rollouts.md). Keep two roots or more (tree_branches <= num_generations - 2).",
+                stacklevel=3,
+            )
         if not math.isfinite(self.tree_local_weight) or self.tree_local_weight < 0:
             raise ValueError(f"tree_local_weight must be a finite number >= 0, got {self.tree_local_weight}.")
         if self.scale_rewards not in ("group", "none") or self.multi_objective_aggregation != "sum_then_normalize":
