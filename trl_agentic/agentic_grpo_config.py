@@ -460,7 +460,7 @@ class AgenticGRPOConfig(GRPOConfig):
                 "group: its prefix is shared by every episode of the group, so its advantage is always 0 and nothing "
                 "corrects it (one root let a study's model drop its first call, and the run collapsed: "
                 "docs/tree_rollouts.md). Keep two roots or more (tree_branches <= num_generations - 2).",
-                stacklevel=3,
+                stacklevel=4,  # the user's AgenticGRPOConfig(...) line (through __post_init__ and the dataclass __init__)
             )
         if not math.isfinite(self.tree_local_weight) or self.tree_local_weight < 0:
             raise ValueError(f"tree_local_weight must be a finite number >= 0, got {self.tree_local_weight}.")
