@@ -157,8 +157,6 @@ def test_branch_point_rules():
         (dict(tree_branch_points="call:x"), "write 'call:K' with K an integer >= 1"),
         (dict(scale_rewards="batch"), "scale_rewards='group'"),
         (dict(tree_local_weight=-1.0), "tree_local_weight"),
-        (dict(tree_loss_normalizer="leaves"), "tree_loss_normalizer must be 'tree' or 'flat'"),
-        (dict(tree_loss_normalizer="flat", loss_type="grpo"), "Set loss_type='dapo' or tree_loss_normalizer='tree'"),
     ],
 )
 def test_tree_settings_are_checked_with_the_fix(tmp_path, settings, message):
@@ -230,12 +228,8 @@ def tree_trainer(tmp_path, tokenizer, reward_funcs=reward_of_last_call, **settin
     )
 
 
-@pytest.mark.parametrize(
-    "prefix_tree_training, normalizer",
-    [(False, "tree"), (True, "tree"), (False, "flat")],
-    ids=["flat-forward", "prefix-tree", "flat-normalizer"],
-)
-def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer, prefix_tree_training, normalizer):
+@pytest.mark.parametrize("prefix_tree_training", [False, True])
+def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer, prefix_tree_training):
     # (seed 1: the uniform draw branches slot 2 at call 1, leaving call 2 to branch it at; others branch at 2)
     trainer = tree_trainer(
         tmp_path,
@@ -245,7 +239,6 @@ def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer, pre
         tree_depth=2,
         seed=1,
         prefix_tree_training=prefix_tree_training,  # the same loss and gradients, the shared tokens forwarded once
-        tree_loss_normalizer=normalizer,
     )
     inputs = [dict(dataset()[0]) for _ in range(4)]
     try:
@@ -313,11 +306,8 @@ def test_a_three_level_tree_through_the_trainer_by_hand(tmp_path, tokenizer, pre
         mask = [[m * o for m, o in zip(env[e], owned[e], strict=True)] for e in range(4)]
         got = (output["completion_mask"] * output["tool_mask"]).tolist()
         assert [row[: lengths[e]] for e, row in enumerate(got)] == mask
-        # The loss's token count: a shared segment counted once ("tree"), or once per episode that holds it ("flat":
-        # every sampled token of every episode, as flat rows would count them; the loss still holds it once).
-        n = sum(map(sum, mask)) if normalizer == "tree" else sum(map(sum, env))
-        assert sum(map(sum, env)) - sum(map(sum, mask)) == sum(env[2][:l2]) + sum(env[3][:l3]) > 0  # the copies
-        assert int(output["num_items_in_batch"]) == n
+        n = sum(map(sum, mask))
+        assert int(output["num_items_in_batch"]) == n  # a shared segment counted once
 
         # TRL's loss, untouched: every token's gradient is -A / N on the tokens the rows own, 0 on the copies.
         output["row_id"] = torch.arange(4)

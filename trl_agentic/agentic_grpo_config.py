@@ -145,13 +145,6 @@ class AgenticGRPOConfig(GRPOConfig):
         tree_local_weight (`float`, *optional*, defaults to `1.0`):
             Weight of a segment's local term (its value minus its parent segment's, what the choice at its branch
             point changed); `0` gives every segment the group-relative term of the rewards under it only.
-        tree_loss_normalizer (`str`, *optional*, defaults to `"tree"`):
-            The token count that divides the loss (`num_items_in_batch`, for `loss_type` `"dapo"`, `"cispo"` and
-            `"vespo"`). `"tree"`: the tokens the loss holds, a shared segment once, so a tree that samples 0.56x the
-            tokens of flat groups weighs each of its tokens ~1.8x (a larger step at the same `learning_rate`).
-            `"flat"`: the tokens its episodes would hold as flat rows (a shared segment once per episode that holds
-            it), so a branch's own tokens weigh what they weigh in a flat group; a shared segment still counts once in
-            the loss itself.
 
         > Parameters that control which tasks are sampled (trl_agentic/task_sampling.py)
 
@@ -300,10 +293,6 @@ class AgenticGRPOConfig(GRPOConfig):
     tree_depth: int = field(default=1, metadata={"help": "Levels of branches (2: branches of branches too)."})
     tree_local_weight: float = field(
         default=1.0, metadata={"help": "Weight of a tree segment's advantage over its parent segment's."}
-    )
-    tree_loss_normalizer: str = field(
-        default="tree",
-        metadata={"help": "The loss's token count: the tree's tokens, or its episodes' as flat rows.", "choices": ["tree", "flat"]},
     )
     task_sampling: str = field(
         default="uniform", metadata={"help": "How tasks are chosen.", "choices": ["uniform", "adaptive"]}
@@ -475,14 +464,6 @@ class AgenticGRPOConfig(GRPOConfig):
             )
         if not math.isfinite(self.tree_local_weight) or self.tree_local_weight < 0:
             raise ValueError(f"tree_local_weight must be a finite number >= 0, got {self.tree_local_weight}.")
-        if self.tree_loss_normalizer not in ("tree", "flat"):
-            raise ValueError(f"tree_loss_normalizer must be 'tree' or 'flat', got {self.tree_loss_normalizer!r}.")
-        if self.tree_loss_normalizer == "flat" and self.loss_type not in ("dapo", "cispo", "vespo"):
-            raise ValueError(
-                f"tree_loss_normalizer='flat' sets the token count of loss_type 'dapo', 'cispo' or 'vespo'; "
-                f"loss_type={self.loss_type!r} normalises per row or per micro-batch. Set loss_type='dapo' or "
-                "tree_loss_normalizer='tree'."
-            )
         if self.scale_rewards not in ("group", "none") or self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 "rollout_tree=True normalises rewards within each tree (its group): set scale_rewards='group' or "

@@ -322,9 +322,9 @@ class AgenticGRPOTrainer(GRPOTrainer):
         advantages = episode_advantages = output["advantages"]
         scales = row_scales(rows_results, self.loss_type, self.args.row_weighting)
         terms = self._turn_advantage_terms(episodes)
-        token_advantages, copies = None, 0
+        token_advantages = None
         if self.args.rollout_tree and self._mode() == "train":  # tree advantages per segment, shared ones counted once
-            output, token_advantages, copies = self._tree_advantages(output, episodes, rows_results, terms)
+            output, token_advantages = self._tree_advantages(output, episodes, rows_results, terms)
         elif terms is not None:
             rows = [result.rows for result in rows_results]
             token_advantages = episode_token_advantages(episodes, rows, advantages.tolist(), terms, scales)
@@ -340,8 +340,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
                 extra_rows, extra_advantages, num_extra, pad_id, per_token, advantages.device
             )
             output = self._append_rows(output, extra_rows, extra)
-        if copies:  # tree_loss_normalizer="flat": the copies of shared segments count as flat rows would count them
-            output["num_items_in_batch"] = output["num_items_in_batch"] + copies
         if "importance_sampling_ratio" in output:  # beside TRL's ratio metrics: what its correction zeroed
             log_importance_sampling_masked(output, self._metrics[self._mode()], self.accelerator.gather)
 
@@ -351,12 +349,11 @@ class AgenticGRPOTrainer(GRPOTrainer):
         self._observe_tasks(inputs, episodes)
         return output
 
-    def _tree_advantages(self, output: dict, episodes: list[Episode], rows_results, terms) -> tuple[dict, list, int]:
+    def _tree_advantages(self, output: dict, episodes: list[Episode], rows_results, terms) -> tuple[dict, list]:
         """Tree rollouts (`rollout_tree`): each group's tree of segments and their advantages (`rollout.tree_groups.
         batch_tree`), per token; the tokens a main row does not own (the copies of a shared segment, unscorable
-        segments) leave the loss and its token count (TRL's `tool_mask`, `num_items_in_batch`). Returns, besides,
-        the copies' count over processes when `tree_loss_normalizer="flat"` puts them back in the token count (else
-        0). Logs `tree/branches` and `tree/forward_tokens_saved`."""
+        segments) leave the loss and its token count (TRL's `tool_mask`, `num_items_in_batch`). Logs `tree/branches`
+        and `tree/forward_tokens_saved`."""
         if terms is not None:
             raise ValueError(
                 "rollout_tree=True does not combine with per-turn (process) rewards yet: set turn_reward_weight=0 "
@@ -379,10 +376,6 @@ class AgenticGRPOTrainer(GRPOTrainer):
         output["tool_mask"] = owned.to(output["completion_mask"].dtype) * (1 if tool_mask is None else tool_mask)
         loss_mask = output["completion_mask"] * output["tool_mask"]
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-        copies = 0
-        if self.args.tree_loss_normalizer == "flat":
-            flat_mask = output["completion_mask"] * (1 if tool_mask is None else tool_mask)
-            copies = self.accelerator.gather(flat_mask.sum() - loss_mask.sum()).sum()
         counts = torch.tensor(
             [tree.branches, tree.groups, tree.flat_tokens, tree.tree_tokens], dtype=torch.float64, device=device
         )
@@ -403,7 +396,7 @@ class AgenticGRPOTrainer(GRPOTrainer):
             if ran:
                 trie, flat = forward, ran
         metrics["tree/forward_tokens_saved"].append(1.0 - trie / flat if flat else 0.0)
-        return output, tree.token_advantages, copies
+        return output, tree.token_advantages
 
     def _turn_advantage_terms(self, episodes: list[Episode]) -> list[list[float] | None] | None:
         """The per-turn term of each of this process's episodes' advantages (`rewards/process.py`), or `None` when no
