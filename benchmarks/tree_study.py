@@ -20,6 +20,7 @@ tokens (the flat curve interpolated at the tree arm's last point, or the tree cu
 python benchmarks/tree_study.py --warm-start-only --seeds 0         # the warm start, its held-out first-op accuracy
 python benchmarks/tree_study.py --warm-start-seed 0 --tree-set tree_branches=4 --tree-set tree_branch_points=first
 python benchmarks/tree_study.py --report-only                      # the table from the runs in --output-dir
+python benchmarks/tree_study.py --report-only --flat-from DIR      # ... its tree runs against DIR's flat runs
 python benchmarks/tree_study.py --smoke                            # toy sizes: checks the plumbing
 ```
 
@@ -349,11 +350,12 @@ def format_report(records: dict[tuple[str, int], dict], seeds: list[int]) -> str
     return "\n".join(lines)
 
 
-def load_records(output_dir: Path, seeds: list[int]) -> dict[tuple[str, int], dict]:
+def load_records(output_dir: Path, seeds: list[int], flat_dir: Path | None = None) -> dict[tuple[str, int], dict]:
+    """The runs' records in `output_dir` (the flat arm's from `flat_dir` when given: another study's flat runs)."""
     records = {}
     for arm in ARMS:
         for seed in seeds:
-            path = output_dir / f"{arm}-seed{seed}.json"
+            path = (flat_dir if arm == "flat" and flat_dir is not None else output_dir) / f"{arm}-seed{seed}.json"
             if path.is_file():
                 records[(arm, seed)] = json.loads(path.read_text())
     return records
@@ -396,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (each with one torch thread).")
     parser.add_argument("--skip-done", action="store_true", help="Skip the runs whose record is in --output-dir.")
     parser.add_argument("--report-only", action="store_true", help="Print the table from --output-dir's records.")
+    parser.add_argument(
+        "--flat-from", default=None, help="Compare with the flat runs in this folder (e.g. at another learning rate)."
+    )
     parser.add_argument("--one-run", nargs=2, default=None, help=argparse.SUPPRESS)  # worker mode: SEED ARM
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     output_dir = Path(args.output_dir)
@@ -439,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             running.append((seed, arm, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         while running:
             wait_one()
-    print(format_report(load_records(output_dir, args.seeds), args.seeds))
+    flat_dir = None if args.flat_from is None else Path(args.flat_from)
+    print(format_report(load_records(output_dir, args.seeds, flat_dir), args.seeds))
     return 0
 
 

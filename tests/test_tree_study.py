@@ -152,3 +152,17 @@ def test_the_plan_suite_fits_its_plan_call_in_one_completion(study):
     plan_tokens = len(tokenizer(after.removeprefix(before))["input_ids"])
     settings = study.SUITE_SETTINGS["precedence_plan"]
     assert 60 < plan_tokens < settings["max_completion_length"] and settings["max_turns"] > MAX_ROUNDS
+
+
+def test_the_report_can_take_the_flat_runs_from_another_folder(study, tmp_path, capsys):
+    ours, other = tmp_path / "ours", tmp_path / "other"
+    for folder, arm, final in ((ours, "flat", 0.3), (ours, "tree", 0.5), (other, "flat", 0.6)):
+        folder.mkdir(exist_ok=True)
+        record = {"seed": 0, "arm": arm, "curve": [[0, 0, 0.2], [10, 1000, final]], "train_seconds": 60.0}
+        (folder / f"{arm}-seed0.json").write_text(json.dumps(record))
+    assert study.load_records(ours, [0])[("flat", 0)]["curve"][-1][2] == 0.3
+    records = study.load_records(ours, [0], flat_dir=other)  # ours' tree runs against the other folder's flat runs
+    assert [records[(arm, 0)]["curve"][-1][2] for arm in ("flat", "tree")] == [0.6, 0.5]
+    assert study.main(["--report-only", "--seeds", "0", "--output-dir", str(ours), "--flat-from", str(other)]) == 0
+    seed_row = capsys.readouterr().out.splitlines()[2].split()
+    assert seed_row[:5] == ["0", "20.0%", "60.0%", "1,000", "50.0%"] and seed_row[-1] == "misses"
