@@ -32,7 +32,7 @@ from trl_agentic.sandbox import (
     resolve_kind,
 )
 from trl_agentic.sandbox.bwrap import processes_limited
-from trl_agentic.sandbox.cgroups import cgroup_limits
+from trl_agentic.sandbox.cgroups import cgroup_limits, make_cgroups, release, sweep_stale
 from trl_agentic.sandbox.netns import setns_unavailable
 
 
@@ -523,3 +523,40 @@ def test_the_endpoint_is_reached_from_inside_by_the_official_client(start_server
     (turn,) = episode.turns
     assert tokenizer.decode(turn.completion_ids, skip_special_tokens=True) == "Fine."
     assert [m["content"] for m in episode.messages] == ["Hi.", "Fine."]
+
+
+def test_groups_left_behind_by_a_killed_process_are_removed_by_the_next():
+    made = make_cgroups({"pids": 100})
+    if not made.groups:
+        pytest.skip("no pids cgroup can be made here")
+    base = made.groups[0].parent
+    release(made.groups[0])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid whose process has ended
+    now, sleeper = int(time.time()), subprocess.Popen(["sleep", "30"])
+    names = {
+        "stale": f"trl-agentic-{gone.pid}-{now - 3600}-0000aaaa",  # removed: empty, old, its maker gone
+        "recent": f"trl-agentic-{gone.pid}-{now}-0000bbbb",  # kept: its maker may be in another PID namespace
+        "live": f"trl-agentic-{os.getpid()}-{now - 3600}-0000cccc",  # kept: its maker runs
+        "busy": f"trl-agentic-{gone.pid}-{now - 3600}-0000dddd",  # kept: a process is in it
+        "foreign": "trl-agentic-0123456789ab",  # kept: not named as this module names groups
+    }
+    groups = {key: base / name for key, name in names.items()}
+    try:
+        for group in groups.values():
+            group.mkdir()
+        (groups["busy"] / "cgroup.procs").write_text(str(sleeper.pid))
+        assert sweep_stale(base) == [groups["stale"]]
+        assert [key for key, group in groups.items() if group.exists()] == ["recent", "live", "busy", "foreign"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for group in groups.values():
+            for _ in range(50):  # the killed sleeper leaves its group within moments
+                try:
+                    group.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)

@@ -9,6 +9,9 @@ kernel accounts swap (`memory.memsw.limit_in_bytes`, `memory.swap.max` = 0).
 
 from __future__ import annotations
 
+import os
+import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,11 @@ from .process import kill_group
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("pids", "memory")
 _TRIED: dict[str, bool] = {}  # controller -> whether a cgroup of it could be made (learnt at the first try)
+# A group's name: who made it (pid) and when (unix seconds), so that one left behind by a process killed before it
+# could remove it (SIGKILL, a lost machine) is removed by the next process that makes groups beside it.
+_NAME = re.compile(r"trl-agentic-(\d+)-(\d+)-[0-9a-f]{8}")
+STALE_SECONDS = 600  # a group is left alone for this long (its maker may be in another PID namespace)
+_SWEPT: set[Path] = set()
 
 
 @dataclass
@@ -58,8 +66,43 @@ def _files(controller: str, limit: int, v1: bool) -> list[tuple[str, str, bool]]
     return [("memory.max", str(limit), True), ("memory.swap.max", "0", False)]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (someone else's process)
+        return True
+    return True
+
+
+def sweep_stale(base: Path, now: float | None = None) -> list[Path]:
+    """Remove the groups under `base` that a process left behind: named by this module, empty, older than
+    `STALE_SECONDS` and made by a process that is gone. Returns those removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        children = list(base.iterdir())
+    except OSError:
+        return removed
+    for group in children:
+        match = _NAME.fullmatch(group.name)
+        if match is None or now - int(match[2]) < STALE_SECONDS or _alive(int(match[1])):
+            continue
+        try:
+            if not (group / "cgroup.procs").read_text().split():
+                group.rmdir()
+                removed.append(group)
+        except OSError:
+            continue
+    return removed
+
+
 def _make(base: Path, files: list[tuple[str, str, bool]]) -> Path | None:
-    group = base / f"trl-agentic-{uuid.uuid4().hex[:12]}"
+    if base not in _SWEPT:  # once per process and place
+        _SWEPT.add(base)
+        sweep_stale(base)
+    group = base / f"trl-agentic-{os.getpid()}-{int(time.time())}-{uuid.uuid4().hex[:8]}"
     try:
         group.mkdir()
     except OSError:
