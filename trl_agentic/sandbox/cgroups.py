@@ -71,16 +71,15 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # (someone else's process)
-        return True
+    except PermissionError:  # someone else's process
+        pass
     return True
 
 
-def sweep_stale(base: Path, now: float | None = None) -> list[Path]:
+def sweep_stale(base: Path) -> list[Path]:
     """Remove the groups under `base` that a process left behind: named by this module, empty, older than
     `STALE_SECONDS` and made by a process that is gone. Returns those removed."""
-    now = time.time() if now is None else now
-    removed = []
+    now, removed = time.time(), []
     try:
         children = list(base.iterdir())
     except OSError:
