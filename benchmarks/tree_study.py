@@ -282,6 +282,8 @@ def run_one(seed: int, arm: str, args: argparse.Namespace) -> dict:
         "train_seconds": train_seconds,
         "seconds": time.monotonic() - started,
         "train_reward": [r["reward"] for r in history if "reward" in r],
+        # the gradient's norm before clipping, per step: how the arms' updates compare (Adam divides by its history)
+        "grad_norm": [r["grad_norm"] for r in history if "grad_norm" in r],
         "tree_metrics": {
             key: [r[key] for r in history if key in r]
             for key in sorted({k for r in history for k in r if k.startswith("tree/")})
@@ -424,8 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         queue = [(seed, arm) for seed in args.seeds for arm in args.arms]
         running: list[tuple[int, str, subprocess.Popen, object]] = []
 
-        def wait_one() -> None:
-            seed, arm, process, log = running.pop(0)
+        def wait_one() -> None:  # for whichever run ends first: a tree run may take longer than its seed's flat one
+            while not any(process.poll() is not None for _, _, process, _ in running):
+                time.sleep(1.0)
+            seed, arm, process, log = running.pop(next(i for i, r in enumerate(running) if r[2].poll() is not None))
             code = process.wait()
             log.close()
             if code != 0:
