@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         running: list[tuple[int, str, subprocess.Popen, object]] = []
 
         def wait_one() -> None:  # for whichever run ends first: a tree run may take longer than its seed's flat one
-            while not any(process.poll() is not None for _, _, process, _ in running):
+            while (ended := next((i for i, r in enumerate(running) if r[2].poll() is not None), None)) is None:
                 time.sleep(1.0)
-            seed, arm, process, log = running.pop(next(i for i, r in enumerate(running) if r[2].poll() is not None))
+            seed, arm, process, log = running.pop(ended)
             code = process.wait()
             log.close()
             if code != 0:
