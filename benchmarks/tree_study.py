@@ -14,7 +14,9 @@ episodes) before training and every `eval_every` steps, and before and after tra
 the engine sampled during training, read back from the episode log; a branch's replayed turns (`Turn.replayed`) are
 the parent's tokens and are not counted. Per seed the script prints the flat arm's final success, the sampled tokens
 the tree arm needed to reach it (ratio to the flat arm's total, goal <= 0.6) and both arms' success at equal sampled
-tokens (the flat curve interpolated at the tree arm's last point, or the tree curve at the flat arm's total).
+tokens (the flat curve interpolated at the tree arm's last point, or the tree curve at the flat arm's total). "Beats
+it at equal tokens" counts only for a tree run that spent (within 5%) the flat arm's tokens: before that, a lead is
+over a flat run still mid-way.
 
 ```bash
 python benchmarks/tree_study.py --warm-start-only --seeds 0         # the warm start, its held-out first-op accuracy
@@ -61,6 +63,7 @@ from pathlib import Path
 
 ARMS = ("flat", "tree")
 RATIO_GOAL = 0.6
+BUDGET_TOLERANCE = 0.05  # a tree run within 5% of the flat arm's sampled tokens spent "equal tokens"
 
 # The study's GRPO settings (PipelineConfig fields); `--set` overrides them.
 STUDY_SETTINGS = dict(
@@ -321,7 +324,11 @@ def seed_line(flat: dict | None, tree: dict | None) -> str:
     # less has no level to reach, and "beats at equal tokens" needs more than that margin.
     n = (flat.get("settings") or {}).get("eval_size")
     before = flat_points[0][2]
-    beats = (tree_at or 0) - (flat_at or 0) > (two_standard_errors(flat_at or 0, tree_at or 0, n) if n else 0)
+    # "Beats it at equal tokens" is judged at the flat arm's budget (the tree run spent about as much): a shorter tree run
+    # ahead of the flat one at its own total has only been ahead of a run still mid-way, not beaten it.
+    at_budget = tree_tokens >= (1 - BUDGET_TOLERANCE) * flat_tokens
+    lead = (tree_at or 0) - (flat_at or 0)
+    beats = at_budget and lead > (two_standard_errors(flat_at or 0, tree_at or 0, n) if n else 0)
     verdict = "meets" if (ratio is not None and ratio <= RATIO_GOAL) or beats else "misses"
     if flat_final <= before:
         verdict = "n/a (the flat arm did not gain: no level to reach)"

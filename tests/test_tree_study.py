@@ -85,7 +85,15 @@ def test_the_seed_line_compares_the_arms_at_the_flat_final_success_and_at_equal_
     # At equal tokens a lead within two standard errors is not a win: 34% vs 40% at 1,200 tokens on 200 episodes.
     level = {"seed": 0, "curve": [[0, 0, 0.2], [10, 600, 0.25], [20, 1200, 0.40]]}
     assert study.seed_line(sized, level).split()[-1] == "misses"
-    assert study.seed_line(flat, level).split()[-1] == "meets"  # (without the size: any lead)
+    # "Beats it at equal tokens" is judged at the flat arm's budget: a tree run that stopped at 0.6x of it and leads a
+    # flat run still mid-way there (40% vs 34% at 1,200 tokens) has not beaten the flat run, only been ahead of it.
+    assert study.seed_line(flat, level).split()[-1] == "misses"
+    # Run to (about) the flat arm's budget, a lead counts: 55% vs 50% at 1,900 of 2,000 tokens (without the size: any
+    # lead; 5% short of the budget is close enough, the fifth study's tree arm spent 0.96-0.97x).
+    longer = {"seed": 0, "curve": [[0, 0, 0.2], [10, 950, 0.25], [20, 1900, 0.55]]}
+    assert study.seed_line(flat, longer).split()[-4:] == ["1,900", "48.0%", "55.0%", "meets"]
+    shorter = {"seed": 0, "curve": [[0, 0, 0.2], [10, 900, 0.25], [20, 1800, 0.55]]}
+    assert study.seed_line(flat, shorter).split()[-1] == "misses"
 
 
 def test_the_decision_breakdown_counts_the_first_operation_and_success_given_it(study):
