@@ -174,3 +174,34 @@ def test_the_report_can_take_the_flat_runs_from_another_folder(study, tmp_path, 
     assert study.main(["--report-only", "--seeds", "0", "--output-dir", str(ours), "--flat-from", str(other)]) == 0
     seed_row = capsys.readouterr().out.splitlines()[2].split()
     assert seed_row[:5] == ["0", "20.0%", "60.0%", "1,000", "50.0%"] and seed_row[-1] == "misses"
+
+
+def test_grpo_tasks_leave_out_the_warm_starts_questions_not_the_run_seeds(study):
+    """With one warm start for every seed (`--warm-start-seed 0`), a run of seed 1 must leave out the questions seed 0's
+    demonstrations trained the model on. Until the seventh study it left out seed 1's: 93% of its training questions
+    were ones the warm start had been trained on, none of seed 0's were."""
+    import dataclasses
+
+    from trl_agentic import pipeline
+    from trl_agentic.pipeline.data import question_of, warm_start_demonstrations
+
+    suite = study.study_suite(0.5, "precedence_plan")
+    base = {**study.STUDY_SETTINGS, **study.SUITE_SETTINGS["precedence_plan"], "num_demonstrations": 300}
+    settings = pipeline.PipelineConfig(seed=1, **{**base, "train_size": 400})
+    demonstrated = {
+        seed: {
+            question_of(d["messages"])
+            for d in warm_start_demonstrations(suite, dataclasses.replace(settings, seed=seed))
+        }
+        for seed in (0, 1)
+    }
+    questions = {
+        kind: [question_of(p) for p in study.study_tasks(suite, settings, 0, kind)["prompt"]]
+        for kind in ("unseen", "all")
+    }
+    assert questions["unseen"] and not set(questions["unseen"]) & demonstrated[0]
+    assert set(questions["unseen"]) & demonstrated[1]  # the run seed's own demonstrations are not the model's
+    assert set(questions["unseen"]) < set(questions["all"])
+    assert len(questions["all"]) == 400 and set(questions["all"]) & demonstrated[0]
+    with pytest.raises(ValueError, match="--grpo-questions must be one of"):
+        study.study_tasks(suite, settings, 0, "seen")
