@@ -55,8 +55,17 @@ class ToyPolicy:
     """A `GenerationEngine` that samples, from a random stream seeded by the call's seed, either a tool call (the
     calculator's, or a harness's bash command) or a final answer; a third of the calls answer once a tool ran."""
 
+    # Each harness's shell tool (its name in the rendered tool list, its arguments for a command), tried in this order
+    SHELL_TOOLS = (
+        ("run_shell_command", lambda command: {"command": command, "description": "Write."}),  # Gemini CLI
+        ("exec_command", lambda command: {"cmd": command}),  # Codex
+        ("Bash", lambda command: {"command": command, "description": "Write."}),  # Claude Code
+        ("bash", lambda command: {"command": command, "description": "Write."}),  # opencode, mini-swe-agent
+    )
+
     def __init__(self, tokenizer):
-        self.tokenizer, self.policy_version, self.max_context_length = tokenizer, 0, 65536
+        # Claude Code's first prompt alone is ~44k tokens with the tiny tokenizer, and it asks for up to 32k more
+        self.tokenizer, self.policy_version, self.max_context_length = tokenizer, 0, 200_000
         self.calls = 0
 
     async def start(self) -> None:
@@ -72,14 +81,14 @@ class ToyPolicy:
         ran = prompt.count("<tool_response>")
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         if "calculator" not in prompt:  # a harness: its shell tool, then its way of finishing
-            tool = "run_shell_command" if "run_shell_command" in prompt else "bash"
+            tools = self.tokenizer.decode(prompt_ids)
+            tool, arguments = next((t, a) for t, a in self.SHELL_TOOLS if f'"name": "{t}"' in tools or t == "bash")
             ran = "<tool_response>" in prompt[-1500:]  # the command ran: finish
-            if ran and tool == "run_shell_command":
-                text = f"Wrote {a} to answer.txt."
+            if ran and "mini-swe-agent" not in tools and "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" not in tools:
+                text = f"Wrote {a} to answer.txt."  # a final message ends the others
             else:
                 command = f"echo {a} > answer.txt" if not ran else "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
-                arguments = {"command": command, **({"description": "Write."} if tool != "bash" else {})}
-                text = f"Step {a}.\n<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments})
+                text = f"Step {a}.\n<tool_call>\n" + json.dumps({"name": tool, "arguments": arguments(command)})
                 text += "\n</tool_call>"
         elif ran >= 3 or (ran and rng.random() < 0.34):
             text = f"The answer is {a * b}."

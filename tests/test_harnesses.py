@@ -103,7 +103,9 @@ def test_a_harness_runs_in_a_workspace_and_home_of_its_own_until_its_episode_is_
     assert result["files"] == {"answer.txt": "42", "notes/seed.txt": "seed"}
     report = json.loads(result["output"].strip().splitlines()[-1])
     work = Path(result["workspace"])
-    assert report == {"home": str(work.parent / "home"), "cwd": str(work), "secret": None, "seed_file": "seed"}
+    # where it ran: in bubblewrap at the paths every episode of the harness gets (`same_paths`), else its own
+    seen = Path("/tmp/trl-agentic-fake/work") if sandbox == "bwrap" else work
+    assert report == {"home": str(seen.parent / "home"), "cwd": str(seen), "secret": None, "seed_file": "seed"}
     assert (work.parent / "home" / ".fake").read_text() == "config"  # its config in its own home
     # The model saw the task's last user message, nothing of the dataset's system prompt
     assert [m["content"] for m in episode.messages] == ["Write 42.", "42"]

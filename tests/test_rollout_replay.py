@@ -20,6 +20,7 @@ from trl_agentic.rollout.replay import Branch, branch_episode, run_branches, too
 from trl_agentic.rollout.rows import episode_to_rows
 from trl_agentic.rollout.runner import run_episode, run_rollout
 from trl_agentic.rollout.tool_loop import TOOL_REPLAY, ToolLoop
+from trl_agentic.sandbox import bwrap_unavailable, resolve_kind
 from trl_agentic.tasks.agent_loop import ToolAgent
 from trl_agentic.tasks.calculator import CALCULATOR, build_calculator_dataset
 from trl_agentic.tiny_models import build_tiny_tokenizer
@@ -244,6 +245,55 @@ def test_a_harness_branch_runs_again_in_a_fresh_workspace(tmp_path, monkeypatch,
     harness.release([parent, branch])
 
 
+# A harness program that writes where it runs into its first message, as Claude Code, Codex, Gemini CLI and opencode
+# do (their working directory, their home)
+WHERE_HARNESS = r"""
+import os, sys
+import openai
+client = openai.OpenAI(base_url=os.environ["OPENAI_BASE_URL"], api_key=os.environ["OPENAI_API_KEY"], max_retries=0)
+messages = [{"role": "system", "content": f"Working directory: {os.getcwd()}. Home: {os.environ['HOME']}."}]
+messages.append({"role": "user", "content": sys.argv[1]})
+for k in range(2):
+    reply = client.chat.completions.create(model="policy", messages=messages)
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+"""
+
+
+@pytest.mark.skipif(bwrap_unavailable() is not None, reason=f"no local sandbox here: {bwrap_unavailable()}")
+def test_a_harness_that_names_its_paths_replays_at_the_same_paths(tmp_path, monkeypatch, start_server, tokenizer):
+    """`Harness.same_paths` (default): every episode's workspace and home at the same paths inside its sandbox, so a
+    harness that writes them into its prompt replays its branch token for token; with each episode's own paths the
+    branch diverges at call 0, at the path, and is sampled whole."""
+    from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessPreset
+
+    script = tmp_path / "where_harness.py"
+    script.write_text(WHERE_HARNESS)
+
+    def prepare(binary, task, context, work, home):
+        return [binary, str(script), task], {"OPENAI_BASE_URL": context.base_url, "OPENAI_API_KEY": context.api_key}
+
+    monkeypatch.setitem(HARNESS_PRESETS, "where", HarnessPreset(Path(sys.executable).name, "nothing", prepare))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    count = itertools.count()
+    server = start_server(ScriptedEngine(tokenizer, lambda ids: f"Step {next(count)}."), tokenizer)
+    task = {"prompt": "Write two steps."}
+    for same_paths in (True, False):
+        harness = Harness("where", binary=sys.executable, binds=[str(script)], sandbox="bwrap", same_paths=same_paths)
+        parent = run_rollout(run_episode(server, harness, task, timeout=120))
+        assert parent.status == "ok", (parent.error, parent.metadata)
+        branch = branch_episode(server, harness, task, parent, 1, timeout=120)
+        assert branch.status == "ok", (branch.error, branch.metadata)
+        assert branch.result["workspace"] != parent.result["workspace"]  # each its own directory on the host
+        if same_paths:
+            assert_branch_of(branch, parent, 1)
+            assert "Working directory: /tmp/trl-agentic-where/work." in tokenizer.decode(parent.turns[0].prompt_ids)
+        else:
+            divergence = branch.turns[0].replay_divergence
+            assert branch.replay["diverged"] and divergence["call"] == 0 and divergence["reason"] == "prompt_mismatch"
+            assert not any(turn.replayed for turn in branch.turns)
+        harness.release([parent, branch])
+
+
 @pytest.mark.slow
 def test_mini_swe_agent_branches_token_exact(tmp_path, monkeypatch, start_server, tokenizer):
     """mini-swe-agent (skipped when it is not installed): a bash command, then its submission; the branch at call 1
@@ -315,12 +365,12 @@ def test_replay_metrics_and_the_sampled_flat_alarm(start_server, tokenizer):
 
 
 @pytest.mark.slow
-def test_gemini_cli_branches_are_detected_as_diverging_on_their_home_path(
-    tmp_path, monkeypatch, start_server, tokenizer
-):
-    """Gemini CLI (an npm harness, the Gemini wire format; skipped when it is not installed) writes the path of its
-    home into its first prompt, and every episode of a `Harness` has a fresh one: a branch cannot replay even call 0.
-    Replay says so (the first differing token, the two paths around it) and the branch is an ordinary episode."""
+def test_gemini_cli_branches_replay_token_exact(tmp_path, monkeypatch, start_server, tokenizer):
+    """Gemini CLI (an npm harness, the Gemini wire format; skipped when it is not installed) writes the paths of its
+    home and working directory into its first prompt: with every episode's at the same paths (`same_paths`, in
+    bubblewrap) its branch replays call 0 token for token and runs the replayed command again in its own workspace;
+    with each episode's own paths (`same_paths=False`, as unsandboxed) replay says where it diverged (the first
+    differing token, the two paths around it) and the branch is an ordinary episode."""
     from test_harnesses import harness_or_skip, tool_call
 
     harness = harness_or_skip("gemini-cli")
@@ -335,13 +385,19 @@ def test_gemini_cli_branches_are_detected_as_diverging_on_their_home_path(
 
     server = start_server(ScriptedEngine(tokenizer, respond, max_context_length=65536), tokenizer)
     task = {"prompt": "Create a file answer.txt containing 42."}
-    parent = run_rollout(run_episode(server, harness, task, timeout=180))
-    assert parent.status == "ok", (parent.error, parent.metadata)
-    branch = branch_episode(server, harness, task, parent, 1, timeout=180)
-    assert branch.status == "ok", (branch.error, branch.metadata)
-    assert all(turn.wire_format == "gemini" for turn in branch.turns)
-    divergence = branch.turns[0].replay_divergence
-    assert branch.replay["diverged"] and divergence["call"] == 0 and divergence["reason"] == "prompt_mismatch"
-    assert "gemini-cli-" in divergence["request_context"] and "gemini-cli-" in divergence["recorded_context"]
-    assert branch.result["files"] == {"answer.txt": "42\n"}
-    harness.release([parent, branch])
+    same = resolve_kind(harness.sandbox) == "bwrap"  # same paths need a bubblewrap sandbox
+    for same_paths in (True, False) if same else (False,):
+        harness.same_paths = same_paths
+        parent = run_rollout(run_episode(server, harness, task, timeout=180))
+        assert parent.status == "ok", (parent.error, parent.metadata)
+        branch = branch_episode(server, harness, task, parent, 1, timeout=180)
+        assert branch.status == "ok", (branch.error, branch.metadata)
+        assert all(turn.wire_format == "gemini" for turn in branch.turns)
+        assert branch.result["files"] == {"answer.txt": "42\n"}
+        if same_paths:
+            assert_branch_of(branch, parent, 1)
+        else:
+            divergence = branch.turns[0].replay_divergence
+            assert branch.replay["diverged"] and divergence["call"] == 0 and divergence["reason"] == "prompt_mismatch"
+            assert "gemini-cli-" in divergence["request_context"] and "gemini-cli-" in divergence["recorded_context"]
+        harness.release([parent, branch])

@@ -560,3 +560,40 @@ def test_groups_left_behind_by_a_killed_process_are_removed_by_the_next():
                     break
                 except OSError:
                     time.sleep(0.1)
+
+
+@needs_bwrap
+def test_inside_root_gives_every_episode_the_same_paths_and_a_checker_reopens_it_there():
+    """`inside_root`: two episodes' commands see their workspace and home at the same paths (what a harness that
+    writes its working directory into its prompt needs to replay), each writing its own host directory; a checker's
+    sandbox, reopened from the spec, sees the workspace there too. Without it each sees its own path."""
+    code = "import os; open('seen.txt', 'w').write(os.getcwd() + ' ' + os.environ['HOME']); print(os.getcwd())"
+    seen, sandboxes = [], [BwrapSandbox(inside_root="/tmp/trl-agentic-test") for _ in range(2)]
+    try:
+        for sandbox in sandboxes:
+            env = {"PATH": "/usr/bin:/bin", "HOME": sandbox.inside(sandbox.home)}
+            result = asyncio.run(sandbox.run([PYTHON, "-I", "-S", "-c", code], env, timeout=60))
+            assert result.exit_code == 0, result
+            seen.append(sandbox.read_file("seen.txt").decode())
+        assert seen == ["/tmp/trl-agentic-test/work /tmp/trl-agentic-test/home"] * 2
+        assert sandboxes[0].workspace != sandboxes[1].workspace
+        assert sandboxes[0].inside(f"{sandboxes[0].home}/.config") == "/tmp/trl-agentic-test/home/.config"
+        assert sandboxes[0].inside(f"{sandboxes[1].home}") == str(sandboxes[1].home)  # not this episode's: as is
+        assert sandboxes[0].inside("--flag") == "--flag"
+        spec = json.loads(json.dumps(sandboxes[0].spec()))
+        assert spec["inside_root"] == "/tmp/trl-agentic-test"
+        checker = open_sandbox(spec)
+        pwd = asyncio.run(checker.run(["/bin/pwd"], {"PATH": "/usr/bin:/bin"}, timeout=60))
+        assert pwd.stdout.strip() == "/tmp/trl-agentic-test/work"
+    finally:
+        for sandbox in sandboxes:
+            sandbox.destroy()
+    plain = BwrapSandbox()
+    try:
+        result = asyncio.run(plain.run([PYTHON, "-I", "-S", "-c", code], {"HOME": str(plain.home)}, timeout=60))
+        assert result.stdout.strip() == str(plain.workspace) and plain.inside(plain.home) == str(plain.home)
+    finally:
+        plain.destroy()
+    for bad in ("relative/path", "/usr/trl-agentic"):
+        with pytest.raises(ValueError, match="inside_root="):
+            BwrapSandbox(inside_root=bad)

@@ -63,7 +63,9 @@ class HarnessPreset:
         install: how a user installs it (said when it is not found).
         prepare: `prepare(binary, task_text, context, work, home) -> (argv, env)`: writes the harness's configuration
             under `home` and returns its command line and the environment variables it needs (on top of the minimal
-            environment, with `HOME=home`).
+            environment, with `HOME=home`). `work` and `home` are the trainer's paths: where the command line and the
+            environment start with one, the harness gets the path it sees (`Harness.same_paths`); files written under
+            `home` should not name them.
         task_on_stdin: the task is written to the harness's standard input (then closed) rather than being on its
             command line, for a harness that would alter it there.
         in_sandbox: `in_sandbox(argv) -> argv`: the command line when the episode runs in a sandbox, for a harness
@@ -278,6 +280,12 @@ class Harness:
             from `binary`).
         limits: resource limits of the harness's processes (`trl_agentic.sandbox.SandboxLimits`).
         sandbox_image: the container image, for `sandbox="docker"`.
+        same_paths: in a bubblewrap sandbox, every episode sees its workspace and home at the same paths
+            (`/tmp/trl-agentic-<name>/work` and `.../home`; the preset's command line and environment are given those):
+            a harness that writes its working directory or home into its prompt (Claude Code, Codex, Gemini CLI,
+            opencode) then sends the same prompt in every episode, which branching by replay needs (each episode's
+            own directory would make every branch diverge at call 0). `False`: each episode's own paths, as unsandboxed
+            and in a container.
 
     Example:
 
@@ -299,6 +307,7 @@ class Harness:
     binds: Sequence[str] = ()
     limits: SandboxLimits | None = None
     sandbox_image: str | None = None
+    same_paths: bool = True
 
     def __post_init__(self):
         if self.name not in HARNESS_PRESETS:
@@ -349,6 +358,7 @@ class Harness:
             binds=[*program_binds(binary), *self.binds],
             limits=self.limits,
             image=self.sandbox_image,
+            inside_root=f"/tmp/trl-agentic-{self.name}" if self.same_paths else None,
         )
         work, home = sandbox.workspace, sandbox.home
         try:
@@ -356,13 +366,15 @@ class Harness:
             text = self.task_text(task)
             context = dataclasses.replace(context, base_url=sandbox.endpoint_url(context.base_url))
             argv, preset_env = self.preset.prepare(binary, text, context, work, home)
+            # the preset names the episode's directories by the trainer's paths: the harness sees them where it runs
+            argv, preset_env = [sandbox.inside(a) for a in argv], {k: sandbox.inside(v) for k, v in preset_env.items()}
             if self.preset.in_sandbox is not None and sandbox.kind != "none":
                 argv = self.preset.in_sandbox(argv)
             env = {
                 **command_environment(self.inherit_env),
                 **preset_env,
                 **self.env,
-                "HOME": str(home),
+                "HOME": sandbox.inside(home),
                 "TMPDIR": sandbox.tmpdir,
             }
             stdin = text.encode() if self.preset.task_on_stdin else None

@@ -58,7 +58,8 @@ class Sandbox(ABC):
     bubblewrap), [`DockerSandbox`] (a container per episode). A remote backend (Modal, E2B, Daytona) implements the same
     five members over its SDK: create with files, `run`, `read_file`, `destroy`, and `endpoint_url`.
 
-    Paths: `workspace` and `home` are the paths the command sees (for the local backends, the same on both sides).
+    Paths: `workspace` and `home` are the trainer's paths of the episode's directories; `inside(path)` is where the
+    command sees one (the same path, but under a bubblewrap sandbox's `inside_root`).
     """
 
     kind: str = ""
@@ -92,6 +93,11 @@ class Sandbox(ABC):
     def read_files(self) -> dict[str, Any]:
         """The workspace's files: `{relative path: text}` for small UTF-8 files, `{"size": n}` for the others."""
         return snapshot(self.workspace)
+
+    def inside(self, path: str | Path) -> str:
+        """Where the command sees `path` (a path under the episode's directories, or any text starting with one: the
+        rest is kept); other text unchanged."""
+        return str(path)
 
     @abstractmethod
     def destroy(self) -> None:

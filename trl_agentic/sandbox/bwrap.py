@@ -4,8 +4,10 @@ Each command runs as `bwrap ... -- COMMAND` (with the endpoint and no `setns`: `
 -- COMMAND`) with:
 - the system's directories read-only (`/usr`, `/bin`, `/lib*`, a few files of `/etc`), the Python that runs `init.py`
   and the `binds` (the agent's program and interpreter) read-only at their own paths; nothing else of the host;
-- the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, a private `/tmp`, its own
-  `/proc` and `/dev`;
+- the episode's `work/` (the workspace) and `home/` (its HOME) writable at their own paths, or at `inside_root/work`
+  and `inside_root/home` (the same paths in every episode: a harness that writes its working directory or home into
+  its prompt then sends the same prompt in each, which branching by replay needs), a private `/tmp`, its own `/proc`
+  and `/dev`;
 - its own PID namespace (its first process's exit, bwrap's or `init.py`'s, ends it: the kernel kills every process
   left, `setsid` and double-forked ones included; `--die-with-parent`: it also ends when the trainer does), IPC and UTS
   namespaces;
@@ -133,6 +135,9 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         binds: host paths the commands see read-only at the same path (a harness's install, an agent's script).
         limits: resource limits of each command.
         cgroups: `False`: no cgroups, the rlimits alone (per process), as where none can be made (tests compare).
+        inside_root: where the command sees the episode's directory (`work/`, `home/` under it; default: its own
+            path, a new one per episode), e.g. `"/tmp/trl-agentic-episode"`: a path under the private `/tmp` or
+            another one the system directories do not hold.
         forwarder: how the endpoint reaches inside: `"setns"` (the trainer listens in the sandbox's network namespace:
             no process inside, ~40 ms less per episode; needs root or `CAP_SYS_ADMIN`), `"init"` (`init.py` inside,
             through a Unix socket: works unprivileged), `"auto"` (default: `"setns"` where it works here).
@@ -149,6 +154,7 @@ class BwrapSandbox(LocalDirectories, Sandbox):
         root: Path | None = None,
         forwarder: str = "auto",
         cgroups: bool = True,
+        inside_root: str | None = None,
     ):
         reason = bwrap_unavailable()
         if reason is not None:
@@ -159,8 +165,15 @@ class BwrapSandbox(LocalDirectories, Sandbox):
             raise RuntimeError(f"forwarder='setns': {setns_unavailable()}; use forwarder='init' (or 'auto').")
         if forwarder == "auto":
             forwarder = "setns" if setns_unavailable() is None else "init"
+        if inside_root is not None and (
+            not inside_root.startswith("/") or any(under(inside_root, d) for d in SYSTEM_DIRS)
+        ):
+            raise ValueError(
+                f"inside_root={inside_root!r}: an absolute path outside the system directories, e.g. under /tmp."
+            )
         self.forwarder = forwarder
         self.cgroups = cgroups
+        self.inside_root = inside_root
         self.limited_by: dict[str, str] = {}  # after a run: what held its processes and its memory (cgroup, rlimit)
         self.limits = limits or SandboxLimits()
         self.binds = tuple(str(Path(b).absolute()) for b in binds)
@@ -183,7 +196,11 @@ class BwrapSandbox(LocalDirectories, Sandbox):
     def reopen(cls, spec: dict[str, Any]) -> BwrapSandbox:
         limits = SandboxLimits(**spec.get("limits", {}))
         return cls(
-            binds=spec.get("binds", ()), limits=limits, root=Path(spec["root"]), cgroups=spec.get("cgroups", True)
+            binds=spec.get("binds", ()),
+            limits=limits,
+            root=Path(spec["root"]),
+            cgroups=spec.get("cgroups", True),
+            inside_root=spec.get("inside_root"),
         )
 
     def spec(self) -> dict[str, Any]:
@@ -194,7 +211,14 @@ class BwrapSandbox(LocalDirectories, Sandbox):
             "binds": list(self.binds),
             "limits": limits,
             "cgroups": self.cgroups,
+            **({"inside_root": self.inside_root} if self.inside_root is not None else {}),
         }
+
+    def inside(self, path: str | Path) -> str:
+        text, root = str(path), str(self.root)
+        if self.inside_root is None or not (text == root or text.startswith(root + "/")):
+            return text
+        return self.inside_root + text[len(root) :]
 
     def endpoint_url(self, url: str) -> str:
         parts = urlsplit(url)
@@ -227,11 +251,11 @@ class BwrapSandbox(LocalDirectories, Sandbox):
             if not any(under(path, d) for d in SYSTEM_DIRS) and os.path.exists(path):
                 args += ["--ro-bind", path, path]
         for folder in (self.workspace, self.home):
-            args += ["--bind", str(folder), str(folder)]
+            args += ["--bind", str(folder), self.inside(folder)]
         args += ["--ro-bind", str(self.control), INSIDE_CONTROL]
         if self._sockets is not None:
             args += ["--ro-bind", str(self._sockets), INSIDE_SOCKETS]
-        args += ["--chdir", str(cwd if cwd is not None else self.workspace)]
+        args += ["--chdir", self.inside(cwd if cwd is not None else self.workspace)]
         if self._target is None:  # no endpoint to forward: bwrap's own PID 1 ends the namespace with the command
             return [*args, "--", *argv]
         if self.forwarder == "setns":  # the trainer listens inside before bwrap runs `argv` (`run`)

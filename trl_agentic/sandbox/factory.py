@@ -90,16 +90,18 @@ def create_sandbox(
     binds: Sequence[str] = (),
     limits: SandboxLimits | None = None,
     image: str | None = None,
+    inside_root: str | None = None,
 ) -> Sandbox:
     """A new sandbox for one episode: `sandbox` is a backend's name (`"auto"`, `"bwrap"`, `"docker"`, `"none"`) or a
-    factory called with the same keyword arguments (a remote backend)."""
+    factory called with the same keyword arguments but `inside_root` (a remote backend). `inside_root`: where a
+    bubblewrap sandbox's command sees the episode's directory (`BwrapSandbox`); the other backends ignore it."""
     if callable(sandbox):
         return sandbox(prefix=prefix, binds=tuple(binds), limits=limits or SandboxLimits(), image=image)
     kind = resolve_kind(sandbox)
     if kind == "none":
         return NoSandbox(prefix)
     if kind == "bwrap":
-        return BwrapSandbox(prefix=prefix, binds=binds, limits=limits or SandboxLimits())
+        return BwrapSandbox(prefix=prefix, binds=binds, limits=limits or SandboxLimits(), inside_root=inside_root)
     return DockerSandbox(prefix=prefix, binds=binds, limits=limits or SandboxLimits(), image=image)
 
 
