@@ -215,20 +215,28 @@ print(json.dumps({"files": sorted(p.name for p in pathlib.Path(".").iterdir())})
 """
 
 
-@pytest.mark.slow
-def test_a_harness_branch_runs_again_in_a_fresh_workspace(tmp_path, monkeypatch, start_server, tokenizer):
-    from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessPreset
+def script_harness(name, source, tmp_path, monkeypatch, start_server, tokenizer):
+    """A preset `name` that runs the Python program `source` with the episode's Chat Completions URL and key, episode
+    directories under `tmp_path`, and a server whose engine answers "Step N." (N its call count)."""
+    from trl_agentic.rollout.harnesses import HARNESS_PRESETS, HarnessPreset
 
-    script = tmp_path / "multi_call_harness.py"
-    script.write_text(MULTI_CALL_HARNESS)
+    script = tmp_path / f"{name}_harness.py"
+    script.write_text(source)
 
     def prepare(binary, task, context, work, home):
         return [binary, str(script), task], {"OPENAI_BASE_URL": context.base_url, "OPENAI_API_KEY": context.api_key}
 
-    monkeypatch.setitem(HARNESS_PRESETS, "multi", HarnessPreset(Path(sys.executable).name, "nothing", prepare))
+    monkeypatch.setitem(HARNESS_PRESETS, name, HarnessPreset(Path(sys.executable).name, "nothing", prepare))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     count = itertools.count()
-    server = start_server(ScriptedEngine(tokenizer, lambda ids: f"Step {next(count)}."), tokenizer)
+    return script, start_server(ScriptedEngine(tokenizer, lambda ids: f"Step {next(count)}."), tokenizer)
+
+
+@pytest.mark.slow
+def test_a_harness_branch_runs_again_in_a_fresh_workspace(tmp_path, monkeypatch, start_server, tokenizer):
+    from trl_agentic.rollout.harnesses import Harness
+
+    script, server = script_harness("multi", MULTI_CALL_HARNESS, tmp_path, monkeypatch, start_server, tokenizer)
     harness = Harness(
         "multi", binary=sys.executable, keep_workspaces=True, binds=[str(script)]
     )  # (sandboxed by default)
@@ -264,18 +272,9 @@ def test_a_harness_that_names_its_paths_replays_at_the_same_paths(tmp_path, monk
     """`Harness.same_paths` (default): every episode's workspace and home at the same paths inside its sandbox, so a
     harness that writes them into its prompt replays its branch token for token; with each episode's own paths the
     branch diverges at call 0, at the path, and is sampled whole."""
-    from trl_agentic.rollout.harnesses import HARNESS_PRESETS, Harness, HarnessPreset
+    from trl_agentic.rollout.harnesses import Harness
 
-    script = tmp_path / "where_harness.py"
-    script.write_text(WHERE_HARNESS)
-
-    def prepare(binary, task, context, work, home):
-        return [binary, str(script), task], {"OPENAI_BASE_URL": context.base_url, "OPENAI_API_KEY": context.api_key}
-
-    monkeypatch.setitem(HARNESS_PRESETS, "where", HarnessPreset(Path(sys.executable).name, "nothing", prepare))
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    count = itertools.count()
-    server = start_server(ScriptedEngine(tokenizer, lambda ids: f"Step {next(count)}."), tokenizer)
+    script, server = script_harness("where", WHERE_HARNESS, tmp_path, monkeypatch, start_server, tokenizer)
     task = {"prompt": "Write two steps."}
     for same_paths in (True, False):
         harness = Harness("where", binary=sys.executable, binds=[str(script)], sandbox="bwrap", same_paths=same_paths)
