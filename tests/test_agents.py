@@ -176,7 +176,7 @@ def test_background_child_neither_hides_the_result_nor_holds_the_step(server, tm
     (episode,) = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path), sandbox="none"), timeout=10)
     assert episode.status == "ok", episode.error
     assert episode.result["result"] == {"answer": 42} and episode.result["exit_code"] == 0
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20  # not the child's 30 s (a bound, not a timing: loaded machines are slow)
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 5
     while not process_is_gone(child) and time.monotonic() < deadline:
@@ -190,7 +190,7 @@ def test_timed_out_command_is_killed_with_its_process_group(server, tmp_path):
     started = time.monotonic()
     episodes = run(server, CommandAgent(f"sh {script}", cwd=str(tmp_path), sandbox="none"), timeout=1.0)
     assert [e.status for e in episodes] == ["timeout"]
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 20  # the 1 s timeout held, not the command's 30 s
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 5
     while not process_is_gone(child) and time.monotonic() < deadline:

@@ -97,11 +97,13 @@ def test_closing_the_producer_cancels_episodes_in_flight_and_fails_their_batch(s
 
     producer = RolloutProducer(server, resolve_agent(slow_agent), max_staleness=1, timeout=60)
     producer.submit(0, [{"i": 0}, {"i": 1}], [0, 1], consume_version=0, unit_size=2)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # both started (polled: on a loaded machine 0.2 s was not always enough)
+    while producer.running < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert producer.running == 2
     started = time.monotonic()
     producer.close()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 20  # not the agents' 30 s: cancelled
     with pytest.raises(RuntimeError, match="closed"):
         producer.result(0, timeout=5)
 
