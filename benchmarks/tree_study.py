@@ -41,6 +41,10 @@ python benchmarks/tree_study.py --suite precedence_lookup --warm-start-seed 0 --
     --tree-set tree_branches=7 --tree-set tree_branch_points=call:3
 ```
 
+GRPO's training questions (`--grpo-questions`): `unseen` (default), the train split without the questions the warm
+start was trained on (with `--warm-start-seed`, that seed's; ~90 questions at operands 3-9, each drawn ~4 times in a
+run: both arms learn them by heart), or `all`, the whole train split (~850; the seventh study's verdict).
+
 `--suite precedence_plan` (`trl_agentic.tasks.precedence_plan`): the same decision after one `plan(steps)` call whose
 steps are the same for every question (about half of a successful episode's sampled tokens), so it is call 1 of four
 and the numbers stay in the question; the tree arm branches AT it (`--tree-set tree_branch_points=call:1`). Its
