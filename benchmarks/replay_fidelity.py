@@ -82,7 +82,8 @@ class ToyPolicy:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         if "calculator" not in prompt:  # a harness: its shell tool, then its way of finishing
             tools = self.tokenizer.decode(prompt_ids)
-            tool, arguments = next((t, a) for t, a in self.SHELL_TOOLS if f'"name": "{t}"' in tools or t == "bash")
+            listed = (shell for shell in self.SHELL_TOOLS if f'"name": "{shell[0]}"' in tools)
+            tool, arguments = next(listed, self.SHELL_TOOLS[-1])
             ran = "<tool_response>" in prompt[-1500:]  # the command ran: finish
             if ran and "mini-swe-agent" not in tools and "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" not in tools:
                 text = f"Wrote {a} to answer.txt."  # a final message ends the others
